@@ -1,0 +1,80 @@
+"""Validated shape configuration of a latent MoE layer: `LatentMoEShape` and the named defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Largest number of ranks: rank masks are 32-bit and there is one flag line per rank (32 slots).
+NUM_MAX_RANKS = 32
+#: Largest top-k: one warp lane per expert id of a token.
+NUM_MAX_TOPK = 32
+#: Tokens per rank must fit the 16-bit token field of the source word `(rank << 16) | token`.
+NUM_MAX_TOKENS_EXCLUSIVE = 1 << 16
+#: Elements per MXFP8 scale block.
+MX_BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentMoEShape:
+    """Shape of one latent MoE layer's routed traffic.
+
+    Attributes:
+      latent: width `L` of a routed token (BF16 elements); a positive multiple of 32 (one MXFP8 block).
+      experts: number of routed experts `E`, split evenly over the ranks.
+      topk: experts per token `K`, `1 <= K <= 32`, `K <= experts`.
+
+    Raises:
+      ValueError: naming the value and the rule it breaks.
+    """
+
+    latent: int = 3584
+    experts: int = 896
+    topk: int = 16
+
+    def __post_init__(self):
+        for name in ("latent", "experts", "topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an int")
+        if self.latent <= 0 or self.latent % MX_BLOCK:
+            raise ValueError(f"latent={self.latent} must be a positive multiple of {MX_BLOCK}")
+        if self.experts <= 0:
+            raise ValueError(f"experts={self.experts} must be positive")
+        if not 1 <= self.topk <= NUM_MAX_TOPK:
+            raise ValueError(f"topk={self.topk} must satisfy 1 <= topk <= {NUM_MAX_TOPK}")
+        if self.topk > self.experts:
+            raise ValueError(f"topk={self.topk} must not exceed experts={self.experts}")
+
+    @property
+    def num_sf(self) -> int:
+        """E8M0 scale bytes per row, `latent // 32`."""
+        return self.latent // MX_BLOCK
+
+    def check_ranks(self, ranks: int) -> int:
+        """Returns `ranks` if `1 <= ranks <= 32` and `experts % ranks == 0`, else raises ValueError."""
+        if isinstance(ranks, bool) or not isinstance(ranks, int):
+            raise ValueError(f"ranks={ranks!r} must be an int")
+        if not 1 <= ranks <= NUM_MAX_RANKS:
+            raise ValueError(f"ranks={ranks} must satisfy 1 <= ranks <= {NUM_MAX_RANKS}")
+        if self.experts % ranks:
+            raise ValueError(f"ranks={ranks} must divide experts={self.experts} (experts % ranks == 0)")
+        return ranks
+
+    def num_local_experts(self, ranks: int) -> int:
+        """Experts per rank, `experts // ranks`; expert `e` lives on rank `e // num_local_experts`."""
+        return self.experts // self.check_ranks(ranks)
+
+
+def check_max_tokens(max_tokens: int) -> int:
+    """Returns `max_tokens` if `1 <= max_tokens < 2**16`, else raises ValueError."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int")
+    if not 1 <= max_tokens < NUM_MAX_TOKENS_EXCLUSIVE:
+        raise ValueError(f"max_tokens={max_tokens} must satisfy 1 <= max_tokens < {NUM_MAX_TOKENS_EXCLUSIVE}")
+    return max_tokens
+
+
+#: Kimi K3's latent MoE: 3584-wide latent, 896 routed experts, top-16.
+KIMI_K3 = LatentMoEShape(latent=3584, experts=896, topk=16)
+#: DeepSeek-V3's MoE: 7168-wide hidden state, 256 routed experts, top-8.
+DEEPSEEK_V3 = LatentMoEShape(latent=7168, experts=256, topk=8)
