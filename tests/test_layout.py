@@ -1,0 +1,125 @@
+"""EpLayout against the seed's rules for every allowed N and several T, and the shape config's validation."""
+
+import pytest
+
+from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape, check_max_tokens
+from jax_latent_ep.layout import LINE, NUM_CTRL_WORDS, EpLayout, region_offsets, stride
+
+TOKENS = [1, 5, 7, 8, 9, 13, 64, 100, 128, 1000, 65535]
+SHAPES = [KIMI_K3, DEEPSEEK_V3, LatentMoEShape(latent=96, experts=12, topk=6), LatentMoEShape(32, 7, 1)]
+
+
+def allowed_ranks(shape):
+    return [n for n in range(1, 33) if shape.experts % n == 0]
+
+
+def test_stride_rule():
+    for t in range(1, 300):
+        s = stride(t)
+        assert s % 8 == 0 and t <= s < t + 8
+    assert stride(65535) == 65536
+
+
+def test_seed_offsets_for_kimi():
+    # The seed's EpLayout for Kimi K3 (3584 / 112 / 64-byte rows), recomputed from its rules by hand.
+    def align(v):
+        return (v + 127) // 128 * 128
+
+    for n in allowed_ranks(KIMI_K3):
+        for t in TOKENS:
+            lay = EpLayout(n, t)
+            rows = n * stride(t)
+            x = 0
+            sf = align(x + rows * 3584)
+            ids = align(sf + rows * 112)
+            weights = align(ids + rows * 64)
+            src = align(weights + rows * 64)
+            comb = align(src + rows * 128)
+            ctrl = align(comb + t * n * 3584 * 2)
+            total = align(ctrl + 128 + 2 * 32 * 128)
+            got = lay.offsets()
+            assert (got["x"], got["sf"], got["ids"], got["weights"], got["src"]) == (x, sf, ids, weights, src)
+            assert (got["comb"], got["ctrl"], got["bytes"]) == (comb, ctrl, total)
+            assert got["dflag"] == ctrl + 128 and got["cflag"] == ctrl + 128 + 32 * 128
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s.latent}_E{s.experts}_K{s.topk}")
+def test_regions_aligned_disjoint_and_lines_single_source(shape):
+    for n in allowed_ranks(shape):
+        for t in TOKENS[:8] + [65535]:
+            lay = EpLayout(n, t, shape)
+            regions = list(lay.regions().items())
+            end = 0
+            for name, (offset, size) in regions:
+                assert offset % LINE == 0, (name, offset)
+                assert offset >= end, ("overlap", name)
+                end = offset + size
+            assert lay.bytes >= end and lay.bytes % LINE == 0
+            s = lay.stride
+            # No 128-byte line of a receive array holds rows of two source ranks: every source block
+            # [s * S, (s + 1) * S) rows starts and ends on a line boundary.
+            for name, pitch in (("x", lay.x_pitch), ("sf", lay.sf_pitch), ("ids", lay.meta_pitch),
+                                ("weights", lay.meta_pitch), ("src", lay.src_pitch)):
+                offset = getattr(lay, name)
+                assert (s * pitch) % LINE == 0, (name, n, t)
+                assert pitch * 8 % LINE == 0  # 8-row blocks fill whole lines
+                for source in (0, n - 1):
+                    first = offset + source * s * pitch
+                    last = offset + (source + 1) * s * pitch - 1
+                    assert first % LINE == 0 and (last + 1) % LINE == 0
+            assert lay.sf_pitch >= shape.num_sf and lay.meta_pitch >= 4 * shape.topk
+            # Each source word and each flag owns a line.
+            assert lay.src_pitch == LINE
+            assert lay.dflag % LINE == 0 and lay.cflag % LINE == 0 and lay.cflag - lay.dflag == 32 * LINE
+            assert lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.dflag
+            assert lay.cflag + 32 * LINE <= lay.bytes
+
+
+def test_region_offsets_is_the_one_definition():
+    lay = EpLayout(8, 13, KIMI_K3)
+    assert region_offsets(stride(13), 13, 8, KIMI_K3) == lay.regions()
+
+
+def test_invalid_expert_is_never_local():
+    for n in allowed_ranks(KIMI_K3):
+        lay = EpLayout(n, 4)
+        local = KIMI_K3.experts // n
+        for r in range(n):
+            e = lay.invalid_expert(r)
+            assert 0 <= e < KIMI_K3.experts
+            if n > 1:
+                assert e // local != r
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(latent=100), "latent=100"),
+        (dict(latent=0), "latent=0"),
+        (dict(topk=33), "topk=33"),
+        (dict(topk=0), "topk=0"),
+        (dict(experts=8, topk=9), "topk=9"),
+        (dict(experts=-1), "experts=-1"),
+        (dict(latent=3584.0), "latent=3584.0"),
+    ],
+)
+def test_shape_rules(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LatentMoEShape(**kwargs)
+
+
+def test_rank_and_token_rules():
+    with pytest.raises(ValueError, match="ranks=3 must divide experts=896"):
+        EpLayout(3, 8)
+    with pytest.raises(ValueError, match="ranks=64"):
+        EpLayout(64, 8, LatentMoEShape(experts=128))
+    with pytest.raises(ValueError, match="ranks=0"):
+        EpLayout(0, 8)
+    with pytest.raises(ValueError, match="max_tokens=65536"):
+        EpLayout(2, 65536)
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        check_max_tokens(0)
+    assert EpLayout(32, 65535).rows == 32 * 65536
+    assert KIMI_K3 == LatentMoEShape() and KIMI_K3.num_sf == 112
+    with pytest.raises(Exception):
+        KIMI_K3.latent = 8  # frozen
