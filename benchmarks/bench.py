@@ -1,0 +1,302 @@
+"""Per-layer latency of dispatch + trivial expert + combine (+RMSNorm): NVLink backend vs XLA collectives.
+
+One command, on the GPUs present:
+
+    python benchmarks/bench.py all --out benchmarks/results/bench_<date>.csv
+
+runs, in one go: N = 1 (one GPU), N = 2 with one process driving both GPUs, N = 2 with one process per GPU
+(two processes under `jax.distributed`), each for T in {1, 2, 5, 8, 16, 32, 64, 128} and each backend
+(`nvlink`, `xla` = the library's all_to_all backend, `xla-allgather` = all_gather + psum_scatter), inside a
+jitted program of `--layers` unrolled layers; the median over `--repeats` timed runs of the whole program,
+divided by the layer count. Each layer takes its routing from a rotating pool, so caches see fresh ids.
+Rows go to the CSV (`date,device,commit,backend,ranks,tokens,metric,value`, metric `layer_us_median`, with
+`mode` folded into the backend name for the one-process-two-GPU figures: `nvlink-1proc`, `xla-1proc`, ...).
+
+`python benchmarks/bench.py worker ...` is one process's share (the `all` command spawns them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+TOKENS = (1, 2, 5, 8, 16, 32, 64, 128)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _progress(iterable, total, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, file=sys.stderr, mininterval=1.0)
+    except ImportError:
+        def gen():
+            for i, item in enumerate(iterable):
+                print(f"[{desc}] {i + 1}/{total}", file=sys.stderr, flush=True)
+                yield item
+
+        return gen()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One process's work.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def allgather_backend(mesh, axis_name, max_tokens, shape):
+    """Dispatch by all_gather of every rank's quantized rows, combine by psum_scatter of masked partials.
+
+    Same Received format as the contract (rows of tokens that do not route here are re-marked empty); the
+    combine sums in XLA's reduction order, which equals ascending rank order for N <= 2.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jax_latent_ep import numerics
+    from jax_latent_ep.layout import stride
+    from jax_latent_ep.types import Received
+
+    n = mesh.shape[axis_name]
+    s = stride(max_tokens)
+    local = shape.experts // n
+
+    class AllGather:
+        def dispatch(self, x, ids, weights):
+            t = x.shape[0]
+            rank = jax.lax.axis_index(axis_name)
+            q, sf = numerics.mxfp8_quantize(x)
+            pad = ((0, s - t), (0, 0))
+            q, sf = jnp.pad(q, pad), jnp.pad(sf, pad)
+            ids_p = jnp.pad(ids, pad, constant_values=-1)
+            w_p = jnp.pad(weights, pad)
+            src = jnp.where(jnp.arange(s) < t, (rank << 16) | jnp.arange(s), -1).astype(jnp.int32)
+            g = lambda a: jax.lax.all_gather(a, axis_name, tiled=True)  # noqa: E731
+            q, sf, ids_g, w_g, src = g(q), g(sf), g(ids_p), g(w_p), g(src)
+            here = jnp.any((ids_g // local) == rank, axis=-1) & (src >= 0)
+            invalid = ((rank + 1) % n) * local
+            ids_g = jnp.where(here[:, None], ids_g, invalid).astype(jnp.int32)
+            w_g = jnp.where(here[:, None], w_g, 0.0)
+            src = jnp.where(here, src, -1)
+            return Received(q, sf, ids_g, w_g, src)
+
+        def combine(self, out, ids, norm_weight, eps=1e-5):
+            t = ids.shape[0]
+            rank = jax.lax.axis_index(axis_name)
+            # A partial counts only where the source token routes here (the others are not read).
+            all_ids = jax.lax.all_gather(jnp.pad(ids, ((0, s - t), (0, 0)), constant_values=-1), axis_name,
+                                         tiled=True)
+            here = jnp.any((all_ids // local) == rank, axis=-1)
+            part = jnp.where(here[:, None], out.astype(jnp.float32), 0.0)
+            routed = jax.lax.psum_scatter(part, axis_name, scatter_dimension=0, tiled=True)[:t]
+            routed = routed.astype(jnp.bfloat16)
+            if norm_weight is None:
+                return routed
+            return numerics.rms_norm(routed, norm_weight, eps)
+
+        def close(self):
+            pass
+
+    return AllGather()
+
+
+def worker(args):
+    if args.num_processes > 1:
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            local_device_ids=[args.process_id],
+        )
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_latent_ep
+    from jax_latent_ep import KIMI_K3
+    shape = KIMI_K3
+    devices = jax.devices()[: args.ranks]
+    n = len(devices)
+    assert n == args.ranks, (n, args.ranks)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices, axis_types=(jax.sharding.AxisType.Explicit,))
+    results = []
+    max_tokens = max(args.tokens)
+    backends = args.backends.split(",")
+    rng = np.random.default_rng(1234 + args.process_id)
+    pool = 8  # routings rotated over the layers
+    combos = [(b, t) for b in backends for t in args.tokens]
+    show = args.process_id == 0
+    it = _progress(combos, len(combos), f"N={n} procs={args.num_processes}") if show else combos
+    for backend, t in it:
+        if backend == "xla-allgather":
+            ep = allgather_backend(mesh, "ep", max_tokens, shape)
+        else:
+            ep = jax_latent_ep.ExpertParallel(mesh, axis_name="ep", max_tokens=max_tokens, shape=shape,
+                                              backend=backend)
+        # Global inputs: [n * t, ...] sharded over ep; routing pool [pool, n * t, K].
+        ids = np.stack([
+            np.stack([rng.choice(shape.experts, shape.topk, replace=False) for _ in range(n * t)])
+            for _ in range(pool)
+        ]).astype(np.int32)
+        weights = rng.random((pool, n * t, shape.topk), dtype=np.float32)
+        x = (rng.standard_normal((n * t, shape.latent))).astype(jnp.bfloat16)
+        norm_w = (1 + 0.1 * rng.standard_normal(shape.latent)).astype(jnp.bfloat16)
+        shard = NamedSharding(mesh, P("ep"))
+        pool_shard = NamedSharding(mesh, P(None, "ep"))
+        repl = NamedSharding(mesh, P())
+        x_d = jax.device_put(x, shard)
+        ids_d = jax.device_put(ids, pool_shard)
+        w_d = jax.device_put(weights, pool_shard)
+        nw_d = jax.device_put(norm_w, repl)
+
+        def program(x, ids, weights, norm_w):
+            for layer in range(args.layers):
+                i, w = ids[layer % pool], weights[layer % pool]
+                recv = ep.dispatch(x, i, w)
+                out = recv.x.astype(jnp.bfloat16)  # trivial expert: one fusion
+                x = ep.combine(out, i, norm_w, eps=1e-5)
+            return x
+
+        fn = jax.jit(
+            jax.shard_map(program, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P()),
+                          out_specs=P("ep"), check_vma=False)
+        )
+        y = fn(x_d, ids_d, w_d, nw_d)
+        y.block_until_ready()
+        for _ in range(3):
+            fn(x_d, ids_d, w_d, nw_d).block_until_ready()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn(x_d, ids_d, w_d, nw_d).block_until_ready()
+            times.append((time.perf_counter() - start) / args.layers * 1e6)
+        ok = bool(np.isfinite(np.asarray(jax.device_get(y.addressable_shards[0].data), np.float32)).all())
+        results.append({"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
+                        "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
+                        "finite": ok})
+        ep.close()
+    if show:
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole run.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_workers(ranks, procs, args, env):
+    cmd = [sys.executable, os.path.abspath(__file__), "worker", "--ranks", str(ranks),
+           "--tokens", ",".join(map(str, args.tokens)), "--layers", str(args.layers),
+           "--repeats", str(args.repeats), "--backends", args.backends]
+    if procs == 1:
+        out = subprocess.run(cmd + ["--num-processes", "1"], env=env, capture_output=True, text=True,
+                             timeout=args.timeout)
+        outs = [out]
+    else:
+        port = _free_port()
+        popen = [
+            subprocess.Popen(cmd + ["--num-processes", str(procs), "--process-id", str(i),
+                                    "--coordinator", f"127.0.0.1:{port}"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(procs)
+        ]
+        outs = []
+        for p in popen:
+            stdout, stderr = p.communicate(timeout=args.timeout)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    results = []
+    for i, out in enumerate(outs):
+        sys.stderr.write(out.stderr[-4000:] if out.returncode else "")
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                results += json.loads(line[len("RESULT "):])
+        if out.returncode:
+            print(f"worker {i} of N={ranks} procs={procs} failed with {out.returncode}", file=sys.stderr)
+    return results
+
+
+def run_all(args):
+    import jax
+
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if args.cmdbuf:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                            " --xla_gpu_graph_min_graph_size=1").strip()
+    gpus = len([d for d in jax.devices() if d.platform == "gpu"])
+    device = jax.devices()[0].device_kind if gpus else "cpu"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    date = datetime.date.today().isoformat()
+    rows = []
+    plans = [(1, 1)] + ([(2, 1), (2, 2)] if gpus >= 2 else [])
+    for ranks, procs in plans:
+        if args.only_ranks and ranks not in args.only_ranks:
+            continue
+        for r in _run_workers(ranks, procs, args, env):
+            backend = r["backend"] + ("-1proc" if ranks > 1 and procs == 1 else "")
+            rows.append((date, device, commit, backend, r["ranks"], r["tokens"], "layer_us_median",
+                         f"{r['layer_us_median']:.2f}"))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    new = not os.path.exists(args.out)
+    with open(args.out, "a") as f:
+        if new:
+            f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
+        for row in rows:
+            f.write(",".join(map(str, row)) + "\n")
+    _print_table(rows)
+
+
+def _print_table(rows):
+    by = {}
+    for _, _, _, backend, ranks, tokens, metric, value in rows:
+        by.setdefault((backend, ranks), {})[int(tokens)] = float(value)
+    tokens = sorted({int(r[5]) for r in rows})
+    print("backend".ljust(22) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
+    for (backend, ranks), vals in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(backend.ljust(22) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.1f}" for t in tokens))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("all", "worker"):
+        p = sub.add_parser(name)
+        p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=list(TOKENS))
+        p.add_argument("--layers", type=int, default=48)
+        p.add_argument("--repeats", type=int, default=20)
+        p.add_argument("--backends", default="nvlink,xla,xla-allgather")
+    sub.choices["all"].add_argument("--out", default=os.path.join(HERE, "results", "bench.csv"))
+    sub.choices["all"].add_argument("--timeout", type=int, default=900)
+    sub.choices["all"].add_argument("--only-ranks", type=lambda s: [int(v) for v in s.split(",")], default=None)
+    sub.choices["all"].add_argument("--no-cmdbuf", dest="cmdbuf", action="store_false")
+    w = sub.choices["worker"]
+    w.add_argument("--ranks", type=int, required=True)
+    w.add_argument("--num-processes", type=int, default=1)
+    w.add_argument("--process-id", type=int, default=0)
+    w.add_argument("--coordinator", default=None)
+    args = parser.parse_args()
+    if args.cmd == "worker":
+        worker(args)
+    else:
+        run_all(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+// XLA FFI handlers that launch the ahead-of-time compiled dispatch / combine cubins (docs/kernel_abi.md).
+//
+// Built against jaxlib 0.11.2's FFI headers (API 0.4, loads on jaxlib 0.11 and 0.12) with no CUDA toolkit:
+// the few driver API types and entry points used here are declared below and resolved from libcuda.so.1
+// with dlopen at run time.
+//
+// Division of work:
+//   * Python (jax_latent_ep/symmetric.py, nvlink.py) allocates the symmetric buffers, the device peer tables
+//     and the host-mapped status pages, then calls `ep_register_rank` (plain C, through ctypes) once per
+//     (instance, device). That call loads the cubins into the device's primary context (once per device and
+//     cubin image, outside any CUDA graph capture) and records everything a launch needs in a registry.
+//   * The handlers look their rank up in that registry by (instance attribute, device ordinal), check the
+//     operand shapes and launch with cuLaunchKernelEx on XLA's stream. No host synchronization, no
+//     allocation on the device, no module loading: they are safe to capture into XLA command buffers, where
+//     their host code runs at capture only (so the registered pointers must outlive the executable).
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// ---------------------------------------------------------------------------------------------------------
+// The CUDA driver API subset (ABI-compatible declarations from cuda.h; CUDA 12.x and 13.x agree on these).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" {
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st* CUcontext;
+typedef struct CUmod_st* CUmodule;
+typedef struct CUfunc_st* CUfunction;
+typedef struct CUstream_st* CUstream;
+typedef CUstream cudaStream_t;  // the runtime's cudaStream_t is the same `struct CUstream_st*`
+
+typedef union CUlaunchAttributeValue_union {
+  char pad[64];
+  int programmaticStreamSerializationAllowed;
+} CUlaunchAttributeValue;
+
+typedef struct CUlaunchAttribute_st {
+  int id;  // CUlaunchAttributeID (an enum: 4 bytes)
+  char pad[8 - sizeof(int)];
+  CUlaunchAttributeValue value;
+} CUlaunchAttribute;
+
+typedef struct CUlaunchConfig_st {
+  unsigned int gridDimX, gridDimY, gridDimZ;
+  unsigned int blockDimX, blockDimY, blockDimZ;
+  unsigned int sharedMemBytes;
+  CUstream hStream;
+  CUlaunchAttribute* attrs;
+  unsigned int numAttrs;
+} CUlaunchConfig;
+}  // extern "C"
+
+static_assert(sizeof(CUlaunchAttributeValue) == 64, "CUlaunchAttributeValue must be 64 bytes");
+static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute must be 72 bytes");
+
+namespace {
+
+constexpr CUresult kCudaSuccess = 0;
+constexpr int kLaunchAttributeProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_...
+constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;           // CU_FUNC_ATTRIBUTE_...
+constexpr unsigned kDefaultMaxSmem = 48 * 1024;                      // above this: opt in per function
+
+// Driver entry points, resolved once from libcuda.so.1.
+struct Driver {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuCtxPushCurrent)(CUcontext);
+  CUresult (*cuCtxPopCurrent)(CUcontext*);
+  CUresult (*cuCtxGetDevice)(CUdevice*);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
+  CUresult (*cuGetErrorName)(CUresult, const char**);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  std::string error;  // empty once every symbol resolved
+};
+
+const Driver& driver() {
+  static const Driver* d = [] {
+    auto* d = new Driver();
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      const char* why = dlerror();
+      d->error = std::string("cannot dlopen libcuda.so.1 (is an NVIDIA driver installed?): ") +
+                 (why != nullptr ? why : "unknown error");
+      return d;
+    }
+    auto get = [&](auto& fn, const char* name) {
+      void* sym = dlsym(lib, name);
+      if (sym == nullptr && d->error.empty()) d->error = std::string("libcuda.so.1 lacks ") + name;
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(sym);
+    };
+    get(d->cuInit, "cuInit");
+    get(d->cuDeviceGet, "cuDeviceGet");
+    get(d->cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    get(d->cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+    get(d->cuCtxPopCurrent, "cuCtxPopCurrent_v2");
+    get(d->cuCtxGetDevice, "cuCtxGetDevice");
+    get(d->cuModuleLoadData, "cuModuleLoadData");
+    get(d->cuModuleGetFunction, "cuModuleGetFunction");
+    get(d->cuFuncSetAttribute, "cuFuncSetAttribute");
+    get(d->cuLaunchKernelEx, "cuLaunchKernelEx");
+    get(d->cuGetErrorName, "cuGetErrorName");
+    get(d->cuGetErrorString, "cuGetErrorString");
+    return d;
+  }();
+  return *d;
+}
+
+std::string cu_error(CUresult rc) {
+  const Driver& d = driver();
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d.cuGetErrorName != nullptr) d.cuGetErrorName(rc, &name);
+  if (d.cuGetErrorString != nullptr) d.cuGetErrorString(rc, &text);
+  return std::string(name != nullptr ? name : "CUDA_ERROR") + " (" + std::to_string(rc) +
+         "): " + (text != nullptr ? text : "unknown");
+}
+
+// One kernel of a registered rank: the function handle in the device's primary context and its launch shape.
+struct Kernel {
+  CUfunction fn = nullptr;
+  unsigned block = 0;  // threads per CTA (the cubin's .reqntid)
+  unsigned smem = 0;   // dynamic shared memory bytes
+};
+
+// Everything one (instance, device) needs to launch; filled by ep_register_rank, read by the handlers.
+struct Rank {
+  int64_t instance = 0;
+  int ordinal = 0;
+  int rank = 0;
+  int ranks = 0;
+  int max_tokens = 0;
+  int stride = 0;  // ceil(max_tokens / 8) * 8
+  int latent = 0;
+  int topk = 0;
+  uint64_t peers = 0;                        // device int64 [N + 1]
+  uint64_t status = 0;                       // device address of the host-mapped int32 [4] record, or 0
+  volatile const int32_t* status_host = nullptr;  // host address of the same record, or null
+  int64_t timeout_ns = 0;
+  Kernel dispatch, combine;
+};
+
+std::mutex g_mutex;
+std::map<std::pair<int64_t, int>, std::unique_ptr<Rank>> g_ranks;  // (instance, ordinal) -> rank
+// Loaded modules, once per (ordinal, image hash, image size): kept for the life of the process (a CUDA
+// graph captured from a handler may still launch them).
+std::map<std::tuple<int, size_t, size_t>, CUmodule> g_modules;
+thread_local std::string g_last_error;
+
+int fail(std::string message) {
+  g_last_error = std::move(message);
+  return 1;
+}
+
+// Loads `image` (a cubin) into `ordinal`'s primary context once and resolves `name`. Caller holds g_mutex.
+int load_kernel(int ordinal, const void* image, size_t size, const char* name, int block, int smem,
+                Kernel* out) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return fail(d.error);
+  if (image == nullptr || size == 0) return fail(std::string("empty cubin for kernel ") + name);
+  if (block <= 0 || block > 1024) return fail("block=" + std::to_string(block) + " out of range");
+  if (smem < 0) return fail("smem=" + std::to_string(smem) + " must not be negative");
+  CUresult rc = d.cuInit(0);
+  if (rc != kCudaSuccess) return fail("cuInit: " + cu_error(rc));
+  CUdevice dev;
+  rc = d.cuDeviceGet(&dev, ordinal);
+  if (rc != kCudaSuccess) return fail("cuDeviceGet(" + std::to_string(ordinal) + "): " + cu_error(rc));
+  CUcontext ctx;
+  rc = d.cuDevicePrimaryCtxRetain(&ctx, dev);  // kept retained: XLA uses this context for the process life
+  if (rc != kCudaSuccess) return fail("cuDevicePrimaryCtxRetain: " + cu_error(rc));
+  rc = d.cuCtxPushCurrent(ctx);
+  if (rc != kCudaSuccess) return fail("cuCtxPushCurrent: " + cu_error(rc));
+  std::string error;
+  auto key = std::make_tuple(ordinal, std::hash<std::string_view>()(
+                                          std::string_view(static_cast<const char*>(image), size)),
+                             size);
+  CUmodule module = nullptr;
+  if (auto it = g_modules.find(key); it != g_modules.end()) {
+    module = it->second;
+  } else if ((rc = d.cuModuleLoadData(&module, image)) == kCudaSuccess) {
+    g_modules[key] = module;
+  } else {
+    error = "cuModuleLoadData (kernel " + std::string(name) + ", device " + std::to_string(ordinal) +
+            "): " + cu_error(rc);
+  }
+  CUfunction fn = nullptr;
+  if (error.empty() && (rc = d.cuModuleGetFunction(&fn, module, name)) != kCudaSuccess) {
+    error = "cuModuleGetFunction(" + std::string(name) + "): " + cu_error(rc) +
+            " (does the manifest's kernel name match the cubin?)";
+  }
+  if (error.empty() && static_cast<unsigned>(smem) > kDefaultMaxSmem &&
+      (rc = d.cuFuncSetAttribute(fn, kFuncAttributeMaxDynamicSharedSizeBytes, smem)) != kCudaSuccess) {
+    error = "cuFuncSetAttribute(max dynamic smem " + std::to_string(smem) + "): " + cu_error(rc);
+  }
+  CUcontext popped;
+  d.cuCtxPopCurrent(&popped);
+  if (!error.empty()) return fail(error);
+  out->fn = fn;
+  out->block = static_cast<unsigned>(block);
+  out->smem = static_cast<unsigned>(smem);
+  return 0;
+}
+
+// Finds the registration of `instance` on the device the handler runs on: XLA's device ordinal first, then
+// the device of the current context (the two agree unless a process was given a subset of its visible GPUs).
+const Rank* find_rank(int64_t instance, int32_t ordinal) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (auto it = g_ranks.find({instance, ordinal}); it != g_ranks.end()) return it->second.get();
+  const Driver& d = driver();
+  CUdevice dev;
+  if (d.error.empty() && d.cuCtxGetDevice(&dev) == kCudaSuccess) {
+    if (auto it = g_ranks.find({instance, static_cast<int>(dev)}); it != g_ranks.end()) {
+      return it->second.get();
+    }
+  }
+  return nullptr;
+}
+
+ffi::Error missing_rank(const char* what, int64_t instance, int32_t ordinal) {
+  return ffi::Error::InvalidArgument(
+      std::string("jax_latent_ep ") + what + ": no NvlinkBackend instance " + std::to_string(instance) +
+      " is registered on device ordinal " + std::to_string(ordinal) +
+      " (was the backend closed, or built for a different mesh?)");
+}
+
+// A kernel that timed out earlier left its record in the host-mapped status page: report it by name.
+ffi::Error check_status(const Rank& r, const char* what) {
+  if (r.status_host == nullptr || r.status_host[0] == 0) return ffi::Error::Success();
+  int32_t code = r.status_host[0], rank = r.status_host[1], peer = r.status_host[2],
+          layer = r.status_host[3];
+  const char* phase = code == 1 ? "dispatch" : code == 2 ? "combine" : "unknown phase";
+  return ffi::Error::Internal(
+      std::string("jax_latent_ep ") + what + ": an earlier " + phase + " on rank " + std::to_string(rank) +
+      " timed out waiting for rank " + std::to_string(peer) + " at layer " + std::to_string(layer) +
+      " (error code " + std::to_string(code) +
+      "); the CUDA context is unusable, restart the process");
+}
+
+std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Checks one operand: element type and shape.
+ffi::Error expect(const char* what, const char* name, const ffi::AnyBuffer& buf, ffi::DataType type,
+                  std::initializer_list<int64_t> shape) {
+  auto dims = buf.dimensions();
+  bool ok = buf.element_type() == type && dims.size() == shape.size();
+  size_t i = 0;
+  for (int64_t s : shape) ok = ok && dims[i++] == s;
+  if (ok) return ffi::Error::Success();
+  std::string want = "[";
+  i = 0;
+  for (int64_t s : shape) want += (i++ ? ", " : "") + std::to_string(s);
+  want += "]";
+  return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + what + ": " + name + " has shape " +
+                                     dims_str(dims) + " and element type " +
+                                     std::to_string(static_cast<int>(buf.element_type())) +
+                                     ", expected shape " + want + " and element type " +
+                                     std::to_string(static_cast<int>(type)));
+}
+
+ffi::Error launch(const char* what, const Kernel& k, unsigned grid, cudaStream_t stream, void** params) {
+  CUlaunchAttribute attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.id = kLaunchAttributeProgrammaticStreamSerialization;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.gridDimX = grid;
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = k.block;
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = k.smem;
+  config.hStream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  CUresult rc = driver().cuLaunchKernelEx(&config, k.fn, params, nullptr);
+  if (rc != kCudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_latent_ep ") + what + ": cuLaunchKernelEx(grid " +
+                                std::to_string(grid) + ", block " + std::to_string(k.block) + ", smem " +
+                                std::to_string(k.smem) + "): " + cu_error(rc));
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// dispatch(x, ids, weights) -> (recv_x, recv_sf, recv_ids, recv_weights, recv_src)
+// ---------------------------------------------------------------------------------------------------------
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                        ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
+                        ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
+                        int64_t instance, int64_t grid) {
+  constexpr const char* what = "dispatch";
+  const Rank* r = find_rank(instance, ordinal);
+  if (r == nullptr) return missing_rank(what, instance, ordinal);
+  if (ffi::Error e = check_status(*r, what); !e.success()) return e;
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("jax_latent_ep dispatch: x must be [T, L]");
+  const int64_t T = xd[0], L = r->latent, K = r->topk, rows = int64_t{r->ranks} * r->stride;
+  if (T < 1 || T > r->max_tokens) {
+    return ffi::Error::InvalidArgument("jax_latent_ep dispatch: T=" + std::to_string(T) +
+                                       " tokens, expected 1 <= T <= max_tokens=" +
+                                       std::to_string(r->max_tokens));
+  }
+  if (grid < T || grid > (int64_t{1} << 31) - 1) {
+    return ffi::Error::InvalidArgument("jax_latent_ep dispatch: grid=" + std::to_string(grid) +
+                                       " must be at least T=" + std::to_string(T));
+  }
+  for (ffi::Error e : {expect(what, "x", x, ffi::DataType::BF16, {T, L}),
+                       expect(what, "ids", ids, ffi::DataType::S32, {T, K}),
+                       expect(what, "weights", weights, ffi::DataType::F32, {T, K}),
+                       expect(what, "recv_x", *recv_x, ffi::DataType::F8E4M3FN, {rows, L}),
+                       expect(what, "recv_sf", *recv_sf, ffi::DataType::U8, {rows, L / 32}),
+                       expect(what, "recv_ids", *recv_ids, ffi::DataType::S32, {rows, K}),
+                       expect(what, "recv_weights", *recv_weights, ffi::DataType::F32, {rows, K}),
+                       expect(what, "recv_src", *recv_src, ffi::DataType::S32, {rows})}) {
+    if (!e.success()) return e;
+  }
+  // Parameters in docs/kernel_abi.md order.
+  uint64_t p_x = reinterpret_cast<uint64_t>(x.untyped_data());
+  uint64_t p_ids = reinterpret_cast<uint64_t>(ids.untyped_data());
+  uint64_t p_weights = reinterpret_cast<uint64_t>(weights.untyped_data());
+  uint64_t p_peers = r->peers;
+  uint64_t p_recv_x = reinterpret_cast<uint64_t>(recv_x->untyped_data());
+  uint64_t p_recv_sf = reinterpret_cast<uint64_t>(recv_sf->untyped_data());
+  uint64_t p_recv_ids = reinterpret_cast<uint64_t>(recv_ids->untyped_data());
+  uint64_t p_recv_weights = reinterpret_cast<uint64_t>(recv_weights->untyped_data());
+  uint64_t p_recv_src = reinterpret_cast<uint64_t>(recv_src->untyped_data());
+  uint64_t p_status = r->status;
+  int64_t p_timeout = r->timeout_ns;
+  int32_t p_rank = r->rank;
+  int32_t p_tokens = static_cast<int32_t>(T);
+  int32_t p_max_tokens = r->max_tokens;
+  void* params[] = {&p_x,         &p_ids,        &p_weights, &p_peers,  &p_recv_x,
+                    &p_recv_sf,   &p_recv_ids,   &p_recv_weights,       &p_recv_src,
+                    &p_status,    &p_timeout,    &p_rank,    &p_tokens, &p_max_tokens};
+  return launch(what, r->dispatch, static_cast<unsigned>(grid), stream, params);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// combine(out, ids, norm_weight) -> result
+// ---------------------------------------------------------------------------------------------------------
+ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
+                       ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
+                       int64_t grid, float eps, int64_t apply_norm) {
+  constexpr const char* what = "combine";
+  const Rank* r = find_rank(instance, ordinal);
+  if (r == nullptr) return missing_rank(what, instance, ordinal);
+  if (ffi::Error e = check_status(*r, what); !e.success()) return e;
+  auto id = ids.dimensions();
+  if (id.size() != 2) return ffi::Error::InvalidArgument("jax_latent_ep combine: ids must be [T, K]");
+  const int64_t T = id[0], L = r->latent, K = r->topk, rows = int64_t{r->ranks} * r->stride;
+  if (T < 1 || T > r->max_tokens) {
+    return ffi::Error::InvalidArgument("jax_latent_ep combine: T=" + std::to_string(T) +
+                                       " tokens, expected 1 <= T <= max_tokens=" +
+                                       std::to_string(r->max_tokens));
+  }
+  if (grid < 1 || grid > (int64_t{1} << 31) - 1) {
+    return ffi::Error::InvalidArgument("jax_latent_ep combine: grid=" + std::to_string(grid) +
+                                       " must be positive");
+  }
+  for (ffi::Error e : {expect(what, "out", out, ffi::DataType::BF16, {rows, L}),
+                       expect(what, "ids", ids, ffi::DataType::S32, {T, K}),
+                       expect(what, "norm_weight", norm_weight, ffi::DataType::BF16, {L}),
+                       expect(what, "result", *result, ffi::DataType::BF16, {T, L})}) {
+    if (!e.success()) return e;
+  }
+  // Parameters in docs/kernel_abi.md order.
+  uint64_t p_out = reinterpret_cast<uint64_t>(out.untyped_data());
+  uint64_t p_ids = reinterpret_cast<uint64_t>(ids.untyped_data());
+  uint64_t p_norm = reinterpret_cast<uint64_t>(norm_weight.untyped_data());
+  uint64_t p_result = reinterpret_cast<uint64_t>(result->untyped_data());
+  uint64_t p_peers = r->peers;
+  uint64_t p_status = r->status;
+  int64_t p_timeout = r->timeout_ns;
+  float p_eps = eps;
+  int32_t p_rank = r->rank;
+  int32_t p_tokens = static_cast<int32_t>(T);
+  int32_t p_max_tokens = r->max_tokens;
+  int32_t p_apply_norm = apply_norm != 0 ? 1 : 0;
+  void* params[] = {&p_out,     &p_ids,  &p_norm,       &p_result,  &p_peers,     &p_status,
+                    &p_timeout, &p_eps,  &p_rank,       &p_tokens,  &p_max_tokens, &p_apply_norm};
+  return launch(what, r->combine, static_cast<unsigned>(grid), stream, params);
+}
+
+}  // namespace
+
+// The handler symbols are what Python wraps with jax.ffi.pycapsule: exported even under -fvisibility=hidden.
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpDispatch(XLA_FFI_CallFrame*);
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame*);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EpDispatch, DispatchImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
+        .Ctx<ffi::DeviceOrdinal>()                 // the device, key of the rank registry
+        .Arg<ffi::AnyBuffer>()                     // x: bf16 [T, L] this rank's tokens
+        .Arg<ffi::AnyBuffer>()                     // ids: int32 [T, K] global expert ids
+        .Arg<ffi::AnyBuffer>()                     // weights: f32 [T, K] routing weights
+        .Ret<ffi::AnyBuffer>()                     // recv_x: float8_e4m3fn [N*S, L]
+        .Ret<ffi::AnyBuffer>()                     // recv_sf: uint8 [N*S, L/32] E8M0 scales
+        .Ret<ffi::AnyBuffer>()                     // recv_ids: int32 [N*S, K]
+        .Ret<ffi::AnyBuffer>()                     // recv_weights: f32 [N*S, K]
+        .Ret<ffi::AnyBuffer>()                     // recv_src: int32 [N*S] (r << 16) | t, or -1
+        .Attr<int64_t>("instance")                 // which NvlinkBackend (several may coexist)
+        .Attr<int64_t>("grid"),                    // CTAs, >= T
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EpCombine, CombineImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
+        .Ctx<ffi::DeviceOrdinal>()                 // the device, key of the rank registry
+        .Arg<ffi::AnyBuffer>()                     // out: bf16 [N*S, L] expert output per receive row
+        .Arg<ffi::AnyBuffer>()                     // ids: int32 [T, K] this rank's own routing
+        .Arg<ffi::AnyBuffer>()                     // norm_weight: bf16 [L] (read only if apply_norm)
+        .Ret<ffi::AnyBuffer>()                     // result: bf16 [T, L] routed latent or its RMSNorm
+        .Attr<int64_t>("instance")                 // which NvlinkBackend (several may coexist)
+        .Attr<int64_t>("grid")                     // CTAs, >= 1
+        .Attr<float>("eps")                        // RMSNorm epsilon
+        .Attr<int64_t>("apply_norm"),              // 1: RMSNorm of the routed latent, 0: routed latent
+    {ffi::Traits::kCmdBufferCompatible});
+
+// ---------------------------------------------------------------------------------------------------------
+// Plain C entry points for ctypes.
+// ---------------------------------------------------------------------------------------------------------
+extern "C" {
+
+// The message of the last failed call on this thread ("" if none).
+__attribute__((visibility("default"))) const char* ep_last_error() { return g_last_error.c_str(); }
+
+// Registers rank `rank` of instance `instance` on CUDA device `ordinal` and loads both cubins there (once per
+// device and image). Must be called outside CUDA graph capture, after JAX initialized the device. Returns 0,
+// or 1 with ep_last_error() set. Registering an (instance, ordinal) pair again replaces it.
+__attribute__((visibility("default"))) int ep_register_rank(
+    int64_t instance, int ordinal, int rank, int ranks, int max_tokens, int latent, int topk,
+    uint64_t peers, uint64_t status_device, const void* status_host, int64_t timeout_ns,
+    const void* dispatch_cubin, size_t dispatch_size, const char* dispatch_name, int dispatch_block,
+    int dispatch_smem, const void* combine_cubin, size_t combine_size, const char* combine_name,
+    int combine_block, int combine_smem) {
+  if (ranks < 1 || ranks > 32 || rank < 0 || rank >= ranks) {
+    return fail("rank=" + std::to_string(rank) + " ranks=" + std::to_string(ranks) + " out of range");
+  }
+  if (max_tokens < 1 || max_tokens >= (1 << 16)) {
+    return fail("max_tokens=" + std::to_string(max_tokens) + " out of range");
+  }
+  if (latent <= 0 || latent % 32 || topk < 1 || topk > 32) {
+    return fail("bad shape latent=" + std::to_string(latent) + " topk=" + std::to_string(topk));
+  }
+  if (peers == 0) return fail("peers must be a device address");
+  auto entry = std::make_unique<Rank>();
+  entry->instance = instance;
+  entry->ordinal = ordinal;
+  entry->rank = rank;
+  entry->ranks = ranks;
+  entry->max_tokens = max_tokens;
+  entry->stride = (max_tokens + 7) / 8 * 8;
+  entry->latent = latent;
+  entry->topk = topk;
+  entry->peers = peers;
+  entry->status = status_device;
+  entry->status_host = static_cast<volatile const int32_t*>(status_host);
+  entry->timeout_ns = timeout_ns;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (load_kernel(ordinal, dispatch_cubin, dispatch_size, dispatch_name, dispatch_block, dispatch_smem,
+                  &entry->dispatch) ||
+      load_kernel(ordinal, combine_cubin, combine_size, combine_name, combine_block, combine_smem,
+                  &entry->combine)) {
+    return 1;
+  }
+  g_ranks[{instance, ordinal}] = std::move(entry);
+  return 0;
+}
+
+// Forgets (instance, ordinal); returns 0 if it was registered, 1 otherwise. Modules stay loaded.
+__attribute__((visibility("default"))) int ep_unregister_rank(int64_t instance, int ordinal) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_ranks.erase({instance, ordinal}) == 1 ? 0 : fail("not registered");
+}
+
+// Number of registered (instance, device) pairs (for tests).
+__attribute__((visibility("default"))) int ep_registered_count() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return static_cast<int>(g_ranks.size());
+}
+
+}  // extern "C"

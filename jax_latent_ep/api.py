@@ -1,0 +1,264 @@
+"""`ExpertParallel`: the user-facing dispatch / combine of a latent MoE layer over one mesh axis.
+
+    ep = ExpertParallel(mesh, "ep", max_tokens=T, shape=KIMI_K3)   # backend="auto" | "xla" | "nvlink"
+
+    def layer(x, ids, weights, norm_weight):          # inside jax.shard_map over "ep"
+        recv = ep.dispatch(x, ids, weights)           # Received, [N*S, ...] rows, source-major
+        out = experts(recv)                           # bf16 [N*S, L]: routing-weighted sum of local experts
+        return ep.combine(out, ids, norm_weight)      # bf16 [T, L]
+
+Both calls are traced inside `jax.shard_map(..., mesh=mesh)` over `axis_name` (other mesh axes may be
+mapped too). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
+
+Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them on the host (a
+`jax.pure_callback`, so it costs a device-host round trip) and an out-of-range id fails the computation
+with a `JaxRuntimeError` whose message names the bad id, the token and the rank. Without it nothing is
+checked; the XLA backend then ignores an out-of-range id for routing (it selects no rank, in dispatch and
+combine alike, is carried unchanged in the received `ids`, and is never local to a rank) and the NVLink
+backend's behaviour is undefined. Duplicate ids within a token are allowed: a token reaches a rank once,
+however many of its ids live there.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_latent_ep.config import KIMI_K3, LatentMoEShape, check_max_tokens
+from jax_latent_ep.layout import stride
+from jax_latent_ep.types import Received
+
+BACKENDS = ("auto", "xla", "nvlink")
+
+
+def _artifacts_present() -> bool:
+    try:
+        return (importlib.resources.files("jax_latent_ep") / "_artifacts" / "manifest.json").is_file()
+    except Exception:
+        return False
+
+
+def _all_cuda(mesh) -> bool:
+    devices = list(np.asarray(mesh.devices).flat)
+    for d in devices:
+        if d.platform != "gpu":
+            return False
+        version = str(getattr(d.client, "platform_version", "")).lower()
+        if "rocm" in version or "hip" in version:
+            return False
+    return bool(devices)
+
+
+def _nvlink_reason(mesh) -> str | None:
+    """None if the NVLink backend can serve `mesh`, else why not."""
+    if not _all_cuda(mesh):
+        kinds = sorted({d.platform for d in np.asarray(mesh.devices).flat})
+        return f"not every mesh device is a CUDA GPU (platforms: {kinds})"
+    if not _artifacts_present():
+        return "the package's kernel artifacts (jax_latent_ep/_artifacts/manifest.json) are missing"
+    try:
+        from jax_latent_ep.nvlink import NvlinkBackend  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the GPU stack
+        return f"jax_latent_ep.nvlink does not import: {type(e).__name__}: {e}"
+    return None
+
+
+def _describe(a) -> str:
+    return f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def _check_ids_host(ids, rank, experts, where):
+    ids = np.asarray(ids)
+    bad = np.argwhere((ids < 0) | (ids >= experts))
+    if bad.size:
+        t, k = (int(i) for i in bad[0])
+        raise ValueError(
+            f"ExpertParallel.{where}: ids[{t}, {k}] = {int(ids[t, k])} on rank {int(rank)} is outside "
+            f"[0, {experts}) ({len(bad)} bad id(s) in all)"
+        )
+    return np.zeros((), np.int32)
+
+
+class ExpertParallel:
+    """Expert-parallel dispatch / combine over the mesh axis `axis_name`.
+
+    Args:
+      mesh: a `jax.sharding.Mesh` holding `axis_name`.
+      axis_name: the expert-parallel axis; its size `N` must satisfy `shape.check_ranks(N)`.
+      max_tokens: the largest number of tokens `T` a rank sends in one call, `1 <= T < 2**16`.
+      shape: the layer's `LatentMoEShape` (default Kimi K3: L=3584, E=896, K=16).
+      backend: "xla" (XLA collectives, any device), "nvlink" (the CuTe DSL kernels over NVLink symmetric
+        memory, CUDA GPUs only) or "auto" (nvlink when every mesh device is a CUDA GPU, the kernel artifacts
+        exist and the module imports; xla otherwise).
+      check_ids: check at run time that every id is in `[0, E)` (see the module docstring).
+      **backend_opts: passed to the backend's constructor (nvlink only).
+
+    Raises:
+      ValueError: naming the bad value, for a bad axis, rank count, max_tokens or backend.
+    """
+
+    def __init__(
+        self,
+        mesh,
+        axis_name: str = "ep",
+        max_tokens: int | None = None,
+        shape: LatentMoEShape = KIMI_K3,
+        backend: str = "auto",
+        *,
+        check_ids: bool = False,
+        **backend_opts,
+    ):
+        if max_tokens is None:
+            raise ValueError("ExpertParallel needs max_tokens (the largest T of one call per rank)")
+        check_max_tokens(max_tokens)
+        if not isinstance(shape, LatentMoEShape):
+            raise ValueError(f"shape={shape!r} must be a LatentMoEShape")
+        axes = dict(mesh.shape)
+        if axis_name not in axes:
+            raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes: {list(axes)})")
+        self.ranks = shape.check_ranks(int(axes[axis_name]))
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+        self.mesh, self.axis_name, self.max_tokens, self.shape = mesh, axis_name, max_tokens, shape
+        self.check_ids = bool(check_ids)
+        self.stride = stride(max_tokens)
+        self.rows = self.ranks * self.stride
+        if backend == "auto":
+            backend = "nvlink" if _nvlink_reason(mesh) is None else "xla"
+        if backend == "nvlink":
+            reason = _nvlink_reason(mesh)
+            if reason is not None:
+                raise ValueError(f"backend='nvlink' is not available: {reason}")
+            from jax_latent_ep.nvlink import NvlinkBackend
+
+            self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
+        else:
+            if backend_opts:
+                raise ValueError(f"the xla backend takes no options, got {sorted(backend_opts)}")
+            from jax_latent_ep.reference import XlaBackend
+
+            self._impl = XlaBackend(mesh, axis_name, max_tokens, shape)
+        self.backend = backend
+        self._closed = False
+
+    # -- checks (trace time) -----------------------------------------------------------------------
+
+    def _check_axis(self, where: str):
+        try:
+            size = lax.axis_size(self.axis_name)
+        except NameError:
+            raise ValueError(
+                f"ExpertParallel.{where} must be called inside jax.shard_map over the mesh axis "
+                f"{self.axis_name!r} (that axis is not bound here)"
+            ) from None
+        if size != self.ranks:
+            raise ValueError(
+                f"ExpertParallel.{where}: axis {self.axis_name!r} has size {size} here, but the ExpertParallel "
+                f"was built for N={self.ranks}"
+            )
+
+    def _check_array(self, where, name, a, dtype, shape):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise ValueError(f"ExpertParallel.{where}: {name} must be an array, got {type(a).__name__}")
+        if jnp.dtype(a.dtype) != jnp.dtype(dtype) or tuple(a.shape) != tuple(shape):
+            raise ValueError(
+                f"ExpertParallel.{where}: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got {_describe(a)}"
+            )
+
+    def _check_tokens(self, where, name, a):
+        if not hasattr(a, "shape") or len(a.shape) != 2:
+            got = _describe(a) if hasattr(a, "shape") else type(a).__name__
+            raise ValueError(f"ExpertParallel.{where}: {name} must be 2-D [T, ...], got {got}")
+        t = int(a.shape[0])
+        if not 1 <= t <= self.max_tokens:
+            raise ValueError(
+                f"ExpertParallel.{where}: T={t} tokens ({name} {_describe(a)}) must satisfy 1 <= T <= "
+                f"max_tokens={self.max_tokens}"
+            )
+        return t
+
+    def _checked_ids(self, ids, where):
+        if not self.check_ids:
+            return ids
+        rank = lax.axis_index(self.axis_name)
+        ok = jax.pure_callback(
+            lambda i, r: _check_ids_host(i, r, self.shape.experts, where),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            ids,
+            rank,
+        )
+        return ids + ok  # a data dependency keeps the check
+
+    # -- the calls ----------------------------------------------------------------------------------
+
+    def dispatch(self, x, ids, weights) -> Received:
+        """Sends every token to each rank holding one of its experts.
+
+        Args:
+          x: bfloat16 `[T, L]`, `1 <= T <= max_tokens`.
+          ids: int32 `[T, K]` global expert ids in `[0, E)`.
+          weights: float32 `[T, K]` routing weights.
+
+        Returns:
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+        """
+        self._check_open()
+        self._check_axis("dispatch")
+        t = self._check_tokens("dispatch", "x", x)
+        shp = self.shape
+        self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
+        self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
+        self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
+        return self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
+
+    def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
+        """Returns every own token's routed latent (FP32 sum over its ranks, one bf16 rounding), RMS-normed
+        with `norm_weight` unless that is None.
+
+        Args:
+          out: bfloat16 `[N*S, L]`, the expert output of every receive row.
+          ids: int32 `[T, K]`, the same ids as this layer's dispatch.
+          norm_weight: bfloat16 `[L]` or None.
+          eps: RMSNorm epsilon.
+
+        Returns:
+          bfloat16 `[T, L]`.
+        """
+        self._check_open()
+        self._check_axis("combine")
+        t = self._check_tokens("combine", "ids", ids)
+        shp = self.shape
+        self._check_array("combine", "out", out, jnp.bfloat16, (self.rows, shp.latent))
+        self._check_array("combine", "ids", ids, jnp.int32, (t, shp.topk))
+        if norm_weight is not None:
+            self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
+        return self._impl.combine(out, self._checked_ids(ids, "combine"), norm_weight, float(eps))
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("ExpertParallel is closed")
+
+    def close(self):
+        """Releases the backend's resources (symmetric buffers for nvlink); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._impl.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return (
+            f"ExpertParallel(axis_name={self.axis_name!r}, N={self.ranks}, max_tokens={self.max_tokens}, "
+            f"shape={self.shape}, backend={self.backend!r})"
+        )

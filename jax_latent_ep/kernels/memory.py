@@ -1,0 +1,283 @@
+"""Memory-ordering, raw-pointer and bit helpers of the EP kernels, each written once.
+
+Every helper is one inline-PTX statement (or a short fixed sequence) marked as having side effects, so LLVM
+never reorders two of them, never merges two loads of one address and never drops a store: the program
+order of the DSL code is the order in which the instructions are issued. What the *hardware* may reorder is
+what each docstring states; the memory model terms are PTX's (relaxed / acquire / release, scope `.gpu` or
+`.sys`). Addresses are raw 64-bit generic addresses of global memory (device memory of this or a peer GPU,
+or host-mapped memory), passed as `Int64`.
+
+No JAX here: this module is imported by the ahead-of-time build only.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(result, operands, code, constraints, loc, ip):
+    return llvm.inline_asm(
+        result,
+        operands,
+        code,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _i64(value, loc, ip):
+    return Int64(value).ir_value(loc=loc, ip=ip)
+
+
+def _u32(value, loc, ip):
+    return Uint32(value).ir_value(loc=loc, ip=ip)
+
+
+def _f32(value, loc, ip):
+    return Float32(value).ir_value(loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain (weak) loads and stores: data, never synchronization.
+
+
+@dsl_user_op
+def load_u64(addr, *, loc=None, ip=None) -> Int64:
+    """Always issues one weak 8-byte `ld.global.b64`; `addr` must be 8-byte aligned (peer tables)."""
+    return Int64(_asm(T.i64(), [_i64(addr, loc, ip)], "ld.global.b64 $0, [$1];", "=l,l", loc, ip))
+
+
+@dsl_user_op
+def load_b32(addr, *, loc=None, ip=None) -> Uint32:
+    """Always issues one weak 4-byte `ld.global.b32`; ordered after earlier fences of this thread."""
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.b32 $0, [$1];", "=r,l", loc, ip))
+
+
+@dsl_user_op
+def load_v4(addr, *, loc=None, ip=None):
+    """Always issues one weak 16-byte `ld.global.v4.b32` (addr 16-byte aligned); returns 4 `Uint32` words."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i64(addr, loc, ip)],
+        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        loc,
+        ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def store_b32(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one weak 4-byte `st.global.b32` (local or peer memory)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.global.b32 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
+def store_v4(addr, words, *, loc=None, ip=None) -> None:
+    """Always issues one weak 16-byte `st.global.v4.b32` of 4 words (addr 16-byte aligned): one fabric packet."""
+    operands = [_i64(addr, loc, ip)] + [_u32(w, loc, ip) for w in words]
+    _asm(None, operands, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", loc, ip)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Synchronization: flags, counters, fences.
+
+
+@dsl_user_op
+def load_relaxed_sys(addr, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `ld.relaxed.sys.global.b32`: a fresh read of a flag (never cached, never hoisted out of a
+    poll loop); it orders nothing else: follow the last poll with `fence_acq_rel_sys` before reading data."""
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
+
+
+@dsl_user_op
+def store_relaxed_sys(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one `st.relaxed.sys.global.b32`: a flag store visible to every GPU and the host; it orders
+    nothing by itself: precede it with `fence_acq_rel_sys` to release earlier stores."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.relaxed.sys.global.b32 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
+def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
+    """Always issues one `fence.acq_rel.sys`: this thread's earlier memory operations (local and remote) are
+    ordered before its later ones at system scope (release for stores before it, acquire for loads after it)."""
+    _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def fence_sc_sys(*, loc=None, ip=None) -> None:
+    """Always issues one `fence.sc.sys` (sequentially consistent, system scope): the strongest fence."""
+    _asm(None, [], "fence.sc.sys;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def atomic_add_acq_rel_gpu(addr, value, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `atom.acq_rel.gpu.global.add.u32`; returns the old value. Used for arrival counters of
+    this rank's own CTAs (all on one GPU), after a system fence of the arriving CTA's stores."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_i64(addr, loc, ip), _u32(value, loc, ip)],
+            "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
+            "=r,l,r",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """Always issues `trap`: the launch fails with an illegal-instruction error (the context is lost)."""
+    _asm(None, [], "trap;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """Always reads `%globaltimer` (nanoseconds, a fresh read each call)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", loc, ip))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Warp collectives.
+
+
+@dsl_user_op
+def warp_or(value, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `redux.sync.or.b32` over the full warp (every lane must call it)."""
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "redux.sync.or.b32 $0, $1, 0xffffffff;", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def warp_max_u32(value, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `redux.sync.max.u32` over the full warp (every lane must call it)."""
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def shfl_bfly(value, offset: int, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ offset`."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_u32(value, loc, ip)],
+            f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+            "=r,r",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def shfl_idx(value, lane, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `shfl.sync.idx.b32` over the full warp: the value of lane `lane`."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_u32(value, loc, ip), _u32(lane, loc, ip)],
+            "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+            "=r,r,r",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def shfl_bfly_f32(value, offset: int, *, loc=None, ip=None) -> Float32:
+    """Always issues one `shfl.sync.bfly.b32` of an FP32 value (bits unchanged)."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [_f32(value, loc, ip)],
+            f"shfl.sync.bfly.b32 $0, $1, {offset}, 0x1f, 0xffffffff;",
+            "=f,f",
+            loc,
+            ip,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bits and arithmetic with pinned rounding (no fast-math, no contraction).
+
+
+@dsl_user_op
+def f32_from_bits(bits, *, loc=None, ip=None) -> Float32:
+    """The FP32 value with the given bit pattern (`mov.b32`)."""
+    return Float32(_asm(T.f32(), [_u32(bits, loc, ip)], "mov.b32 $0, $1;", "=f,r", loc, ip))
+
+
+@dsl_user_op
+def bits_from_f32(value, *, loc=None, ip=None) -> Uint32:
+    """The bit pattern of an FP32 value (`mov.b32`)."""
+    return Uint32(_asm(T.i32(), [_f32(value, loc, ip)], "mov.b32 $0, $1;", "=r,f", loc, ip))
+
+
+@dsl_user_op
+def mul_ftz(a, b, *, loc=None, ip=None) -> Float32:
+    """`mul.rn.ftz.f32`: one round-to-nearest-even product; FP32-subnormal inputs and result flushed to signed 0."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.ftz.f32 $0, $1, $2;", "=f,f,f", loc, ip))
+
+
+@dsl_user_op
+def mul_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """`mul.rn.f32`: one IEEE product (subnormals kept), never contracted into an FMA."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip))
+
+
+@dsl_user_op
+def add_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """`add.rn.f32`: one IEEE sum (subnormals kept), never contracted into an FMA."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip))
+
+
+@dsl_user_op
+def e4m3x4(a, b, c, d, *, loc=None, ip=None) -> Uint32:
+    """Four FP32 values to four float8_e4m3fn bytes `[a, b, c, d]` (byte 0 = a) with
+    `cvt.rn.satfinite.e4m3x2.f32`: round to nearest even, finite overflow saturates to +-448, NaN stays NaN."""
+    code = (
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }"
+    )
+    operands = [_f32(v, loc, ip) for v in (a, b, c, d)]
+    return Uint32(_asm(T.i32(), operands, code, "=r,f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 values rounded once (nearest even) to BF16 and packed: `lo` in bits 0-15, `hi` in 16-31."""
+    return Uint32(
+        _asm(T.i32(), [_f32(hi, loc, ip), _f32(lo, loc, ip)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
+    )
+
+
+@dsl_user_op
+def rms_rstd(total, eps, latent: int, *, loc=None, ip=None) -> Float32:
+    """vLLM's `rsqrtf(total / latent + eps)`: IEEE `div.rn`, `add.rn`, then the hardware `rsqrt.approx.f32`."""
+    code = "{ .reg .f32 m; div.rn.f32 m, $1, 0f%08X; add.rn.f32 m, m, $2; rsqrt.approx.f32 $0, m; }" % _f32_hex(latent)
+    return Float32(_asm(T.f32(), [_f32(total, loc, ip), _f32(eps, loc, ip)], code, "=f,f,f", loc, ip))
+
+
+def _f32_hex(value: float) -> int:
+    import struct
+
+    return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+
+
+def lo_f32(word):
+    """The BF16 in bits 0-15 of `word`, widened (exactly) to FP32."""
+    return f32_from_bits(Uint32(word) << Uint32(16))
+
+
+def hi_f32(word):
+    """The BF16 in bits 16-31 of `word`, widened (exactly) to FP32."""
+    return f32_from_bits(Uint32(word) & Uint32(0xFFFF0000))

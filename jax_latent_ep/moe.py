@@ -1,0 +1,160 @@
+"""An example latent MoE decode layer on `ExpertParallel`, and the same model on one device for checking.
+
+One layer, per rank (inside `jax.shard_map` over the expert-parallel axis, `T` tokens per rank):
+
+    ids, weights = top-k of softmax-free router logits, weights = softmax over the k chosen (normalized)
+    x      = bf16(h @ down)                       hidden H -> latent L
+    recv   = ep.dispatch(x, ids, weights)         MXFP8 rows of every token that has an expert here
+    out    = sum over local experts e of w[row, e] * mlp_e(dequant(recv))   bf16 [N*S, L]
+    y      = ep.combine(out, ids, norm, eps)      routed latent, RMS-normed
+    h      = h + bf16(y @ up)                     latent L -> hidden H, residual
+
+`mlp_e(v) = silu(v @ w1[e]) @ w2[e]` with a small intermediate size (default 32), in FP32. Expert weights
+`w1 [E, L, I]`, `w2 [E, I, L]` are sharded over the axis (rank `d` holds experts `d * E/N ...`); everything
+else is replicated. `reference_forward` computes the same layers on one device with no collectives: the
+per-rank partials, summed over the token's ranks in ascending order in FP32 like combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
+
+#: A small latent MoE for CPU tests and the demo.
+SMALL = LatentMoEShape(latent=512, experts=64, topk=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sizes of the example model: `shape` (L, E, K), hidden size, expert intermediate size, layer count."""
+
+    shape: LatentMoEShape = SMALL
+    hidden: int = 256
+    intermediate: int = 32
+    layers: int = 2
+    eps: float = 1e-5
+
+
+def init_params(key, cfg: MoEConfig) -> dict:
+    """Random parameters, stacked over layers: router [Ly,H,E], down [Ly,H,L], w1 [Ly,E,L,I], w2 [Ly,E,I,L],
+    up [Ly,L,H], norm [Ly,L]; all bf16."""
+    s, h, i, ly = cfg.shape, cfg.hidden, cfg.intermediate, cfg.layers
+    k = jax.random.split(key, 6)
+
+    def normal(key, shape, fan_in):
+        return (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(jnp.bfloat16)
+
+    return {
+        "router": normal(k[0], (ly, h, s.experts), h),
+        "down": normal(k[1], (ly, h, s.latent), h),
+        "w1": normal(k[2], (ly, s.experts, s.latent, i), s.latent),
+        "w2": normal(k[3], (ly, s.experts, i, s.latent), i),
+        "up": normal(k[4], (ly, s.latent, h), s.latent),
+        "norm": (1 + 0.1 * jax.random.normal(k[5], (ly, s.latent))).astype(jnp.bfloat16),
+    }
+
+
+def param_specs(axis_name: str) -> dict:
+    """PartitionSpecs: expert weights sharded over `axis_name` (their expert dimension), the rest replicated."""
+    return {
+        "router": P(),
+        "down": P(),
+        "w1": P(None, axis_name),
+        "w2": P(None, axis_name),
+        "up": P(),
+        "norm": P(),
+    }
+
+
+def route(h, router, topk: int):
+    """Top-k experts of `h @ router` (FP32 logits) and their softmax-normalized weights: (int32, f32) [T, K]."""
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+    top, ids = lax.top_k(logits, topk)
+    return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(jnp.float32)
+
+
+def local_coefficients(ids, weights, first_expert, local: int):
+    """f32 [R, local]: the summed routing weight of each of the experts `first_expert + j` in each row."""
+    experts = first_expert + jnp.arange(local, dtype=jnp.int32)
+    hit = ids[:, :, None] == experts[None, None, :]  # [R, K, local]
+    return jnp.sum(jnp.where(hit, weights[:, :, None], 0.0), axis=1)
+
+
+def experts_mlp(xf, w1, w2, coef):
+    """bf16 [R, L] = sum_j coef[:, j] * (silu(xf @ w1[j]) @ w2[j]), FP32 inside."""
+    hid = jax.nn.silu(jnp.einsum("rl,jli->rji", xf, w1.astype(jnp.float32)))
+    y = jnp.einsum("rji,jil->rjl", hid, w2.astype(jnp.float32))
+    return jnp.einsum("rj,rjl->rl", coef, y).astype(jnp.bfloat16)
+
+
+def layer(ep, p: dict, h, eps: float):
+    """One layer on one rank, inside `jax.shard_map` over `ep.axis_name`; `p` holds this rank's experts."""
+    local = ep.shape.num_local_experts(ep.ranks)
+    rank = lax.axis_index(ep.axis_name).astype(jnp.int32)
+    ids, weights = route(h, p["router"], ep.shape.topk)
+    x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    recv = ep.dispatch(x, ids, weights)
+    xf = jnp.where(recv.src[:, None] == -1, 0.0, mxfp8_dequantize(recv.x, recv.sf))
+    coef = local_coefficients(recv.ids, recv.weights, rank * local, local)
+    out = experts_mlp(xf, p["w1"], p["w2"], coef)
+    y = ep.combine(out, ids, p["norm"], eps)
+    return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def make_forward(ep, cfg: MoEConfig):
+    """`forward(params, h)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over `ep.mesh`.
+
+    `h` is bf16 [N*T, H] sharded over the axis (rank `r` owns rows `r*T ... r*T + T - 1`); params as
+    `param_specs` shards them (see `shard_params`)."""
+    axis = ep.axis_name
+
+    def body(params, h):
+        for i in range(cfg.layers):
+            h = layer(ep, jax.tree.map(lambda a: a[i], params), h, cfg.eps)
+        return h
+
+    return jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(param_specs(axis), P(axis)), out_specs=P(axis)))
+
+
+def shard_params(params: dict, mesh, axis_name: str) -> dict:
+    """Places `params` on `mesh` as `param_specs` says."""
+    specs = param_specs(axis_name)
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+
+
+def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
+    """One layer for all `N*T` tokens on one device, no collectives: rank `d`'s partial of every token is
+    the same expert computation over its experts; the routed latent sums them over the token's ranks in
+    ascending order in FP32 and rounds once, like combine."""
+    local = shape.num_local_experts(ranks)
+    ids, weights = route(h, p["router"], shape.topk)
+    x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    xf = mxfp8_dequantize(*mxfp8_quantize(x))
+    acc = jnp.zeros(x.shape, jnp.float32)
+    for d in range(ranks):
+        coef = local_coefficients(ids, weights, d * local, local)
+        part = experts_mlp(xf, p["w1"][d * local:(d + 1) * local], p["w2"][d * local:(d + 1) * local], coef)
+        member = jnp.any(ids // local == d, axis=1)
+        acc = jnp.where(member[:, None], acc + part.astype(jnp.float32), acc)
+    acc = jnp.where(acc == 0, jnp.float32(0), acc)
+    y = rms_norm(acc.astype(jnp.bfloat16), p["norm"], eps)
+    return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def make_reference_forward(cfg: MoEConfig, ranks: int):
+    """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (jitted; put the inputs
+    on one device)."""
+
+    def body(params, h):
+        for i in range(cfg.layers):
+            h = reference_layer(jax.tree.map(lambda a: a[i], params), h, cfg.shape, ranks, cfg.eps)
+        return h
+
+    return jax.jit(body)

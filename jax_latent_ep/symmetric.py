@@ -1,0 +1,450 @@
+"""`SymmetricBuffers`: one EP group's symmetric buffers, peer tables and status pages, owned by this process.
+
+Every rank of an expert-parallel group owns one buffer of `EpLayout.bytes` (plain `cuMemAlloc` on its
+device's primary context, the one XLA uses), zeroed and armed like the seed's `EpBuffers`: every receive
+row empty (`src = -1`, ids all `layout.invalid_expert(rank)`, weights 0), counters and flags 0. Each rank
+also gets a device peer table, int64 `[N + 1]`: `peers[d]` is rank `d`'s buffer as mapped in this process
+on this rank's device, `peers[N]` this rank's own buffer through its local mapping (a rank never reaches its
+own buffer through a peer mapping). A host-mapped pinned page holds one 4-word error record per local rank
+(`code, rank, peer, layer`, see docs/kernel_abi.md) that the host reads with no synchronization.
+
+Two ways to drive a group, and any mix of them:
+  * one process driving several local GPUs: a peer's buffer is its plain device pointer (unified
+    addressing); peer access between the devices is enabled here (XLA already did it: answered
+    PEER_ACCESS_ALREADY_ENABLED, which counts as success);
+  * one process per GPU (jax.distributed): each rank's `cuIpcGetMemHandle` (64 bytes) and its
+    configuration travel through jax.distributed's key-value store; every rank checks that all ranks agree
+    on N, max_tokens and the shape, then opens the others' handles with
+    `cuIpcOpenMemHandle(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)`.
+A rank publishes its handle only after its buffer is armed (and the device synchronized), and a process
+builds its peer tables only after reading every rank's record, so no kernel can write into a peer buffer
+before that peer was armed: the record exchange is the seed's post-arming barrier.
+
+Memory is freed by `close()` (idempotent) or at interpreter exit. Close only once every computation that
+uses the buffers has finished on every rank (a peer may still be writing into this rank's buffer).
+Set `XLA_PYTHON_CLIENT_PREALLOCATE=false` (or a memory fraction) before JAX starts: XLA preallocates 75% of
+each GPU by default, and these buffers are allocated outside XLA.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import json
+import threading
+import weakref
+
+import numpy as np
+
+from jax_latent_ep.config import LatentMoEShape, check_max_tokens
+from jax_latent_ep.layout import EpLayout
+
+#: Bytes of one rank's error record slot in the status page (4 int32 words used, one line each).
+STATUS_SLOT = 128
+#: Bytes of a CUDA IPC memory handle.
+IPC_HANDLE_BYTES = 64
+#: Prefix of every key this module writes to jax.distributed's key-value store.
+KV_PREFIX = "jax_latent_ep/symmetric"
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+class SymmetricMemoryError(RuntimeError):
+    """Setting up or tearing down symmetric memory failed (the message says which call, rank and device)."""
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise SymmetricMemoryError(
+            "jax_latent_ep's NVLink backend needs cuda-bindings (pip install 'jax_latent_ep[cuda13]' or "
+            f"'cuda-bindings'): {e}"
+        ) from None
+    return driver
+
+
+def _cuda_ready(drv) -> bool:
+    try:
+        return int(drv.cuInit(0)[0]) == _CUDA_SUCCESS
+    except Exception:
+        return False
+
+
+def _check(result, what: str):
+    """Unpacks a cuda.bindings result tuple `(CUresult, *values)`, raising on failure."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != _CUDA_SUCCESS:
+        drv = _driver()
+        _, name = drv.cuGetErrorName(err)
+        _, text = drv.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        if code == _CUDA_ERROR_OUT_OF_MEMORY:
+            raise MemoryError(
+                f"{what}: {name}: {text}. The symmetric buffers are allocated outside XLA's pool: set "
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false (or XLA_PYTHON_CLIENT_MEM_FRACTION) before JAX starts, "
+                "or lower max_tokens."
+            )
+        raise SymmetricMemoryError(f"{what}: {name} ({code}): {text}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The per-rank record exchanged between processes (pure Python: tested on CPU).
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRecord:
+    """What a rank publishes: its configuration, where it runs and its buffer's IPC handle."""
+
+    rank: int
+    ranks: int
+    max_tokens: int
+    latent: int
+    experts: int
+    topk: int
+    process: int
+    bytes: int
+    handle: bytes = b""  # IPC_HANDLE_BYTES, or empty where IPC is unused
+
+    def encode(self) -> bytes:
+        fields = dataclasses.asdict(self)
+        fields["handle"] = self.handle.hex()
+        return json.dumps(fields, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RankRecord":
+        fields = json.loads(bytes(data).decode())
+        fields["handle"] = bytes.fromhex(fields["handle"])
+        return cls(**fields)
+
+    @property
+    def config(self) -> dict:
+        return {
+            "N": self.ranks,
+            "max_tokens": self.max_tokens,
+            "shape": (self.latent, self.experts, self.topk),
+            "buffer bytes": self.bytes,
+        }
+
+
+def check_records(records: list[RankRecord], ranks: int) -> None:
+    """Raises ValueError unless `records` has one record per rank `0..ranks-1` and all agree on the config.
+
+    The message names every disagreeing field with each rank's value.
+    """
+    by_rank = {r.rank: r for r in records}
+    if sorted(by_rank) != list(range(ranks)) or len(records) != ranks:
+        raise ValueError(f"expected one record per rank 0..{ranks - 1}, got ranks {sorted(r.rank for r in records)}")
+    ref = by_rank[0].config
+    problems = []
+    for key in ref:
+        values = {r.rank: r.config[key] for r in records}
+        if len({json.dumps(v) for v in values.values()}) > 1:
+            per_rank = ", ".join(f"rank {k}: {v}" for k, v in sorted(values.items()))
+            problems.append(f"{key} differs ({per_rank})")
+    if problems:
+        raise ValueError(
+            "jax_latent_ep: the ranks of one expert-parallel group were configured differently: "
+            + "; ".join(problems)
+            + ". Every process must build the backend with the same mesh axis, max_tokens and shape, and "
+            "create its backends in the same order."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _distributed_client():
+    """jax.distributed's client, or None in a single-process program."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(distributed.global_state, "client", None)
+
+
+_live: "weakref.WeakSet[SymmetricBuffers]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _close_all():  # pragma: no cover - runs at interpreter exit
+    with _live_lock:
+        live = list(_live)
+    for buffers in live:
+        try:
+            buffers.close()
+        except Exception:
+            pass
+
+
+@dataclasses.dataclass
+class LocalRank:
+    """One rank of the group driven by this process."""
+
+    rank: int
+    device: object  # the jax Device
+    ordinal: int  # CUDA device ordinal in this process (device.local_hardware_id)
+    context: object  # CUcontext (the device's primary context, retained)
+    buffer: int  # device address of this rank's symmetric buffer
+    peers: int  # device address of the int64 [N + 1] peer table
+    peer_table: tuple  # its host copy
+    status_device: int  # device address of this rank's error record (host-mapped)
+    status_host: int  # host address of the same record
+
+
+class SymmetricBuffers:
+    """The symmetric buffers of one expert-parallel group, for the ranks this process drives.
+
+    Args:
+      devices: the group's jax devices in rank order (rank `d` = position `d` on the mesh axis).
+      max_tokens: the largest `T` of one call; fixes the layout.
+      shape: the layer's `LatentMoEShape`.
+      key: a string unique to this group and backend instance, identical in every process (names the
+        key-value store entries in multi-process runs).
+      kv_timeout_s: how long to wait for the other processes' records.
+
+    Attributes:
+      layout: the `EpLayout`.
+      ranks: `N`.
+      local: `LocalRank` of every rank this process drives, in rank order.
+
+    Raises:
+      ValueError: bad arguments, or ranks configured differently (multi-process).
+      MemoryError: the device has not enough free memory.
+      SymmetricMemoryError: peer access impossible, or another CUDA failure.
+    """
+
+    def __init__(self, devices, max_tokens: int, shape: LatentMoEShape, *, key: str, kv_timeout_s: float = 300.0):
+        devices = list(devices)
+        if not devices:
+            raise ValueError("SymmetricBuffers needs at least one device")
+        self.ranks = shape.check_ranks(len(devices))
+        self.max_tokens = check_max_tokens(max_tokens)
+        self.shape = shape
+        self.layout = EpLayout(self.ranks, max_tokens, shape)
+        self.key = key
+        for d in devices:
+            if getattr(d, "platform", None) != "gpu":
+                raise ValueError(f"SymmetricBuffers needs CUDA GPUs, got {d} (platform {getattr(d, 'platform', None)})")
+        import jax
+
+        me = jax.process_index()
+        self.devices = devices
+        self.local: list[LocalRank] = []
+        self._opened: list[tuple[object, int]] = []  # (context, IPC-mapped address) to close
+        self._allocs: list[tuple[object, int]] = []  # (context, device address) to free
+        self._host_page = 0
+        self._closed = False
+        local_ranks = [r for r, d in enumerate(devices) if d.process_index == me]
+        if not local_ranks:
+            raise ValueError(f"no device of this group belongs to process {me}")
+        self.multiprocess = len(local_ranks) != self.ranks
+        client = _distributed_client() if self.multiprocess else None
+        if self.multiprocess and client is None:
+            raise ValueError(
+                "the group spans several processes, but jax.distributed is not initialized in this one"
+            )
+        drv = _driver()
+        previous = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") if _cuda_ready(drv) else None
+        try:
+            self._setup(local_ranks, client, me, kv_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if previous is not None:
+                drv.cuCtxSetCurrent(previous)  # leave the thread's current context as it was
+        with _live_lock:
+            _live.add(self)
+
+    # -- setup ----------------------------------------------------------------------------------------
+
+    def _setup(self, local_ranks, client, me, kv_timeout_s):
+        import jax
+
+        drv = _driver()
+        lay, n = self.layout, self.ranks
+        # JAX must have created the primary contexts (and, with several local GPUs, enabled peer access).
+        for r in local_ranks:
+            jax.device_put(np.zeros((1,), np.int32), self.devices[r]).block_until_ready()
+        _check(drv.cuInit(0), "cuInit")
+        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
+        page_bytes = max(4096, STATUS_SLOT * len(local_ranks))
+        first_ctx = None
+        for r in local_ranks:
+            device = self.devices[r]
+            ordinal = int(device.local_hardware_id)
+            cu_dev = _check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+            ctx = _check(drv.cuDevicePrimaryCtxRetain(cu_dev), f"cuDevicePrimaryCtxRetain({ordinal})")
+            _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            if first_ctx is None:
+                first_ctx = ctx
+                self._host_page = int(_check(drv.cuMemHostAlloc(page_bytes, flags), "cuMemHostAlloc(status page)"))
+                ctypes.memset(self._host_page, 0, page_bytes)
+            where = f"rank {r} (device {device}, {lay.bytes} bytes)"
+            buf = int(_check(drv.cuMemAlloc(lay.bytes), f"cuMemAlloc for {where}"))
+            self._allocs.append((ctx, buf))
+            self._arm(drv, buf, r, where)
+            slot = self._host_page + STATUS_SLOT * len(self.local)
+            status_device = int(_check(drv.cuMemHostGetDevicePointer(slot, 0), "cuMemHostGetDevicePointer"))
+            self.local.append(LocalRank(r, device, ordinal, ctx, buf, 0, (), status_device, slot))
+        for lr in self.local:
+            _check(drv.cuCtxSetCurrent(lr.context), "cuCtxSetCurrent")
+            _check(drv.cuCtxSynchronize(), f"cuCtxSynchronize after arming rank {lr.rank}")
+
+        # Where every rank's buffer is, as seen from each local device.
+        by_rank = {lr.rank: lr for lr in self.local}
+        records = {}
+        if self.multiprocess:
+            for lr in self.local:
+                _check(drv.cuCtxSetCurrent(lr.context), "cuCtxSetCurrent")
+                handle = _check(drv.cuIpcGetMemHandle(lr.buffer), f"cuIpcGetMemHandle(rank {lr.rank})")
+                rec = self._record(lr.rank, me, ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES))
+                client.key_value_set_bytes(f"{KV_PREFIX}/{self.key}/rank{lr.rank}", rec.encode())
+            timeout_ms = int(kv_timeout_s * 1000)
+            for r in range(n):
+                name = f"{KV_PREFIX}/{self.key}/rank{r}"
+                try:
+                    data = client.blocking_key_value_get_bytes(name, timeout_ms)
+                except Exception as e:
+                    raise SymmetricMemoryError(
+                        f"rank {r} of group {self.key!r} did not publish its buffer within {kv_timeout_s} s "
+                        f"(did every process build the same backend?): {e}"
+                    ) from None
+                records[r] = RankRecord.decode(data)
+        else:
+            for r in range(n):
+                records[r] = self._record(r, me, b"")
+        check_records(list(records.values()), n)
+
+        for lr in self.local:
+            _check(drv.cuCtxSetCurrent(lr.context), "cuCtxSetCurrent")
+            table = []
+            for r in range(n):
+                if r == lr.rank:
+                    table.append(lr.buffer)
+                elif r in by_rank:
+                    self._enable_peer_access(drv, lr, by_rank[r])
+                    table.append(by_rank[r].buffer)
+                else:
+                    table.append(self._open_ipc(drv, lr, r, records[r]))
+            table.append(lr.buffer)  # peers[N]: own buffer through the local mapping
+            host = np.asarray(table, dtype=np.int64)
+            dev = int(_check(drv.cuMemAlloc(host.nbytes), f"cuMemAlloc(peer table of rank {lr.rank})"))
+            self._allocs.append((lr.context, dev))
+            _check(drv.cuMemcpyHtoD(dev, host.ctypes.data, host.nbytes), "cuMemcpyHtoD(peer table)")
+            _check(drv.cuCtxSynchronize(), "cuCtxSynchronize(peer table)")
+            lr.peers, lr.peer_table = dev, tuple(int(v) for v in table)
+
+    def _record(self, rank, process, handle) -> RankRecord:
+        s = self.shape
+        return RankRecord(rank, self.ranks, self.max_tokens, s.latent, s.experts, s.topk, process,
+                          self.layout.bytes, handle)
+
+    def _arm(self, drv, buf, rank, where):
+        """Zero, then every receive row empty: src -1, ids the rank's invalid expert (weights stay 0)."""
+        lay = self.layout
+        _check(drv.cuMemsetD8(buf, 0, lay.bytes), f"cuMemsetD8 (zero) for {where}")
+        _check(drv.cuMemsetD32(buf + lay.src, 0xFFFFFFFF, lay.rows * lay.src_pitch // 4), f"arming src of {where}")
+        invalid = lay.invalid_expert(rank)
+        _check(drv.cuMemsetD32(buf + lay.ids, invalid, lay.rows * lay.meta_pitch // 4), f"arming ids of {where}")
+
+    def _enable_peer_access(self, drv, lr: LocalRank, peer: LocalRank):
+        """Lets `lr`'s device access `peer`'s memory (current context: lr's)."""
+        dev_a = _check(drv.cuDeviceGet(lr.ordinal), "cuDeviceGet")
+        dev_b = _check(drv.cuDeviceGet(peer.ordinal), "cuDeviceGet")
+        can = _check(drv.cuDeviceCanAccessPeer(dev_a, dev_b), "cuDeviceCanAccessPeer")
+        if not can:
+            raise SymmetricMemoryError(
+                f"device {lr.device} (rank {lr.rank}) cannot access the memory of device {peer.device} "
+                f"(rank {peer.rank}): no peer access between them (the NVLink backend needs NVLink or PCIe P2P)"
+            )
+        err = drv.cuCtxEnablePeerAccess(peer.context, 0)
+        code = int(err[0] if isinstance(err, tuple) else err)
+        if code not in (_CUDA_SUCCESS, _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            _check(err, f"cuCtxEnablePeerAccess(rank {lr.rank} -> rank {peer.rank})")
+
+    def _open_ipc(self, drv, lr: LocalRank, r: int, record: RankRecord) -> int:
+        if len(record.handle) != IPC_HANDLE_BYTES:
+            raise SymmetricMemoryError(f"rank {r} published no IPC handle")
+        handle = drv.CUipcMemHandle()
+        ctypes.memmove(handle.getPtr(), record.handle, IPC_HANDLE_BYTES)
+        flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        try:
+            ptr = int(_check(drv.cuIpcOpenMemHandle(handle, flags), f"cuIpcOpenMemHandle(rank {r})"))
+        except SymmetricMemoryError as e:
+            raise SymmetricMemoryError(
+                f"rank {lr.rank} (device {lr.device}) cannot map rank {r}'s buffer (process {record.process}): "
+                f"{e}. The NVLink backend needs peer access between the GPUs (all on one NVLink domain)."
+            ) from None
+        self._opened.append((lr.context, ptr))
+        return ptr
+
+    # -- use ------------------------------------------------------------------------------------------
+
+    def status(self, rank: int) -> tuple[int, int, int, int]:
+        """The error record `(code, rank, peer, layer)` of local rank `rank` (all 0 while no wait timed out)."""
+        for lr in self.local:
+            if lr.rank == rank:
+                if self._closed:
+                    raise ValueError("SymmetricBuffers is closed")
+                return tuple(int(v) for v in (ctypes.c_int32 * 4).from_address(lr.status_host))
+        raise KeyError(f"rank {rank} is not driven by this process")
+
+    def close(self):
+        """Frees everything (idempotent). Only once no kernel uses the buffers on any rank."""
+        if self._closed:
+            return
+        self._closed = True
+        with _live_lock:
+            _live.discard(self)
+        try:
+            drv = _driver()
+        except SymmetricMemoryError:  # pragma: no cover
+            return
+        errors = []
+        previous = drv.cuCtxGetCurrent()[1] if _cuda_ready(drv) else None
+        contexts = {id(c): c for c, _ in self._allocs + self._opened}
+        for ctx in contexts.values():
+            drv.cuCtxSetCurrent(ctx)
+            drv.cuCtxSynchronize()  # nothing of ours may still run
+        for ctx, ptr in self._opened:
+            drv.cuCtxSetCurrent(ctx)
+            if int(drv.cuIpcCloseMemHandle(ptr)[0]) != _CUDA_SUCCESS:
+                errors.append(f"cuIpcCloseMemHandle({ptr:#x})")
+        for ctx, ptr in self._allocs:
+            drv.cuCtxSetCurrent(ctx)
+            if int(drv.cuMemFree(ptr)[0]) != _CUDA_SUCCESS:
+                errors.append(f"cuMemFree({ptr:#x})")
+        if self._host_page:
+            drv.cuMemFreeHost(self._host_page)
+        self._opened, self._allocs, self._host_page = [], [], 0
+        for lr in self.local:
+            drv.cuDevicePrimaryCtxRelease(_check(drv.cuDeviceGet(lr.ordinal), "cuDeviceGet"))
+        if previous is not None:
+            drv.cuCtxSetCurrent(previous)
+        if errors:
+            raise SymmetricMemoryError("SymmetricBuffers.close: " + ", ".join(errors) + " failed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return (
+            f"SymmetricBuffers(key={self.key!r}, N={self.ranks}, max_tokens={self.max_tokens}, "
+            f"local ranks={[lr.rank for lr in self.local]}, bytes={self.layout.bytes}, "
+            f"multiprocess={self.multiprocess})"
+        )

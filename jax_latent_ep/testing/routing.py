@@ -1,0 +1,93 @@
+"""Routing generators for tests and benchmarks: `(ids int32 [..., T, K], weights float32 [..., T, K])`.
+
+Every generator takes a `numpy.random.Generator` and returns fresh ids in `[0, E)` and positive weights
+that sum to 1 per token (normalized top-k weights, as a router produces them).
+
+  random_topk       K distinct experts per token, uniformly
+  skewed            K distinct experts per token, drawn with a Zipf-like popularity (a few hot experts)
+  hot_expert        every token includes expert `hot` (all tokens reach its rank), the rest random
+  all_to_one_rank   every expert of every token lives on rank `rank` (needs K <= E // N)
+  duplicates        ids with repeats inside a token (allowed: a rank is reached once per token)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_latent_ep.config import LatentMoEShape
+
+
+def _weights(rng: np.random.Generator, lead: tuple[int, ...], k: int) -> np.ndarray:
+    logits = rng.standard_normal((*lead, k)).astype(np.float32)
+    w = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def _distinct(rng, lead, k, experts, p=None) -> np.ndarray:
+    flat = int(np.prod(lead)) if lead else 1
+    out = np.empty((flat, k), np.int32)
+    for i in range(flat):
+        out[i] = rng.choice(experts, size=k, replace=False, p=p)
+    return out.reshape(*lead, k)
+
+
+def random_topk(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape):
+    """K distinct uniformly random experts per token."""
+    lead = tuple(lead)
+    return _distinct(rng, lead, shape.topk, shape.experts), _weights(rng, lead, shape.topk)
+
+
+def skewed(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, alpha: float = 1.2):
+    """K distinct experts per token with popularity proportional to `1 / rank^alpha` over a random permutation."""
+    lead = tuple(lead)
+    p = 1.0 / np.arange(1, shape.experts + 1) ** alpha
+    p = p[rng.permutation(shape.experts)]
+    return _distinct(rng, lead, shape.topk, shape.experts, p / p.sum()), _weights(rng, lead, shape.topk)
+
+
+def hot_expert(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, hot: int = 0):
+    """Every token routes to expert `hot` (in a random slot) plus K - 1 other distinct random experts."""
+    lead = tuple(lead)
+    ids = _distinct(rng, lead, shape.topk, shape.experts)
+    flat = ids.reshape(-1, shape.topk)
+    for row in flat:
+        if hot not in row:
+            row[rng.integers(shape.topk)] = hot
+    return flat.reshape(ids.shape), _weights(rng, lead, shape.topk)
+
+
+def all_to_one_rank(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, ranks: int, rank: int = 0):
+    """Every token routes only to experts of `rank` (distinct while K <= E // N, else with repeats)."""
+    lead = tuple(lead)
+    local = shape.num_local_experts(ranks)
+    flat = int(np.prod(lead)) if lead else 1
+    ids = np.empty((flat, shape.topk), np.int32)
+    for i in range(flat):
+        ids[i] = rank * local + rng.choice(local, size=shape.topk, replace=shape.topk > local)
+    return ids.reshape(*lead, shape.topk), _weights(rng, lead, shape.topk)
+
+
+def duplicates(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape):
+    """Ids drawn with replacement from a few experts, so most tokens repeat some id (allowed by the contract)."""
+    lead = tuple(lead)
+    pool = rng.choice(shape.experts, size=max(1, min(shape.experts, shape.topk // 2 + 1)), replace=False)
+    ids = rng.choice(pool, size=(*lead, shape.topk)).astype(np.int32)
+    return ids, _weights(rng, lead, shape.topk)
+
+
+GENERATORS = ("random_topk", "skewed", "hot_expert", "all_to_one_rank", "duplicates")
+
+
+def generate(name: str, rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, ranks: int):
+    """Dispatches to the generator `name` (one of GENERATORS) with its defaults."""
+    if name == "random_topk":
+        return random_topk(rng, lead, shape)
+    if name == "skewed":
+        return skewed(rng, lead, shape)
+    if name == "hot_expert":
+        return hot_expert(rng, lead, shape, hot=int(rng.integers(shape.experts)))
+    if name == "all_to_one_rank":
+        return all_to_one_rank(rng, lead, shape, ranks, rank=int(rng.integers(ranks)))
+    if name == "duplicates":
+        return duplicates(rng, lead, shape)
+    raise ValueError(f"unknown routing generator {name!r}; expected one of {GENERATORS}")

@@ -1,0 +1,394 @@
+"""The NVLink backend (FFI handlers + symmetric memory + CuTe DSL kernels).
+
+CPU parts (always run): the rank record exchanged between processes and its config-mismatch error, grid
+rules, artifact lookup, and the lowering of both custom calls for CUDA (their attributes and side effect).
+GPU parts (`@pytest.mark.gpu`, skipped with the reason where there is no NVIDIA GPU): every result of a
+two-layer dispatch / expert / combine case against the XLA backend (bit for bit: receive rows and routed
+latent; the normed output within 1 bf16 ulp) and the NumPy model, with 1 and 2 GPUs in one process; many
+layers in one jit (unrolled and in `lax.scan`) with XLA command buffers on (subprocess); one process per GPU
+(subprocess, jax.distributed).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_latent_ep import artifacts
+from jax_latent_ep.config import KIMI_K3
+from jax_latent_ep.symmetric import RankRecord, check_records
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _gpus():
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def _have_library() -> str | None:
+    try:
+        artifacts.find(artifacts.FFI_LIBRARY)
+        artifacts.find(artifacts.MANIFEST)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU
+
+
+def _record(rank, **kw):
+    base = dict(rank=rank, ranks=2, max_tokens=64, latent=3584, experts=896, topk=16, process=rank, bytes=1 << 20,
+                handle=bytes(range(64)))
+    base.update(kw)
+    return RankRecord(**base)
+
+
+def test_rank_record_roundtrip():
+    rec = _record(1)
+    assert RankRecord.decode(rec.encode()) == rec
+
+
+def test_records_agree():
+    check_records([_record(0), _record(1)], 2)
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [("max_tokens", 32, ["max_tokens differs", "rank 0: 64", "rank 1: 32"]),
+     ("ranks", 4, ["N differs"]),
+     ("topk", 8, ["shape differs"])],
+)
+def test_records_disagree(field, value, words):
+    with pytest.raises(ValueError) as info:
+        check_records([_record(0), _record(1, **{field: value})], 2)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_records_missing_rank():
+    with pytest.raises(ValueError, match="one record per rank"):
+        check_records([_record(0), _record(0)], 2)
+
+
+def test_default_grids():
+    from jax_latent_ep.nvlink import NvlinkBackend, default_grids
+
+    assert default_grids(1, 2, 8) == (16, 16)  # min(N*S, 32), min(N*S, 64)
+    assert default_grids(5, 8, 64) == (32, 64)
+    assert default_grids(100, 2, 128) == (100, 100)
+    assert NvlinkBackend._check_grid(None) is None
+    assert NvlinkBackend._check_grid(7) == (7, 7)
+    assert NvlinkBackend._check_grid((3, 9)) == (3, 9)
+    for bad in (0, (1,), (1, 0), True, 2.5):
+        with pytest.raises(ValueError):
+            NvlinkBackend._check_grid(bad)
+
+
+def test_artifacts_env_first(tmp_path, monkeypatch):
+    (tmp_path / "manifest.json").write_text("{}")
+    monkeypatch.setenv(artifacts.ENV_VAR, str(tmp_path))
+    assert artifacts.find("manifest.json") == tmp_path / "manifest.json"
+    with pytest.raises(FileNotFoundError, match="not found"):
+        artifacts.find("no_such_artifact.bin")
+
+
+def test_lowering_for_cuda():
+    """Both calls lower (on any machine) to side-effecting custom calls with the attributes the handlers bind."""
+    reason = _have_library()
+    if reason:
+        pytest.skip(f"no FFI library / manifest: {reason}")
+    from jax_latent_ep import ffi
+
+    ffi.register_targets()
+    n = min(2, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    rows, t = n * 8, 5
+
+    def f(x, ids, w, nw):
+        recv = ffi.dispatch_call(x, ids, w, instance=3, rows=rows, grid=32, num_sf=112)
+        return ffi.combine_call(recv[0].astype(jnp.bfloat16), ids, nw, instance=3, grid=64, eps=1e-5, apply_norm=True)
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep")))
+    sds = lambda s, d, sp: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))  # noqa: E731
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (ffi.DISPATCH_TARGET, ffi.COMBINE_TARGET)]
+    exp = jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(
+        sds((n * t, 3584), jnp.bfloat16, P("ep")), sds((n * t, 16), jnp.int32, P("ep")),
+        sds((n * t, 16), jnp.float32, P("ep")), sds((3584,), jnp.bfloat16, P()))
+    text = exp.mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    dispatch = [c for c in calls if f"@{ffi.DISPATCH_TARGET}" in c]
+    combine = [c for c in calls if f"@{ffi.COMBINE_TARGET}" in c]
+    assert len(dispatch) == 1 and len(combine) == 1, calls
+    assert "has_side_effect = true" in dispatch[0] and "has_side_effect = true" in combine[0]
+    for attr in ("grid = 32 : i64", "instance = 3 : i64", f"tensor<{rows}x3584xf8E4M3FN>", f"tensor<{rows}xi32>"):
+        assert attr in dispatch[0], attr
+    for attr in ("apply_norm = 1 : i64", "grid = 64 : i64", "instance = 3 : i64", ": f32"):
+        assert attr in combine[0], attr
+
+
+def test_backend_refuses_cpu_mesh():
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    devices = jax.devices()
+    if devices[0].platform == "gpu":
+        pytest.skip("this machine has GPUs")
+    mesh = jax.make_mesh((2,), ("ep",), devices=devices[:2])
+    with pytest.raises(ValueError, match="compute capability|CUDA"):
+        NvlinkBackend(mesh, "ep", 8, KIMI_K3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU, one process
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("ep",), devices=_gpus()[:n])
+
+
+def _as_stacked(per_rank):
+    """run_case's per-rank results -> the model's layout (arrays stacked over ranks)."""
+    from jax_latent_ep.testing.model import ModelReceived
+
+    n = len(per_rank)
+    recv1 = ModelReceived(*(np.stack([per_rank[r][0][i] for r in range(n)]) for i in range(5)))
+    routed = np.stack([per_rank[r][1] for r in range(n)])
+    recv2 = ModelReceived(*(np.stack([per_rank[r][2][i] for r in range(n)]) for i in range(5)))
+    normed = np.stack([per_rank[r][3] for r in range(n)])
+    return recv1, routed, recv2, normed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, tokens, max_tokens, routing", [
+    (1, 5, 8, "random_topk"),
+    (1, 64, 64, "random_topk"),
+    (2, 5, 8, "random_topk"),
+    (2, 37, 64, "random_topk"),
+    (2, 16, 16, "all_to_one_rank"),
+    (2, 1, 1, "random_topk"),
+])
+def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
+    if len(_gpus()) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(_gpus())}")
+    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.testing import check
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+
+    mesh = _mesh(n)
+    case = check.make_case(100 * n + tokens, KIMI_K3, n, tokens, max_tokens, routing)
+    with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
+        got = check.run_case(nv, case)
+        got_again = check.run_case(nv, case)  # the buffers were re-armed: same results
+        assert nv.status() == {r: (0, 0, 0, 0) for r in range(n)}
+    xla = _as_stacked(check.run_case(XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case))
+    model = check.model_two_layers(case)
+    for r in range(n):
+        # The contract, against the NumPy model: rows and routed bit-exact, normed within 1 ulp.
+        check.compare_rank(got[r], model, r)
+        check.compare_rank(got_again[r], model, r)
+        # Against the XLA backend on the same GPUs: rows and routed bit-exact; normed within 2 ulp (both
+        # may be 1 ulp off the exact model, in opposite directions).
+        g_recv1, g_routed, g_recv2, g_normed = got[r]
+        check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
+        np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")
+        check.compare_received(g_recv2, xla[2], r, "layer 2 dispatch vs xla")
+        assert bf16_ulp_diff(g_normed, xla[3][r]).max() <= 2, "normed vs xla"
+
+
+@pytest.mark.gpu
+def test_two_backends_coexist():
+    n = min(2, len(_gpus()))
+    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.testing import check
+
+    mesh = _mesh(n)
+    a = NvlinkBackend(mesh, "ep", 8, KIMI_K3)
+    b = NvlinkBackend(mesh, "ep", 16, KIMI_K3, grid=(20, 3))
+    try:
+        ca = check.make_case(1, KIMI_K3, n, 7, 8)
+        cb = check.make_case(2, KIMI_K3, n, 11, 16)
+        ga, gb = check.run_case(a, ca), check.run_case(b, cb)
+        wa, wb = check.model_two_layers(ca), check.model_two_layers(cb)
+        for r in range(n):
+            check.compare_rank(ga[r], wa, r)
+            check.compare_rank(gb[r], wb, r)
+    finally:
+        a.close()
+        b.close()
+    a.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        a.dispatch(None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU, subprocesses (flags that must precede JAX's start; several processes)
+
+_LAYERS_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.testing import check
+    from jax_latent_ep.testing.expert import toy_expert
+
+    n, tokens, max_tokens, layers = (int(v) for v in sys.argv[1:5])
+    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    case = check.make_case(7, KIMI_K3, n, tokens, max_tokens)
+    local = KIMI_K3.num_local_experts(n)
+
+    def make(ep, scan):
+        def layer(x, ids, w):
+            recv = ep.dispatch(x, ids, w)
+            out = toy_expert(recv, lax.axis_index("ep"), local)
+            return ep.combine(out, ids)  # routed latent: bit-exact on both backends, layer after layer
+
+        def f(x, ids, w, nw):
+            if scan:
+                x, _ = lax.scan(lambda c, _: (layer(c, ids, w), None), x, None, length=layers)
+            else:
+                for _ in range(layers):
+                    x = layer(x, ids, w)
+            recv = ep.dispatch(x, ids, w)
+            out = toy_expert(recv, lax.axis_index("ep"), local)
+            return x, ep.combine(out, ids, nw, 1e-5)
+
+        spec = P("ep")
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec))
+
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
+    args = [put(flat(case.x), P("ep")), put(flat(case.ids), P("ep")), put(flat(case.weights), P("ep")),
+            put(case.norm_weight, P())]
+    xla = XlaBackend(mesh, "ep", max_tokens, KIMI_K3)
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+    with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
+        for scan in (False, True):
+            want = [np.asarray(a) for a in make(xla, scan)(*args)]
+            fn = make(nv, scan)
+            for rep in range(3):  # replays of one executable (command buffers: graph launches)
+                got = [np.asarray(a) for a in fn(*args)]
+                assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16)), (scan, rep, "routed")
+                assert bf16_ulp_diff(got[1], want[1]).max() <= 2, (scan, rep, "normed")
+            jax.block_until_ready(fn(*args))
+            t0 = time.perf_counter()
+            reps = 20
+            for _ in range(reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            dt = (time.perf_counter() - t0) / reps / (layers + 1)
+            print(f"RESULT n={n} T={tokens} layers={layers + 1} scan={scan} us_per_layer={dt * 1e6:.1f}", flush=True)
+        assert all(v == (0, 0, 0, 0) for v in nv.status().values())
+    print("OK", flush=True)
+    """
+)
+
+COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+def _run(script: str, args, env_extra, timeout=300):
+    env = dict(os.environ)
+    env.update(env_extra)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(REPO))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [COMMAND_BUFFER_FLAGS, ""], ids=["command_buffers", "default"])
+def test_many_layers_one_jit(flags):
+    n = min(2, len(_gpus()))
+    proc = _run(_LAYERS_SCRIPT, [n, 5, 8, 12], {"XLA_FLAGS": flags})
+    print(proc.stdout)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+_MULTIPROCESS_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    rank, port, tokens, max_tokens = (int(v) for v in sys.argv[1:5])
+    import jax
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.testing import check
+
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices())
+    case = check.make_case(11, KIMI_K3, 2, tokens, max_tokens)
+    want = check.model_two_layers(case)
+    with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
+        assert nv._buffers[0].multiprocess
+        fn = jax.jit(jax.shard_map(check.two_layers(nv), mesh=mesh,
+                     in_specs=(P("ep"),) * 4 + (P(),), out_specs=P("ep")))
+        n, rows = 2, case.rows
+        flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
+        junk = np.moveaxis(case.junk, 0, 1).reshape(n * 2, rows, -1)
+        def put(a, spec):
+            sharding = NamedSharding(mesh, spec)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+        args = [put(flat(case.x), P("ep")), put(flat(case.ids), P("ep")), put(flat(case.weights), P("ep")),
+                put(junk, P("ep")), put(case.norm_weight, P())]
+        for rep in range(3):
+            res = fn(*args)
+            recv1, routed, recv2, normed = jax.tree.map(
+                lambda a: np.asarray(a.addressable_shards[0].data), res)
+            stats = check.compare_rank((tuple(recv1), routed, tuple(recv2), normed), want, rank)
+        jax.block_until_ready(res)
+        print("OK", rank, stats, flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_one_gpu_each():
+    if len(_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for rank in range(2):
+        e = dict(env, CUDA_VISIBLE_DEVICES=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-c", _MULTIPROCESS_SCRIPT, str(rank), str(port), "13", "16"],
+                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        outs.append((p.returncode, out, err))
+    for rank, (rc, out, err) in enumerate(outs):
+        print(out)
+        assert rc == 0 and f"OK {rank}" in out, f"rank {rank} rc={rc}\n{out[-2000:]}\n{err[-6000:]}"

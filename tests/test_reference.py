@@ -1,0 +1,92 @@
+"""Every backend against the NumPy contract model: received rows and the routed latent bit for bit, the
+RMS-normed latent within 1 bf16 ulp. One test body, parametrized over backends (nvlink: GPUs only), rank
+counts, token counts and routings; fresh random data in every case."""
+
+import itertools
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import cuda_devices
+from jax_latent_ep import KIMI_K3, ExpertParallel, LatentMoEShape
+from jax_latent_ep.testing import check, routing
+
+SMALL = LatentMoEShape(latent=512, experts=64, topk=4)
+BACKENDS = ["xla", pytest.param("nvlink", marks=pytest.mark.gpu)]
+
+
+def _devices(backend, n):
+    devices = cuda_devices() if backend == "nvlink" else jax.devices()
+    if len(devices) < n:
+        pytest.skip(f"needs {n} devices for backend {backend}, have {len(devices)}")
+    return devices[:n]
+
+
+def run_and_check(backend, shape, n, t, max_tokens, routing_name="random_topk", seed_text=""):
+    seed = zlib.crc32(f"{backend}/{shape}/{n}/{t}/{max_tokens}/{routing_name}/{seed_text}".encode())
+    mesh = jax.make_mesh((n,), ("ep",), devices=_devices(backend, n))
+    case = check.make_case(seed, shape, n, t, max_tokens, routing_name)
+    assert np.any(case.x.astype(np.float32) != 0)
+    with ExpertParallel(mesh, "ep", max_tokens=max_tokens, shape=shape, backend=backend) as ep:
+        assert ep.backend == backend
+        got = check.run_case(ep, case)
+    want = check.model_two_layers(case)
+    stats = [check.compare_rank(got[r], want, r) for r in range(n)]
+    assert sum(s["valid_rows"] for s in stats) > 0
+    return stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,t", list(itertools.product([1, 2, 4, 8], [1, 5, 13])))
+def test_kimi_k3_bit_exact(backend, n, t):
+    """The must-show: Kimi K3's shape (L=3584, E=896, K=16), max_tokens=13 (S=16), every N and T."""
+    run_and_check(backend, KIMI_K3, n, t, 13)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,t", [(1, 13), (2, 1), (2, 13), (4, 5), (8, 1), (8, 13)])
+def test_small_shape_routings(backend, n, t):
+    """A small shape, each case with another routing generator (random, skewed, hot expert, one rank, duplicates)."""
+    name = routing.GENERATORS[(n + t) % len(routing.GENERATORS)]
+    run_and_check(backend, SMALL, n, t, 13, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", routing.GENERATORS)
+def test_routings_at_full_stride(backend, name):
+    """T == max_tokens == stride (no padding rows), N = 4, every routing generator."""
+    run_and_check(backend, SMALL, 4, 8, 8, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_shapes(backend):
+    """K = 1 and K = 32 with N = 2 (E not a power of two)."""
+    run_and_check(backend, LatentMoEShape(latent=64, experts=6, topk=1), 2, 3, 3)
+    run_and_check(backend, LatentMoEShape(latent=96, experts=40, topk=32), 2, 9, 11, "duplicates")
+
+
+def test_model_quantizer_matches_numerics():
+    """The model's own NumPy MXFP8 against `numerics.mxfp8_quantize`, including ftz blocks and non-finite
+    blocks (scale 255; NaN-ness of elements compared, not NaN bits)."""
+    from jax_latent_ep import mxfp8_dequantize, mxfp8_quantize
+    from jax_latent_ep.testing import model
+
+    rng = np.random.default_rng(7)
+    x = check.random_latent(rng, (64,), 512).astype(np.float32)
+    x[1, 5] = np.inf
+    x[2, 40] = -np.inf
+    x[3, 100] = np.nan
+    x[4, 0:32] = np.float32(2.0**-130) * rng.standard_normal(32)  # bf16 subnormals only
+    x[5, 0:32] = np.float32(448 * 2.0**-126)  # the closed form's boundary
+    x = x.astype(check.BF16)
+    q, sf = (np.asarray(a) for a in mxfp8_quantize(x))
+    mq, msf = model.mxfp8_quantize(x)
+    np.testing.assert_array_equal(sf, msf)
+    qf, mqf = q.astype(np.float32), mq.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(qf), np.isnan(mqf))
+    finite = ~np.isnan(qf)
+    np.testing.assert_array_equal(q.view(np.uint8)[finite], mq.view(np.uint8)[finite])
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(np.asarray(mxfp8_dequantize(q, sf)), model.mxfp8_dequantize(mq, msf))
