@@ -74,6 +74,7 @@ namespace {
 constexpr CUresult kCudaSuccess = 0;
 constexpr int kLaunchAttributeProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_...
 constexpr int kFuncAttributeMaxDynamicSharedSizeBytes = 8;           // CU_FUNC_ATTRIBUTE_...
+constexpr int kDeviceAttributeMultiprocessorCount = 16;              // CU_DEVICE_ATTRIBUTE_...
 constexpr unsigned kDefaultMaxSmem = 48 * 1024;                      // above this: opt in per function
 
 // Driver entry points, resolved once from libcuda.so.1.
@@ -87,6 +88,8 @@ struct Driver {
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
   CUresult (*cuGetErrorName)(CUresult, const char**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
@@ -117,6 +120,8 @@ const Driver& driver() {
     get(d->cuModuleLoadData, "cuModuleLoadData");
     get(d->cuModuleGetFunction, "cuModuleGetFunction");
     get(d->cuFuncSetAttribute, "cuFuncSetAttribute");
+    get(d->cuDeviceGetAttribute, "cuDeviceGetAttribute");
+    get(d->cuOccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     get(d->cuLaunchKernelEx, "cuLaunchKernelEx");
     get(d->cuGetErrorName, "cuGetErrorName");
     get(d->cuGetErrorString, "cuGetErrorString");
@@ -140,6 +145,9 @@ struct Kernel {
   CUfunction fn = nullptr;
   unsigned block = 0;  // threads per CTA (the cubin's .reqntid)
   unsigned smem = 0;   // dynamic shared memory bytes
+  // CTAs of one launch that can be resident at once (occupancy x SMs): every CTA of a launch waits on
+  // flags that need every other CTA of the launch, so a larger grid would hang (docs/kernel_abi.md).
+  int64_t max_grid = 0;
 };
 
 // Everything one (instance, device) needs to launch; filled by ep_register_rank, read by the handlers.
@@ -211,9 +219,23 @@ int load_kernel(int ordinal, const void* image, size_t size, const char* name, i
       (rc = d.cuFuncSetAttribute(fn, kFuncAttributeMaxDynamicSharedSizeBytes, smem)) != kCudaSuccess) {
     error = "cuFuncSetAttribute(max dynamic smem " + std::to_string(smem) + "): " + cu_error(rc);
   }
+  int per_sm = 0, sms = 0;
+  if (error.empty() &&
+      (rc = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, block, smem)) != kCudaSuccess) {
+    error = "cuOccupancyMaxActiveBlocksPerMultiprocessor(" + std::string(name) + "): " + cu_error(rc);
+  }
+  if (error.empty() &&
+      (rc = d.cuDeviceGetAttribute(&sms, kDeviceAttributeMultiprocessorCount, dev)) != kCudaSuccess) {
+    error = "cuDeviceGetAttribute(multiprocessor count): " + cu_error(rc);
+  }
+  if (error.empty() && per_sm < 1) {
+    error = "kernel " + std::string(name) + " cannot run with block " + std::to_string(block) + " and smem " +
+            std::to_string(smem) + " on device " + std::to_string(ordinal);
+  }
   CUcontext popped;
   d.cuCtxPopCurrent(&popped);
   if (!error.empty()) return fail(error);
+  out->max_grid = int64_t{per_sm} * sms;
   out->fn = fn;
   out->block = static_cast<unsigned>(block);
   out->smem = static_cast<unsigned>(smem);
@@ -261,6 +283,17 @@ std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
+const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    default: return "another element type";
+  }
+}
+
 // Checks one operand: element type and shape.
 ffi::Error expect(const char* what, const char* name, const ffi::AnyBuffer& buf, ffi::DataType type,
                   std::initializer_list<int64_t> shape) {
@@ -273,11 +306,9 @@ ffi::Error expect(const char* what, const char* name, const ffi::AnyBuffer& buf,
   i = 0;
   for (int64_t s : shape) want += (i++ ? ", " : "") + std::to_string(s);
   want += "]";
-  return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + what + ": " + name + " has shape " +
-                                     dims_str(dims) + " and element type " +
-                                     std::to_string(static_cast<int>(buf.element_type())) +
-                                     ", expected shape " + want + " and element type " +
-                                     std::to_string(static_cast<int>(type)));
+  return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + what + ": " + name + " is " +
+                                     dtype_name(buf.element_type()) + dims_str(dims) + ", expected " +
+                                     dtype_name(type) + want);
 }
 
 ffi::Error launch(const char* what, const Kernel& k, unsigned grid, cudaStream_t stream, void** params) {
@@ -324,9 +355,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
                                        " tokens, expected 1 <= T <= max_tokens=" +
                                        std::to_string(r->max_tokens));
   }
-  if (grid < T || grid > (int64_t{1} << 31) - 1) {
-    return ffi::Error::InvalidArgument("jax_latent_ep dispatch: grid=" + std::to_string(grid) +
-                                       " must be at least T=" + std::to_string(T));
+  if (grid < T || grid > r->dispatch.max_grid) {
+    return ffi::Error::InvalidArgument(
+        "jax_latent_ep dispatch: grid=" + std::to_string(grid) + " CTAs for T=" + std::to_string(T) +
+        " tokens; it must satisfy T <= grid <= " + std::to_string(r->dispatch.max_grid) +
+        " (the CTAs of one launch that fit on the device at once)");
   }
   for (ffi::Error e : {expect(what, "x", x, ffi::DataType::BF16, {T, L}),
                        expect(what, "ids", ids, ffi::DataType::S32, {T, K}),
@@ -377,9 +410,10 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out,
                                        " tokens, expected 1 <= T <= max_tokens=" +
                                        std::to_string(r->max_tokens));
   }
-  if (grid < 1 || grid > (int64_t{1} << 31) - 1) {
-    return ffi::Error::InvalidArgument("jax_latent_ep combine: grid=" + std::to_string(grid) +
-                                       " must be positive");
+  if (grid < 1 || grid > r->combine.max_grid) {
+    return ffi::Error::InvalidArgument(
+        "jax_latent_ep combine: grid=" + std::to_string(grid) + " CTAs; it must satisfy 1 <= grid <= " +
+        std::to_string(r->combine.max_grid) + " (the CTAs of one launch that fit on the device at once)");
   }
   for (ffi::Error e : {expect(what, "out", out, ffi::DataType::BF16, {rows, L}),
                        expect(what, "ids", ids, ffi::DataType::S32, {T, K}),
@@ -498,6 +532,15 @@ __attribute__((visibility("default"))) int ep_register_rank(
 __attribute__((visibility("default"))) int ep_unregister_rank(int64_t instance, int ordinal) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_ranks.erase({instance, ordinal}) == 1 ? 0 : fail("not registered");
+}
+
+// The largest grid of one launch of `kernel` (0 dispatch, 1 combine) for (instance, ordinal), or -1 if that
+// pair is not registered.
+__attribute__((visibility("default"))) int64_t ep_max_grid(int64_t instance, int ordinal, int kernel) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_ranks.find({instance, ordinal});
+  if (it == g_ranks.end()) return -1;
+  return kernel == 0 ? it->second->dispatch.max_grid : it->second->combine.max_grid;
 }
 
 // Number of registered (instance, device) pairs (for tests).

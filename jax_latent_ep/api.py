@@ -10,9 +10,10 @@
 Both calls are traced inside `jax.shard_map(..., mesh=mesh)` over `axis_name` (other mesh axes may be
 mapped too). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
 
-Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them on the host (a
-`jax.pure_callback`, so it costs a device-host round trip) and an out-of-range id fails the computation
-with a `JaxRuntimeError` whose message names the bad id, the token and the rank. Without it nothing is
+Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
+its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
+trip) fails the computation on every rank at the same point with a `JaxRuntimeError` whose message names the
+first bad id, its token and its rank. Without it nothing is
 checked; the XLA backend then ignores an out-of-range id for routing (it selects no rank, in dispatch and
 combine alike, is carried unchanged in the received `ids`, and is never local to a rank) and the NVLink
 backend's behaviour is undefined. Duplicate ids within a token are allowed: a token reaches a rank once,
@@ -71,14 +72,16 @@ def _describe(a) -> str:
     return f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
 
 
-def _check_ids_host(ids, rank, experts, where):
-    ids = np.asarray(ids)
-    bad = np.argwhere((ids < 0) | (ids >= experts))
-    if bad.size:
-        t, k = (int(i) for i in bad[0])
+def _check_ids_host(table, experts, where):
+    """Raises (on every rank alike) if any rank's `[count, t, k, id]` row of `table` counts a bad id."""
+    table = np.asarray(table)
+    total = int(table[:, 0].sum())
+    if total:
+        rank = int(np.flatnonzero(table[:, 0])[0])
+        _, t, k, value = (int(v) for v in table[rank])
         raise ValueError(
-            f"ExpertParallel.{where}: ids[{t}, {k}] = {int(ids[t, k])} on rank {int(rank)} is outside "
-            f"[0, {experts}) ({len(bad)} bad id(s) in all)"
+            f"ExpertParallel.{where}: ids[{t}, {k}] = {value} on rank {rank} is outside [0, {experts}) "
+            f"({total} bad id(s) on all ranks)"
         )
     return np.zeros((), np.int32)
 
@@ -184,12 +187,15 @@ class ExpertParallel:
     def _checked_ids(self, ids, where):
         if not self.check_ids:
             return ids
-        rank = lax.axis_index(self.axis_name)
+        # Every rank learns every rank's first bad id (a tiny all_gather) and the host check raises on all
+        # ranks at the same point, so no rank is left waiting in a later collective for a failed one.
+        bad = (ids < 0) | (ids >= self.shape.experts)
+        first = jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+        k = self.shape.topk
+        info = jnp.stack([jnp.sum(bad, dtype=jnp.int32), first // k, first % k, ids.reshape(-1)[first]])
+        table = lax.all_gather(info, self.axis_name)  # [N, 4]
         ok = jax.pure_callback(
-            lambda i, r: _check_ids_host(i, r, self.shape.experts, where),
-            jax.ShapeDtypeStruct((), jnp.int32),
-            ids,
-            rank,
+            lambda tbl: _check_ids_host(tbl, self.shape.experts, where), jax.ShapeDtypeStruct((), jnp.int32), table
         )
         return ids + ok  # a data dependency keeps the check
 

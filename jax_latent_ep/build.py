@@ -22,7 +22,7 @@ import pathlib
 import sys
 import time
 
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape
+from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 DEFAULT_OUT = PACKAGE_DIR / "_artifacts"

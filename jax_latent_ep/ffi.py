@@ -58,6 +58,8 @@ def library() -> ctypes.CDLL:
     ]
     lib.ep_unregister_rank.restype = ctypes.c_int
     lib.ep_unregister_rank.argtypes = [ctypes.c_int64, ctypes.c_int]
+    lib.ep_max_grid.restype = ctypes.c_int64
+    lib.ep_max_grid.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.ep_registered_count.restype = ctypes.c_int
     lib.ep_registered_count.argtypes = []
     return lib
@@ -176,6 +178,12 @@ def register_rank(instance: int, ordinal: int, rank: int, ranks: int, max_tokens
     if rc != 0:
         raise RuntimeError(f"jax_latent_ep: registering rank {rank} on device {ordinal} failed: "
                            f"{lib.ep_last_error().decode()}")
+
+
+def max_grids(instance: int, ordinal: int) -> tuple[int, int]:
+    """(dispatch, combine) co-residency bounds of a registered rank: the largest grid of one launch."""
+    lib = library()
+    return int(lib.ep_max_grid(instance, ordinal, 0)), int(lib.ep_max_grid(instance, ordinal, 1))
 
 
 def unregister_rank(instance: int, ordinal: int) -> None:

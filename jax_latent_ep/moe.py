@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.layout import stride
 from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
 
 #: A small latent MoE for CPU tests and the demo.
@@ -108,17 +109,20 @@ def layer(ep, p: dict, h, eps: float):
     return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
 
-def make_forward(ep, cfg: MoEConfig):
-    """`forward(params, h)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over `ep.mesh`.
+def make_forward(ep, cfg: MoEConfig, scan: bool = True):
+    """`forward(params, h)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over `ep.mesh`,
+    as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`).
 
     `h` is bf16 [N*T, H] sharded over the axis (rank `r` owns rows `r*T ... r*T + T - 1`); params as
     `param_specs` shards them (see `shard_params`)."""
     axis = ep.axis_name
 
     def body(params, h):
-        for i in range(cfg.layers):
-            h = layer(ep, jax.tree.map(lambda a: a[i], params), h, cfg.eps)
-        return h
+        if not scan:
+            for i in range(cfg.layers):
+                h = layer(ep, jax.tree.map(lambda a: a[i], params), h, cfg.eps)
+            return h
+        return lax.scan(lambda h, p: (layer(ep, p, h, cfg.eps), None), h, params)[0]
 
     return jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(param_specs(axis), P(axis)), out_specs=P(axis)))
 
@@ -130,31 +134,64 @@ def shard_params(params: dict, mesh, axis_name: str) -> dict:
 
 
 def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
-    """One layer for all `N*T` tokens on one device, no collectives: rank `d`'s partial of every token is
-    the same expert computation over its experts; the routed latent sums them over the token's ranks in
-    ascending order in FP32 and rounds once, like combine."""
+    """One layer for all `N*T` tokens on one device, no collectives.
+
+    It lays the computation out as the ranks do, with array shapes equal to theirs (so XLA picks the same
+    kernels and the result is normally bit-identical): every rank's tokens are routed and projected on their
+    own (`lax.map` over ranks), rank `d`'s expert input is the `[N*S, L]` block of rows its dispatch would
+    receive (zero rows and non-local ids elsewhere), and each token's routed latent sums its ranks' partials
+    in ascending order in FP32, rounded once, like combine.
+    """
     local = shape.num_local_experts(ranks)
-    ids, weights = route(h, p["router"], shape.topk)
-    x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    xf = mxfp8_dequantize(*mxfp8_quantize(x))
-    acc = jnp.zeros(x.shape, jnp.float32)
-    for d in range(ranks):
-        coef = local_coefficients(ids, weights, d * local, local)
-        part = experts_mlp(xf, p["w1"][d * local:(d + 1) * local], p["w2"][d * local:(d + 1) * local], coef)
-        member = jnp.any(ids // local == d, axis=1)
-        acc = jnp.where(member[:, None], acc + part.astype(jnp.float32), acc)
-    acc = jnp.where(acc == 0, jnp.float32(0), acc)
-    y = rms_norm(acc.astype(jnp.bfloat16), p["norm"], eps)
-    return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    t = h.shape[0] // ranks
+    s_rows = stride(t)
+    hs = h.reshape(ranks, t, h.shape[1])
+    rank_ids = jnp.arange(ranks, dtype=jnp.int32)
+
+    def project(hr):
+        ids, w = route(hr, p["router"], shape.topk)
+        x = jnp.dot(hr, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        member = jnp.any(ids[:, :, None] // local == rank_ids[None, None, :], axis=1)  # [T, N]
+        return ids, w, mxfp8_dequantize(*mxfp8_quantize(x)), member
+
+    ids, w, xf, member = lax.map(project, hs)  # [N, T, ...]
+    pad = ((0, 0), (0, s_rows - t), (0, 0))
+
+    def expert_rank(args):  # the rows rank d receives, and its experts' output for them
+        d, w1, w2 = args
+        m = member[:, :, d][..., None]  # [N, T, 1]
+        empty = ((d + 1) % ranks) * local
+        rows_x = jnp.pad(jnp.where(m, xf, 0.0), pad).reshape(ranks * s_rows, -1)
+        rows_ids = jnp.pad(jnp.where(m, ids, empty), pad, constant_values=0).reshape(ranks * s_rows, -1)
+        rows_ids = jnp.where(jnp.pad(jnp.broadcast_to(m, ids.shape), pad).reshape(rows_ids.shape), rows_ids, empty)
+        rows_w = jnp.pad(jnp.where(m, w, 0.0), pad).reshape(ranks * s_rows, -1)
+        return experts_mlp(rows_x, w1, w2, local_coefficients(rows_ids, rows_w, d * local, local))
+
+    w1 = p["w1"].reshape(ranks, local, *p["w1"].shape[1:])
+    w2 = p["w2"].reshape(ranks, local, *p["w2"].shape[1:])
+    outs = lax.map(expert_rank, (rank_ids, w1, w2))  # [N(d), N*S, L]
+
+    def combine_rank(args):
+        r, hr, mr = args
+        parts = lax.dynamic_slice_in_dim(outs, r * s_rows, t, axis=1)  # [N(d), T, L]
+        acc = jnp.zeros((t, shape.latent), jnp.float32)
+        for d in range(ranks):
+            acc = jnp.where(mr[:, d, None], acc + parts[d].astype(jnp.float32), acc)
+        acc = jnp.where(acc == 0, jnp.float32(0), acc)
+        y = rms_norm(acc.astype(jnp.bfloat16), p["norm"], eps)
+        return hr + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    return lax.map(combine_rank, (rank_ids, hs, member)).reshape(h.shape)
 
 
 def make_reference_forward(cfg: MoEConfig, ranks: int):
-    """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (jitted; put the inputs
-    on one device)."""
+    """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (put the inputs on one
+    device). One jitted layer, applied `cfg.layers` times (one compilation)."""
+    one = jax.jit(lambda p, h: reference_layer(p, h, cfg.shape, ranks, cfg.eps))
 
-    def body(params, h):
+    def forward(params, h):
         for i in range(cfg.layers):
-            h = reference_layer(jax.tree.map(lambda a: a[i], params), h, cfg.shape, ranks, cfg.eps)
+            h = one(jax.tree.map(lambda a: a[i], params), h)
         return h
 
-    return jax.jit(body)
+    return forward

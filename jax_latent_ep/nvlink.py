@@ -98,7 +98,8 @@ class NvlinkBackend:
       shape: the layer's `LatentMoEShape`.
       timeout_s: bound of every flag wait inside the kernels; 0 waits forever.
       grid: CTAs per launch: None (the default rule, `default_grids`), an int for both kernels, or a pair
-        `(dispatch, combine)`; a dispatch grid is raised to at least `T`.
+        `(dispatch, combine)`; a dispatch grid is raised to at least `T`. Every grid must fit on the device
+        at once (`max_grids`, occupancy x SMs), which also bounds `T` per call (a dispatch needs `T` CTAs).
 
     Raises:
       ValueError, LookupError (no compiled kernel for this N / shape / arch), FileNotFoundError (no
@@ -123,13 +124,17 @@ class NvlinkBackend:
         self._grid = self._check_grid(grid)
         with _instances_lock:
             self.instance = next(_instances)
+        #: (dispatch, combine) largest grid of one launch: every CTA of a launch must be resident at once
+        #: (occupancy x SMs, docs/kernel_abi.md); a dispatch needs T CTAs, so this also bounds T.
+        self.max_grids = (1 << 31, 1 << 31)
         self._buffers: list[SymmetricBuffers] = []
         self._registered: list[int] = []
         self._closed = False
 
         me = jax.process_index()
-        groups = [g for g in _groups(mesh, axis_name) if any(d.process_index == me for d in g)]
-        archs = {_arch(d) for g in groups for d in g if d.process_index == me}
+        # (index, devices) of every group with a device of this process; the index names it in the KV store.
+        groups = [(i, g) for i, g in enumerate(_groups(mesh, axis_name)) if any(d.process_index == me for d in g)]
+        archs = {_arch(d) for _, g in groups for d in g if d.process_index == me}
         if len(archs) != 1:
             raise ValueError(f"the local devices of the mesh mix GPU architectures: {sorted(archs)}")
         arch = archs.pop()
@@ -137,15 +142,15 @@ class NvlinkBackend:
         combine = ffi.find_kernel("combine", self.ranks, shape, arch)
         ffi.register_targets()
         try:
-            all_groups = _groups(mesh, axis_name)
-            for g in groups:
-                index = next(i for i, h in enumerate(all_groups) if [d.id for d in h] == [d.id for d in g])
+            for index, g in groups:
                 bufs = SymmetricBuffers(g, max_tokens, shape, key=f"{self.instance}/{index}")
                 self._buffers.append(bufs)
                 for lr in bufs.local:
                     ffi.register_rank(self.instance, lr.ordinal, lr.rank, self.ranks, max_tokens, shape, lr.peers,
                                       lr.status_device, lr.status_host, self.timeout_ns, dispatch, combine)
                     self._registered.append(lr.ordinal)
+                    bounds = ffi.max_grids(self.instance, lr.ordinal)
+                    self.max_grids = tuple(min(a, b) for a, b in zip(self.max_grids, bounds))
         except BaseException:
             self.close()
             raise
@@ -163,10 +168,24 @@ class NvlinkBackend:
         return pair
 
     def grids(self, tokens: int) -> tuple[int, int]:
-        """(dispatch CTAs, combine CTAs) used for a call with `tokens` tokens per rank."""
+        """(dispatch CTAs, combine CTAs) used for a call with `tokens` tokens per rank.
+
+        Raises:
+          ValueError: if a grid exceeds the co-residency bound `max_grids` (a dispatch needs `T` CTAs, so a
+            large `T` cannot be sent in one call).
+        """
         if self._grid is None:
-            return default_grids(tokens, self.ranks, self.max_tokens)
-        return max(tokens, self._grid[0]), self._grid[1]
+            grids = default_grids(tokens, self.ranks, self.max_tokens)
+        else:
+            grids = max(tokens, self._grid[0]), self._grid[1]
+        for name, g, bound in zip(("dispatch", "combine"), grids, self.max_grids):
+            if g > bound:
+                raise ValueError(
+                    f"NvlinkBackend: the {name} kernel would need {g} CTAs for T={tokens} tokens, but only {bound} "
+                    f"fit on the device at once (every CTA of a launch waits for the others); send at most {bound} "
+                    f"tokens per call{' or lower grid' if self._grid else ''}"
+                )
+        return grids
 
     def _check_open(self):
         if self._closed:

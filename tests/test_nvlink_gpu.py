@@ -392,3 +392,60 @@ def test_two_processes_one_gpu_each():
     for rank, (rc, out, err) in enumerate(outs):
         print(out)
         assert rc == 0 and f"OK {rank}" in out, f"rank {rank} rc={rc}\n{out[-2000:]}\n{err[-6000:]}"
+
+
+_TIMEOUT_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    nv = NvlinkBackend(jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2]), "ep", 8, KIMI_K3, timeout_s=0.5)
+    # Rank 0 dispatches alone (a one-device program): it must time out waiting for rank 1's flag.
+    alone = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    fn = jax.jit(jax.shard_map(lambda x, i, w: nv.dispatch(x, i, w).src, mesh=alone, in_specs=(P("ep"),) * 3,
+                               out_specs=P("ep")))
+    put = lambda a: jax.device_put(a, jax.NamedSharding(alone, P("ep")))
+    x = put(jnp.zeros((4, 3584), jnp.bfloat16))
+    ids = put(jnp.zeros((4, 16), jnp.int32))  # every token to expert 0 (rank 0) only
+    w = put(jnp.ones((4, 16), jnp.float32))
+    try:
+        jax.block_until_ready(fn(x, ids, w))
+        print("NO ERROR", flush=True)
+    except Exception as e:
+        print("RAISED", type(e).__name__, str(e)[:300].replace(chr(10), " "), flush=True)
+    print("STATUS", nv.status()[0], flush=True)
+    try:
+        nv.check()
+    except RuntimeError as e:
+        print("CHECK", e, flush=True)
+    os._exit(0)  # the trap killed the CUDA context: no orderly teardown
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_flag_timeout_is_reported():
+    if len(_gpus()) < 2:
+        pytest.skip("needs 2 GPUs")
+    proc = _run(_TIMEOUT_SCRIPT, [], {"XLA_FLAGS": ""}, timeout=120)
+    print(proc.stdout)
+    assert "RAISED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "STATUS (1, 0, 1, " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CHECK jax_latent_ep: dispatch on rank 0 timed out waiting for rank 1" in proc.stdout, proc.stdout
+
+
+def test_grid_bound_is_checked_at_trace_time():
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    nv = NvlinkBackend.__new__(NvlinkBackend)  # no GPU: only the grid rule's state
+    nv.ranks, nv.max_tokens, nv._grid, nv.max_grids = 2, 1024, None, (396, 396)
+    assert nv.grids(396) == (396, 396)
+    with pytest.raises(ValueError, match="only 396 fit"):
+        nv.grids(397)
+    nv._grid = (10, 500)
+    with pytest.raises(ValueError, match="combine kernel would need 500"):
+        nv.grids(5)

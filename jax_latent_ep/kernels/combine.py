@@ -72,7 +72,7 @@ EMPTY = 0xFFFFFFFF
 
 
 class Combine:
-    """The combine kernel for one `(shape, ranks)`; `compile(arch)` builds it."""
+    """The combine kernel for one `(shape, ranks)` (compile-time constants); `compile_combine` builds it."""
 
     def __init__(self, shape: LatentMoEShape, ranks: int):
         check_shape(shape)
@@ -83,7 +83,8 @@ class Combine:
         self.local_experts = shape.num_local_experts(ranks)
 
     # -----------------------------------------------------------------------------------------------------
-    # Launch / host signature
+    # Launch / host signature: the parameter list of the cubin (PARAMS). This host function exists only to
+    # compile the kernel; at run time the C++ FFI (or the harness) launches the cubin with its own grid.
 
     @cute.jit
     def launch(
@@ -134,7 +135,7 @@ class Combine:
         grid = Int32(grid)
         lane = tid % 32
         warp = tid // 32
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         shared_mask = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         shared_sum = smem.allocate_tensor(Float32, cute.make_layout(32), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
@@ -188,10 +189,12 @@ class Combine:
                 raise_flags(peers, cflag, rank, lane, ranks)
             if cta < waiters:
                 wait_flags(local, cflag, lane, ranks, timeout_ns, status, ctrl, rank, lay.ERROR_COMBINE_TIMEOUT, -1)
+                # (wait_flags ended with warp 0's acquire fence; the barrier below extends it to the CTA.)
                 if last_arrival(ctrl + 4 * lay.CTRL_COMBINE_SEEN, waiters, lane) != Uint32(0):
                     rearm_flags(local, cflag, lane, ranks)
         cute.arch.sync_threads()
-        fence_acq_rel_sys()  # every reading thread acquires the destinations' partials
+        # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
+        cute.arch.griddepcontrol_launch_dependents()
 
         t = cta
         while t < tokens:
@@ -251,7 +254,6 @@ class Combine:
                 store_v4(dest + 16, normed[4:8])
             cute.arch.sync_threads()  # shared_mask / shared_sum are reused by the next token
             t += grid
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 #: The cubin's one kernel symbol: `Combine.kernel` with a fixed name (the DSL appends `_0`).

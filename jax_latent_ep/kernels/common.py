@@ -75,18 +75,21 @@ def peer_base(peers: Int64, target: Int32) -> Int64:
 @cute.jit
 def last_arrival(counter: Int64, total: Int32, lane: Int32) -> Uint32:
     """Warp-wide (all 32 lanes call it): nonzero on every lane iff this CTA is the `total`-th arrival on
-    `counter`. Lane 0 fences at system scope, then adds 1 (acq_rel, gpu scope: every arriving CTA is on this
-    GPU); the last arrival resets the counter to 0 for the next launch. Every lane fences again on the way out,
-    so whatever the warp does next (raise flags) is ordered after every counted CTA's stores."""
+    `counter`. Lane 0 adds 1 (acq_rel, gpu scope: every arriving CTA is on this GPU); the last arrival resets
+    the counter to 0 for the next launch and every lane of its warp fences at system scope, so what the warp
+    does next (raise flags) is ordered after every counted CTA's stores.
+
+    The caller guarantees that every thread of the CTA whose stores the arrival publishes has fenced at
+    system scope and passed a CTA barrier before this call (so lane 0 needs no fence of its own)."""
     last = Uint32(0)
     if lane == 0:
-        fence_acq_rel_sys()
         old = atomic_add_acq_rel_gpu(counter, Uint32(1))
         if old == Uint32(total - 1):
             store_b32(counter, Uint32(0))
             last = Uint32(1)
     last = shfl_idx(last, Uint32(0))
-    fence_acq_rel_sys()
+    if last != Uint32(0):
+        fence_acq_rel_sys()
     return last
 
 

@@ -87,7 +87,7 @@ def check_shape(shape: LatentMoEShape) -> None:
 
 
 class Dispatch:
-    """The dispatch kernel for one `(shape, ranks)`; `compile(arch)` builds it."""
+    """The dispatch kernel for one `(shape, ranks)` (compile-time constants); `compile_dispatch` builds it."""
 
     def __init__(self, shape: LatentMoEShape, ranks: int):
         check_shape(shape)
@@ -95,10 +95,10 @@ class Dispatch:
         self.shape, self.ranks = shape, ranks
         self.threads = block_threads(shape)
         self.local_experts = shape.num_local_experts(ranks)
-        self.name = f"ep_dispatch_l{shape.latent}_e{shape.experts}_k{shape.topk}_n{ranks}"
 
     # -----------------------------------------------------------------------------------------------------
-    # Launch / host signature
+    # Launch / host signature: the parameter list of the cubin (PARAMS). This host function exists only to
+    # compile the kernel; at run time the C++ FFI (or the harness) launches the cubin with its own grid.
 
     @cute.jit
     def launch(
@@ -154,7 +154,7 @@ class Dispatch:
         grid = Int32(grid)
         lane = tid % 32
         warp = tid // 32
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
 
@@ -261,12 +261,14 @@ class Dispatch:
             if last_arrival(ctrl + 4 * lay.CTRL_DISPATCH_DONE, grid, lane) != Uint32(0):
                 raise_flags(peers, dflag, rank, lane, ranks)
             wait_flags(local, dflag, lane, ranks, timeout_ns, status, ctrl, rank, lay.ERROR_DISPATCH_TIMEOUT, 0)
+            # (wait_flags ended with warp 0's acquire fence; the barrier below extends it to the CTA.)
             if last_arrival(ctrl + 4 * lay.CTRL_DISPATCH_SEEN, grid, lane) != Uint32(0):
                 rearm_flags(local, dflag, lane, ranks)
                 if lane == 0:
                     store_b32(ctrl + 4 * lay.CTRL_LAYER, load_b32(ctrl + 4 * lay.CTRL_LAYER) + Uint32(1))
         cute.arch.sync_threads()
-        fence_acq_rel_sys()  # every reading thread acquires the sources' rows
+        # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
+        cute.arch.griddepcontrol_launch_dependents()
 
         # Copy the receive rows out of the local buffer into XLA's outputs.
         r = cta
@@ -287,7 +289,6 @@ class Dispatch:
                 if tid < num_sf // 16:
                     store_v4(recv_sf + row * num_sf + column, load_v4(local + buf.sf + row * buf.sf_pitch + column))
             r += grid
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

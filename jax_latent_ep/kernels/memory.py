@@ -12,7 +12,7 @@ No JAX here: this module is imported by the ahead-of-time build only.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

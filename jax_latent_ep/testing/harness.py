@@ -28,8 +28,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape
-from jax_latent_ep.layout import CTRL_ERROR, CTRL_ERROR_LAYER, CTRL_ERROR_PEER, EpLayout, stride
+from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
+from jax_latent_ep.layout import CTRL_ERROR, EpLayout
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
 SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}

@@ -101,8 +101,7 @@ S_FENCE = 100  # storing thread: about to fence (dispatch: pc 0 issues; combine:
 S_DONE = 999  # storing thread: at the CTA barrier (finished)
 A_ARRIVE = 0  # arrival thread: waiting for the barrier, then arrives on the DONE counter
 A_RAISE = 100  # + d: raise this rank's flag on rank d
-A_WAIT = 200  # polling (the CTA's mask of seen flags is the third word)
-A_SEEN = 300  # arrive on the SEEN counter
+A_WAIT = 200  # waiting for every flag, then arrives on the SEEN counter
 A_REARM = 400  # (+ d with rearm_by_writer) re-arm
 A_READ = 500  # + j: the j-th read after the wait (copy-out row / reduce token)
 A_DONE = 999
@@ -203,7 +202,7 @@ class Model:
 
     `words` holds, for each rank, a block `[kernel, tdone, dseen, cdone, cseen, started]` then, for the current
     kernel and for the next one (started early only with `stream_order=False`), `G` CTAs of
-    `(s_pc, a_pc, mask)`; then the dispatch flags `dflag[d * N + s]` (flag of source `s` on rank `d`; 0 or
+    `(s_pc, a_pc)`; then the dispatch flags `dflag[d * N + s]` (flag of source `s` on rank `d`; 0 or
     layer + 1), the combine flags `cflag[d * N + s]`, the receive rows `row[d * N * T + s * T + t]` (0 empty,
     else layer + 1 of the data), and the combine slots `slot[s * T * N + t * N + d]` (0, or
     `2 * (layer + 1) + read`).
@@ -215,7 +214,7 @@ class Model:
         self.n, self.t = n, t
         self.kernels = 2 * cfg.layers
         self.gmax = max(cfg.dispatch_grid, cfg.combine_grid)
-        self.cta_words = 3 * self.gmax
+        self.cta_words = 2 * self.gmax
         self.rank_words = 6 + 2 * self.cta_words
         self.df = n * self.rank_words
         self.cf = self.df + n * n
@@ -238,7 +237,7 @@ class Model:
         return self.cfg.dispatch_grid if kernel % 2 == 0 else self.cfg.combine_grid
 
     def cta_base(self, r: int, which: int, c: int) -> int:
-        return r * self.rank_words + 6 + which * self.cta_words + 3 * c
+        return r * self.rank_words + 6 + which * self.cta_words + 2 * c
 
     def expected_row(self, layer: int, d: int, row: int) -> int:
         s, t = divmod(row, self.t)
@@ -286,7 +285,8 @@ class Model:
         return (0, rank * self.n * self.t + index)
 
     def _all_seen(self, w, reader: int, kernel_kind: int, layer: int, source: int) -> bool:
-        """Whether every waiting CTA of rank `reader` in its (kind, layer) kernel saw flag `source`."""
+        """Whether every waiting CTA of rank `reader` in its (kind, layer) kernel saw flag `source` (passed its
+        wait: see `Model` on why a wait is one step)."""
         kernel = 2 * layer + kernel_kind
         base = reader * self.rank_words
         k = w[base]
@@ -301,8 +301,7 @@ class Model:
         waiters = self.cfg.dispatch_grid if kernel_kind == 0 else self.cwaiters
         for c in range(waiters):
             cb = self.cta_base(reader, which, c)
-            a = w[cb + 1]
-            if a < A_WAIT or (a == A_WAIT and not w[cb + 2] >> source & 1):
+            if w[cb + 1] <= A_WAIT:
                 return False
         return True
 
@@ -350,7 +349,7 @@ class Model:
                 g = self.grid(kernel)
                 for c in range(g):
                     cb = self.cta_base(r, which, c)
-                    s_pc, a_pc, mask = w[cb], w[cb + 1], w[cb + 2]
+                    s_pc, a_pc = w[cb], w[cb + 1]
                     tag = f"r{r} L{layer} {'dispatch' if kind == 0 else 'combine'} cta{c}"
                     # storing thread
                     if kind == 0:
@@ -375,11 +374,8 @@ class Model:
                         out.append((f"{tag} A raise flag on r{d}", ("raise", r, which, kernel, c)))
                     elif a_pc == A_WAIT:
                         flags = self.df if kind == 0 else self.cf
-                        for s in range(n):
-                            if not mask >> s & 1 and w[flags + r * n + s]:
-                                out.append((f"{tag} A sees flag of r{s}", ("poll", r, which, kernel, c, s)))
-                        if mask == self.full:
-                            out.append((f"{tag} A arrive seen", ("seen", r, which, kernel, c)))
+                        if all(w[flags + r * n + s] for s in range(n)):
+                            out.append((f"{tag} A sees every flag, arrives seen", ("wait", r, which, kernel, c)))
                     elif A_REARM <= a_pc < A_REARM + n:
                         out.append((f"{tag} A re-arm", ("rearm", r, which, kernel, c)))
                     elif A_READ <= a_pc < A_DONE:
@@ -458,6 +454,7 @@ class Model:
                 self._land(w, p, label)
             pending = pending - set(mine)
             w[cb] = S_DONE
+            op = "arrive"  # the barrier and lane 0's arrival follow at once (they touch only a local counter)
         elif op == "cread":
             row = self.crows[c][w[cb]]
             value = w[self.rows + r * n * T + row]
@@ -471,7 +468,7 @@ class Model:
             w[cb] += 1
             if w[cb] == len(self.crows[c]):
                 w[cb] = S_FENCE if cfg.fence_per_thread else S_DONE
-        elif op == "arrive":
+        if op == "arrive":
             counter = base + (C_TDONE if kind == 0 else C_CDONE)
             w[counter] += 1
             if w[counter] == g:
@@ -490,17 +487,17 @@ class Model:
                 )
             w[at] = layer + 1
             w[cb + 1] = A_RAISE + d + 1 if d + 1 < n else self._after_raise(kind, c)
-        elif op == "poll":
-            s = step[5]
-            at = (self.df if kind == 0 else self.cf) + r * n + s
-            if w[at] != layer + 1:
-                raise Violation(STALE_FLAG, f"{label}: a layer {layer} waiter sees a layer {w[at] - 1} flag")
-            w[cb + 2] |= 1 << s
-        elif op == "seen":
+        elif op == "wait":
+            flags = self.df if kind == 0 else self.cf
+            for s in range(n):
+                if w[flags + r * n + s] != layer + 1:
+                    raise Violation(
+                        STALE_FLAG,
+                        f"{label}: a layer {layer} waiter sees the layer {w[flags + r * n + s] - 1} flag of r{s}",
+                    )
             counter = base + (C_DSEEN if kind == 0 else C_CSEEN)
             total = g if kind == 0 else self.cwaiters
             w[counter] += 1
-            w[cb + 2] = 0
             if w[counter] == total:
                 w[counter] = 0
                 w[cb + 1] = A_REARM
@@ -536,7 +533,7 @@ class Model:
                         )
                     w[at] |= 1
             w[cb + 1] = A_READ + j + 1 if j + 1 < len(self.ctoks[c]) else A_DONE
-        else:  # pragma: no cover
+        elif op not in ("issue", "cread"):  # pragma: no cover
             raise AssertionError(op)
         self._normalize(w, r)
         return (tuple(w), pending)

@@ -1,0 +1,134 @@
+"""Multi-process JAX launcher for tests: P CPU processes joined by `jax.distributed` (gloo collectives).
+
+    from jax_latent_ep.testing.launcher import launch
+    launch("/path/to/module.py:worker", processes=4, timeout=120, args={"seed": 1})
+
+Each process runs `worker(process_id, num_processes, **args)` after `jax.distributed.initialize` (coordinator on
+a free localhost port), with `devices_per_process` CPU devices. `launch` returns the processes' logs when all
+exit with status 0; if any exits otherwise, it kills the rest at once (they may be stuck in a collective
+waiting for it) and raises AssertionError; if they are not all done within `timeout` seconds it kills
+them all and raises AssertionError. Both messages show every rank's exit status and log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+_BOOTSTRAP = r"""
+import importlib.util, json, os, sys
+target, coordinator, nproc, pid, args = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+import jax
+jax.config.update("jax_platforms", "cpu")
+try:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+except Exception as e:  # older or newer jax: gloo is the default where the option is gone
+    print(f"launcher: jax_cpu_collectives_implementation not set ({e})", flush=True)
+jax.distributed.initialize(coordinator_address=coordinator, num_processes=nproc, process_id=pid,
+                           initialization_timeout=60)
+path, _, name = target.rpartition(":")
+if path.endswith(".py"):
+    spec = importlib.util.spec_from_file_location(f"_launched_{pid}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+else:
+    module = importlib.import_module(path)
+print(f"launcher: process {pid}/{nproc} devices {jax.local_devices()} of {jax.device_count()}", flush=True)
+getattr(module, name)(pid, nproc, **json.loads(args))
+print(f"launcher: process {pid} done", flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the worker and anything it started
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _report(headline, procs, logs) -> str:
+    parts = [headline]
+    for i, (p, path) in enumerate(zip(procs, logs)):
+        status = p.poll()
+        with open(path, errors="replace") as f:
+            text = f.read()
+        if len(text) > 6000:
+            text = "... (cut) ...\n" + text[-6000:]
+        parts.append(f"----- rank {i}: exit status {status} -----\n{text.rstrip()}")
+    return "\n".join(parts)
+
+
+def launch(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
+           devices_per_process: int = 1, env: dict | None = None) -> list[str]:
+    """Runs `target` ("path/to/file.py:function" or "package.module:function") in `processes` processes.
+
+    Returns every rank's log. Raises AssertionError (with every rank's log) if one fails or the whole
+    run outlives `timeout` seconds.
+    """
+    import json
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    flags = [f for f in base_env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    base_env["XLA_FLAGS"] = " ".join(flags)
+    base_env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
+    logdir = tempfile.mkdtemp(prefix="jax_latent_ep_launch_")
+    procs, logs = [], []
+    try:
+        for pid in range(processes):
+            path = os.path.join(logdir, f"rank{pid}.log")
+            logs.append(path)
+            with open(path, "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-u", "-c", _BOOTSTRAP, target, coordinator, str(processes), str(pid),
+                     json.dumps(args or {})],
+                    stdout=log, stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                time.sleep(0.5)  # let the failing rank's output land
+                _kill(procs)
+                raise AssertionError(_report(
+                    f"multi-process run of {target}: rank(s) {failed} failed (the others were killed)", procs, logs))
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                stuck = [i for i, c in enumerate(codes) if c is None]
+                _kill(procs)
+                raise AssertionError(_report(
+                    f"multi-process run of {target}: timed out after {timeout:.0f} s; rank(s) {stuck} "
+                    f"still running (killed)", procs, logs))
+            time.sleep(0.1)
+        out = []
+        for path in logs:
+            with open(path, errors="replace") as f:
+                out.append(f.read())
+        return out
+    finally:
+        _kill(procs)

@@ -1,0 +1,216 @@
+"""`ExpertParallel`: backend choice, trace-time checks with clear messages, `check_ids`, out-of-range and
+duplicate ids, the context manager and the package's exports."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_latent_ep
+from jax_latent_ep import ExpertParallel, LatentMoEShape, Received
+from jax_latent_ep.testing import check, model
+
+SHAPE = LatentMoEShape(latent=64, experts=8, topk=2)
+N, T, MT = 2, 3, 5
+
+
+def mesh_of(n=N):
+    return jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+
+
+def good_inputs(n=N, t=T, seed=0):
+    rng = np.random.default_rng(seed)
+    x = check.random_latent(rng, (n * t,), SHAPE.latent, special=False)
+    ids = np.stack([rng.choice(SHAPE.experts, SHAPE.topk, replace=False) for _ in range(n * t)]).astype(np.int32)
+    w = rng.random((n * t, SHAPE.topk)).astype(np.float32)
+    return x, ids, w
+
+
+def run(ep, fn, *arrays, specs=None):
+    """`jax.jit(jax.shard_map(fn))` over ep's mesh with every array sharded on its first axis."""
+    mesh = ep.mesh
+    specs = specs or tuple(P("ep") for _ in arrays)
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("ep")))
+    return jax.tree.map(np.asarray, f(*placed))
+
+
+# -- construction ----------------------------------------------------------------------------------------
+
+
+def test_auto_is_xla_on_cpu():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    assert ep.backend == "xla" and ep.ranks == N and ep.rows == N * 8
+    assert "backend='xla'" in repr(ep)
+
+
+def test_nvlink_unavailable_on_cpu():
+    with pytest.raises(ValueError, match="backend='nvlink' is not available: not every mesh device is a CUDA GPU"):
+        ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="nvlink")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(backend="nccl"), r"backend='nccl' must be one of \('auto', 'xla', 'nvlink'\)"),
+        (dict(max_tokens=None), "needs max_tokens"),
+        (dict(max_tokens=0), "max_tokens=0 must satisfy 1 <= max_tokens < 65536"),
+        (dict(max_tokens=65536), "max_tokens=65536"),
+        (dict(axis_name="tp"), r"axis_name='tp' is not an axis of the mesh \(axes: \['ep'\]\)"),
+        (dict(shape=(64, 8, 2)), "must be a LatentMoEShape"),
+        (dict(backend="xla", grid=4), r"the xla backend takes no options, got \['grid'\]"),
+    ],
+)
+def test_bad_construction(kwargs, message):
+    args = dict(axis_name="ep", max_tokens=MT, shape=SHAPE) | kwargs
+    with pytest.raises(ValueError, match=message):
+        ExpertParallel(mesh_of(), **args)
+
+
+def test_ranks_must_divide_experts():
+    with pytest.raises(ValueError, match="ranks=3 must divide experts=8"):
+        ExpertParallel(mesh_of(3), "ep", max_tokens=MT, shape=SHAPE)
+
+
+def test_context_manager_closes():
+    with ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE) as ep:
+        pass
+    ep.close()  # idempotent
+    x, ids, w = good_inputs()
+    with pytest.raises(ValueError, match="ExpertParallel is closed"):
+        run(ep, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+
+
+def test_exports():
+    for name in ["ExpertParallel", "Received", "KIMI_K3", "DEEPSEEK_V3", "LatentMoEShape", "EpLayout",
+                 "mxfp8_quantize", "mxfp8_dequantize", "rms_norm"]:
+        assert hasattr(jax_latent_ep, name), name
+    assert Received._fields == ("x", "sf", "ids", "weights", "src")
+
+
+# -- trace-time checks -----------------------------------------------------------------------------------
+
+
+def test_outside_shard_map():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs(t=T)
+    with pytest.raises(ValueError, match="must be called inside jax.shard_map over the mesh axis 'ep'"):
+        ep.dispatch(jnp.asarray(x[:T]), jnp.asarray(ids[:T]), jnp.asarray(w[:T]))
+    with pytest.raises(ValueError, match="combine must be called inside jax.shard_map"):
+        ep.combine(jnp.zeros((ep.rows, SHAPE.latent), jnp.bfloat16), jnp.asarray(ids[:T]))
+
+
+def test_wrong_axis_size():
+    ep = ExpertParallel(mesh_of(2), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs(n=4)
+    other = ExpertParallel(mesh_of(4), "ep", max_tokens=MT, shape=SHAPE)
+    with pytest.raises(ValueError, match="axis 'ep' has size 4 here, but the ExpertParallel was built for N=2"):
+        run(other, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda x, i, w: (x.astype(np.float32), i, w), r"x must be bfloat16\[3, 64\], got float32\[3, 64\]"),
+        (lambda x, i, w: (x[:, :32], i, w), r"x must be bfloat16\[3, 64\], got bfloat16\[3, 32\]"),
+        (lambda x, i, w: (x.reshape(-1), i, w), r"x must be 2-D \[T, \.\.\.\], got bfloat16\[192\]"),
+        (lambda x, i, w: (x, i.astype(np.int16), w), r"ids must be int32\[3, 2\], got int16\[3, 2\]"),
+        (lambda x, i, w: (x, i[:, :1], w), r"ids must be int32\[3, 2\], got int32\[3, 1\]"),
+        (lambda x, i, w: (x, i, w.astype(jnp.bfloat16)), r"weights must be float32\[3, 2\], got bfloat16\[3, 2\]"),
+    ],
+)
+def test_bad_dispatch_inputs(change, message):
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    with pytest.raises(ValueError, match=message):
+        run(ep, lambda x, i, w: ep.dispatch(x, i, w).src, *change(x, ids, w))
+
+
+def test_too_many_tokens():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=2, shape=SHAPE)
+    x, ids, w = good_inputs(t=3)
+    with pytest.raises(ValueError, match=r"T=3 tokens \(x bfloat16\[3, 64\]\) must satisfy 1 <= T <= max_tokens=2"):
+        run(ep, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+
+
+def test_zero_tokens():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    with pytest.raises(ValueError, match=r"T=0 tokens"):
+        run(ep, lambda x, i, w: ep.dispatch(x[:0], i[:0], w[:0]).src, x, ids, w)
+
+
+@pytest.mark.parametrize(
+    "out_fn,norm,eps,message",
+    [
+        (lambda r: r[:-1], None, 1e-5, r"out must be bfloat16\[16, 64\], got bfloat16\[15, 64\]"),
+        (lambda r: r.astype(jnp.float32), None, 1e-5, r"out must be bfloat16\[16, 64\], got float32\[16, 64\]"),
+        (lambda r: r, jnp.ones(64, jnp.float32), 1e-5, r"norm_weight must be bfloat16\[64\], got float32\[64\]"),
+        (lambda r: r, jnp.ones(32, jnp.bfloat16), 1e-5, r"norm_weight must be bfloat16\[64\], got bfloat16\[32\]"),
+        (lambda r: r, None, -1.0, r"eps=-1.0 must be a non-negative float"),
+    ],
+)
+def test_bad_combine_inputs(out_fn, norm, eps, message):
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+
+    def f(x, i, w):
+        recv = ep.dispatch(x, i, w)
+        return ep.combine(out_fn(recv.x.astype(jnp.bfloat16)), i, norm, eps)
+
+    with pytest.raises(ValueError, match=message):
+        run(ep, f, x, ids, w)
+
+
+# -- ids -------------------------------------------------------------------------------------------------
+
+
+def _dispatch_combine(ep):
+    def f(x, i, w):
+        recv = ep.dispatch(x, i, w)
+        return tuple(recv), ep.combine(recv.x.astype(jnp.bfloat16), i)
+
+    return f
+
+
+def test_check_ids_rejects_out_of_range():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, check_ids=True)
+    x, ids, w = good_inputs()
+    run(ep, _dispatch_combine(ep), x, ids, w)  # in range: fine
+    ids[4, 1] = SHAPE.experts
+    with pytest.raises(Exception, match=r"ids\[1, 1\] = 8 on rank 1 is outside \[0, 8\) \(1 bad id\(s\) on all ranks\)"):
+        run(ep, _dispatch_combine(ep), x, ids, w)
+    try:  # the failed callback is also recorded in JAX's runtime tokens: consume it here, not at exit
+        jax.effects_barrier()
+    except Exception:
+        pass
+
+
+def test_out_of_range_ids_are_ignored_without_check():
+    """Documented behaviour of the XLA backend: an id outside [0, E) selects no rank and travels unchanged."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    ids[0, 0] = -1
+    ids[1, :] = [SHAPE.experts, 1 << 20]  # reaches nobody: routed latent 0
+    ids[4, 1] = -7
+    recv, routed = run(ep, _dispatch_combine(ep), x, ids, w)
+    per = lambda a: a.reshape(N, T, *a.shape[1:])  # noqa: E731
+    want = model.dispatch(per(x), per(ids), per(w), shape=SHAPE, max_tokens=MT)
+    for r in range(N):
+        rows = slice(r * ep.rows, (r + 1) * ep.rows)
+        check.compare_received(tuple(a[rows] for a in recv), want, r, "out-of-range ids")
+    assert not np.any(recv[4] == 1), "token 1 of rank 0 reached a rank"
+    assert np.all(routed[1].astype(np.float32) == 0)
+
+
+def test_duplicate_ids_reach_a_rank_once():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    ids[:] = [[5, 5]] * (N * T)  # every token: expert 5 twice (rank 1)
+    ids[2] = [0, 1]  # rank 0 only, two of its experts
+    recv, routed = run(ep, _dispatch_combine(ep), x, ids, w)
+    src = recv[4].reshape(N, ep.rows)
+    valid1 = sorted(int(s) for s in src[1] if s != -1)
+    assert valid1 == sorted(((r << 16) | t) for r in range(N) for t in range(T) if not (r == 0 and t == 2))
+    assert [int(s) for s in src[0] if s != -1] == [2]

@@ -1,0 +1,90 @@
+"""The CuTe DSL kernels on real GPUs through the JAX-free harness (`jax_latent_ep.testing.harness`): a few
+hundred consecutive layers per setting, every receive row and combine output checked against numpy.
+
+Needs an NVIDIA GPU, cuda-bindings and the AOT artifacts (`python -m jax_latent_ep.build`); each missing piece
+skips the tests with the reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_count() -> int:
+    try:
+        from cuda.bindings import driver
+
+        if driver.cuInit(0)[0] != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        err, count = driver.cuDeviceGetCount()
+    except Exception:  # no cuda-bindings, or no driver library (CPU-only machine)
+        return 0
+    return count if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def _artifacts_problem():
+    try:
+        from jax_latent_ep import build
+    except ImportError as error:  # pragma: no cover
+        return str(error)
+    problems = build.check_installed(build.DEFAULT_OUT, archs=("sm_90a",), complete=False)
+    if problems:
+        return problems[0]
+    from jax_latent_ep.testing.harness import Manifest
+
+    try:
+        manifest = Manifest()
+        for n in (1, 2):
+            manifest.entry("dispatch", "kimi_k3", n, "sm_90a")
+            manifest.entry("combine", "kimi_k3", n, "sm_90a")
+    except (FileNotFoundError, KeyError) as error:
+        return str(error)
+    return None
+
+
+GPUS = _gpu_count()
+PROBLEM = None if not GPUS else _artifacts_problem()
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs an NVIDIA GPU and cuda-bindings")
+needs_artifacts = pytest.mark.skipif(PROBLEM is not None, reason=f"kernel artifacts unusable: {PROBLEM}")
+
+
+@needs_gpu
+@needs_artifacts
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_virtual_ranks_one_gpu(ranks):
+    from jax_latent_ep.testing import harness
+
+    system = harness.System("kimi_k3", ranks, 32, "virtual")
+    system.timeout_ns = 10_000_000_000
+    layers, mismatches, info = harness.run_layers(system, 200, seed=ranks, nonfinite_every=25, log_every=0)
+    assert (layers, mismatches) == (200, 0), info["details"]
+
+
+@needs_gpu
+@needs_artifacts
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 NVIDIA GPUs")
+def test_two_gpus():
+    from jax_latent_ep.testing import harness
+
+    system = harness.System("kimi_k3", 2, 64, "devices")
+    system.timeout_ns = 10_000_000_000
+    layers, mismatches, info = harness.run_layers(system, 300, seed=7, nonfinite_every=25, log_every=0)
+    assert (layers, mismatches) == (300, 0), info["details"]
+
+
+@needs_gpu
+@needs_artifacts
+def test_flag_timeout_reports_and_traps():
+    # A separate process: the trap kills its CUDA context.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    result = subprocess.run(
+        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "timeout"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "status record [1, 0, 1, 0]" in result.stdout
