@@ -28,6 +28,7 @@ import time
 
 TOKENS = (1, 2, 5, 8, 16, 32, 64, 128)
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 ROOT = os.path.dirname(HERE)
 
 
@@ -241,8 +242,8 @@ def run_all(args):
                             " --xla_gpu_graph_min_graph_size=1").strip()
     gpus = len([d for d in jax.devices() if d.platform == "gpu"])
     device = jax.devices()[0].device_kind if gpus else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     date = datetime.date.today().isoformat()
     rows = []
     plans = [(1, 1)] + ([(2, 1), (2, 2)] if gpus >= 2 else [])

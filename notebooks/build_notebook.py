@@ -1,0 +1,185 @@
+"""Writes notebooks/explore.ipynb (outputs stripped) from the cells below: `python notebooks/build_notebook.py`."""
+
+import os
+
+import nbformat
+
+CELLS = [
+    ("md", """# Exploring `jax_latent_ep`
+
+Expert-parallel dispatch and combine of a latent MoE layer, run top to bottom on whatever is here: 8 virtual
+CPU devices with the XLA backend by default, the GPUs (and the NVLink backend) when present.
+
+1. the mesh and the backend, 2. the symmetric buffer layout, 3. a dispatch and where its rows land,
+4. the MXFP8 round-trip error, 5. combine on every backend, 6. the recorded benchmarks."""),
+    ("code", """import os
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import glob, csv
+import numpy as np
+import jax, jax.numpy as jnp
+import matplotlib.pyplot as plt
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_latent_ep
+from jax_latent_ep import KIMI_K3, EpLayout, ExpertParallel, stride
+from jax_latent_ep.numerics import mxfp8_quantize, mxfp8_dequantize
+
+gpus = [d for d in jax.devices() if d.platform == "gpu"]
+devices = gpus if gpus else jax.devices()
+N = 2 if gpus and len(gpus) >= 2 else (1 if gpus else 4)
+mesh = jax.make_mesh((N,), ("ep",), devices=devices[:N])
+print(f"{len(devices)} {devices[0].platform} device(s); EP mesh of N = {N}")"""),
+    ("md", """## 2. The symmetric buffer layout
+
+One buffer per rank: receive rows (MXFP8 latent, scales, ids, weights, a source word per 128-byte line),
+the combine slots, the control words and flags. `EpLayout` is the one definition; the kernels evaluate
+the same `region_offsets` on run-time integers."""),
+    ("code", """rows = []
+for n in (2, 8, 32):
+    for t in (1, 8, 128):
+        lay = EpLayout(n, t, KIMI_K3)
+        rows.append((n, t, lay.stride, {k: v[1] for k, v in lay.regions().items()}, lay.bytes))
+names = list(rows[0][3])
+print(f"{'N':>3} {'T':>4} {'S':>4} " + " ".join(f"{k:>10}" for k in names) + f" {'total':>11}")
+for n, t, s, sizes, total in rows:
+    print(f"{n:>3} {t:>4} {s:>4} " + " ".join(f"{sizes[k]:>10}" for k in names) + f" {total:>11}")
+
+fig, ax = plt.subplots(figsize=(9, 3.5))
+labels = [f"N={n}, T={t}" for n, t, *_ in rows]
+bottom = np.zeros(len(rows))
+for k in names:
+    vals = np.array([r[3][k] for r in rows]) / 2**20
+    ax.bar(labels, vals, bottom=bottom, label=k)
+    bottom += vals
+ax.set_ylabel("MiB per rank"); ax.set_yscale("symlog"); ax.legend(ncol=4, fontsize=8)
+ax.tick_params(axis="x", rotation=45); ax.set_title("Bytes per region of one rank's buffer (Kimi K3)")
+plt.tight_layout(); plt.show()"""),
+    ("md", """## 3. Dispatch a small batch
+
+Each rank sends T tokens; row `s * S + t` of rank `d` holds token `t` of source `s` if one of its 16
+experts lives on `d`. The picture shows, for every rank, which of its `N * S` rows were written and by whom."""),
+    ("code", """T, MAX_TOKENS = 5, 6
+S = stride(MAX_TOKENS)
+ep = ExpertParallel(mesh, "ep", max_tokens=MAX_TOKENS, shape=KIMI_K3, backend="auto")
+print("backend:", ep.backend)
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((N * T, KIMI_K3.latent)) * 2).astype(jnp.bfloat16)
+# skewed routing: most experts of a token on the first half of the experts
+ids = np.stack([rng.choice(KIMI_K3.experts // (2 if i % 2 else 1), KIMI_K3.topk, replace=False)
+                for i in range(N * T)]).astype(np.int32)
+w = rng.random((N * T, KIMI_K3.topk), dtype=np.float32)
+w /= w.sum(-1, keepdims=True)
+shard = NamedSharding(mesh, P("ep"))
+xs, idss, ws = (jax.device_put(a, shard) for a in (x, ids, w))
+
+def dispatch_only(x, ids, w):
+    return ep.dispatch(x, ids, w)
+
+recv = jax.jit(jax.shard_map(dispatch_only, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(xs, idss, ws)
+src = np.asarray(recv.src).reshape(N, N * S)
+img = np.where(src >= 0, src >> 16, -1)
+fig, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * N))
+ax.imshow(img, cmap="tab10", vmin=-1, vmax=9, aspect="auto")
+for d in range(N):
+    for row in range(N * S):
+        if src[d, row] >= 0:
+            ax.text(row, d, f"{src[d, row] >> 16}:{src[d, row] & 0xFFFF}", ha="center", va="center", fontsize=6)
+ax.set_xlabel("receive row (source-major)"); ax.set_ylabel("rank"); ax.set_title("source:token of each written row")
+plt.tight_layout(); plt.show()
+print("rows written per rank:", (src >= 0).sum(1))"""),
+    ("md", """## 4. MXFP8 round-trip error
+
+E4M3 elements with one E8M0 (power of two) scale per 32 values: the relative error of an element is at
+most 2^-4, and small elements of a block with a large maximum lose more."""),
+    ("code", """v = (rng.standard_normal((64, KIMI_K3.latent)) * np.exp2(rng.integers(-6, 6, (64, 1)))).astype(jnp.bfloat16)
+q, sf = mxfp8_quantize(jnp.asarray(v))
+back = np.asarray(mxfp8_dequantize(q, sf))
+ref = np.asarray(v, np.float32)
+rel = np.abs(back - ref) / np.maximum(np.abs(ref), 1e-30)
+fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+axes[0].hist(np.log2(rel[rel > 0]), bins=60); axes[0].set_xlabel("log2 relative error"); axes[0].axvline(-4, color="k", ls="--")
+blockmax = np.repeat(np.abs(ref).reshape(64, -1, 32).max(-1), 32, axis=1)
+axes[1].scatter(np.log2(np.abs(ref) / blockmax + 1e-12).ravel()[::37], np.log2(rel + 1e-12).ravel()[::37], s=1)
+axes[1].set_xlabel("log2 |x| / block max"); axes[1].set_ylabel("log2 relative error")
+plt.tight_layout(); plt.show()
+print(f"max relative error of elements >= 2^-6 of their block max: {rel[np.abs(ref) >= blockmax * 2**-6].max():.4f}")"""),
+    ("md", """## 5. Combine, on every backend
+
+A trivial expert stage (each row's dequantized latent times the sum of its local weights), then combine
+with RMSNorm. The routed latent must be bit-identical across backends; the normed output within 1-2 BF16 ulp.
+On a machine without GPUs the XLA backend is compared with the NumPy contract model instead."""),
+    ("code", """from jax_latent_ep.testing import model
+local = KIMI_K3.experts // N
+norm_w = (1 + 0.1 * rng.standard_normal(KIMI_K3.latent)).astype(jnp.bfloat16)
+
+def layer(ep_):
+    def f(x, ids, w, g):
+        r = ep_.dispatch(x, ids, w)
+        mine = (r.ids // local) == jax.lax.axis_index("ep")
+        wsum = jnp.sum(jnp.where(mine, r.weights, 0.0), axis=-1)
+        out = (mxfp8_dequantize(r.x, r.sf) * wsum[:, None]).astype(jnp.bfloat16)
+        return ep_.combine(out, ids, None), ep_.combine(out, ids, g)
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep")))
+
+g = jax.device_put(norm_w, NamedSharding(mesh, P()))
+results = {}
+for name in (["xla", "nvlink"] if gpus else ["xla"]):
+    with ExpertParallel(mesh, "ep", max_tokens=MAX_TOKENS, shape=KIMI_K3, backend=name) as e:
+        results[name] = [np.asarray(a) for a in layer(e)(xs, idss, ws, g)]
+# NumPy contract model of the same layer
+mr = model.dispatch(x.reshape(N, T, -1), ids.reshape(N, T, -1), w.reshape(N, T, -1), shape=KIMI_K3, max_tokens=MAX_TOKENS)
+deq = model.mxfp8_dequantize(mr.x, mr.sf)
+mine = (mr.ids // local) == np.arange(N)[:, None, None]
+out = (deq * np.where(mine, mr.weights, 0).sum(-1)[..., None]).astype(jnp.bfloat16)
+kw = dict(shape=KIMI_K3, max_tokens=MAX_TOKENS)
+results["numpy model"] = [model.combine(out, ids.reshape(N, T, -1), None, 1e-5, **kw).reshape(N * T, -1),
+                          model.combine(out, ids.reshape(N, T, -1), np.asarray(norm_w), 1e-5, **kw).reshape(N * T, -1)]
+
+def ulps(a, b):
+    a, b = (np.asarray(v, jnp.bfloat16).view(np.int16).astype(np.int64) for v in (a, b))
+    a, b = (np.where(v < 0, -(v & 0x7FFF), v) for v in (a, b))
+    return np.abs(a - b)
+
+base = results["xla"]
+for name, (routed, normed) in results.items():
+    same = np.array_equal(np.asarray(routed).view(np.uint16), np.asarray(base[0]).view(np.uint16))
+    print(f"{name:>12}: routed bit-identical to xla: {same};  normed max ulp vs xla: {ulps(normed, base[1]).max()}")"""),
+    ("md", """## 6. Recorded benchmarks
+
+Per-layer latency (dispatch + trivial expert + combine with RMSNorm, 48 layers in one jit) from
+`benchmarks/results/*.csv`, one line per backend; the hardware floor dashed."""),
+    ("code", """root = os.path.abspath(os.path.join(os.getcwd(), "..")) if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
+rows = []
+for path in sorted(glob.glob(os.path.join(root, "benchmarks", "results", "*.csv"))):
+    with open(path) as f:
+        rows += [r for r in csv.DictReader(f) if r.get("metric") in ("layer_us_median", "floor_us")]
+if not rows:
+    print("no benchmark results recorded yet")
+else:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = {}
+    for r in rows:
+        if r["ranks"] != "2":
+            continue
+        key = ("floor" if r["metric"] == "floor_us" else r["backend"])
+        series.setdefault(key, {})[int(r["tokens"])] = float(r["value"])
+    for key, pts in sorted(series.items()):
+        ts = sorted(pts)
+        ax.plot(ts, [pts[t] for t in ts], "k--" if key == "floor" else "o-", label=key)
+    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("tokens per rank T"); ax.set_ylabel("us per layer")
+    ax.set_title("N = 2, Kimi K3"); ax.legend(fontsize=8); plt.tight_layout(); plt.show()"""),
+]
+
+
+def main():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
+                for kind, src in CELLS]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.ipynb")
+    nbformat.write(nb, path)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
