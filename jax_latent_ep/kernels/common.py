@@ -3,12 +3,16 @@ arrival counters and the single-reader flag protocol (raise, wait with a timeout
 
 The protocol (the seed's, with every dispatch CTA waiting):
   * every thread that stored (locally or remotely) fences at system scope, then the CTA barrier, then warp 0's
-    lane 0 counts the CTA's arrival on a local counter (`last_arrival`);
+    lane 0 counts the CTA's arrival on a local counter (`last_arrival`); a CTA that stored nothing (it may
+    have read: its reads were consumed before the barrier) skips the fence;
   * the last arrival raises this rank's flag on every rank (`raise_flags`: lane d stores to rank d, in
-    parallel; this rank's own flag through its local mapping `peers[N]`);
+    parallel, through the base it loaded at the kernel's start, `load_peer_table`; this rank's own flag
+    through its local mapping `peers[N]`);
   * waiters poll their N flags with one lane each, all in flight (`wait_flags`), then fence;
-  * a second counter of waiters lets the last waiter re-arm the flags (`rearm_flags`): a flag has one reader
-    (its rank) and the next layer's writer cannot raise it before the re-arm (see the seed).
+  * a second counter of waiters (`arrive_seen`: a release `atom.inc` whose result is only used at the end of
+    the kernel, `finish_seen`) lets the last waiter re-arm the flags (`rearm_flags`): a flag has one reader
+    (its rank) and the next layer's writer cannot raise it before the re-arm (see the seed); the re-arm still
+    happens inside the kernel, before the next kernel of the stream can start.
 No JAX here.
 """
 
@@ -22,6 +26,10 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
     atomic_add_acq_rel_gpu,
+    atomic_inc_release_gpu,
+    fence_acq_rel_gpu,
+    red_add_relaxed_gpu,
+    shfl_idx_u64,
     fence_acq_rel_sys,
     fence_sc_sys,
     globaltimer,
@@ -94,14 +102,73 @@ def last_arrival(counter: Int64, total: Int32, lane: Int32) -> Uint32:
 
 
 @cute.jit
-def raise_flags(peers: Int64, flag_offset: Int64, rank: Int32, lane: Int32, ranks: cutlass.Constexpr[int]):
-    """Lane d < N sets this rank's flag (line `rank`) on rank d with a relaxed system-scope store, all lanes in
-    parallel; the caller fenced (`last_arrival`). This rank's own flag goes through its local mapping."""
+def load_peer_table(peers: Int64, rank: Int32, lane: Int32, ranks: cutlass.Constexpr[int]) -> Int64:
+    """Warp-wide: lane d < N gets the base of rank d's buffer as this rank reaches it: `peers[d]`, or for
+    d == rank the local mapping `peers[N]` (one load per lane, all in flight together); other lanes get 0.
+    `peer_of(table, d)` then hands any lane the base of rank d with a shuffle instead of a dependent load."""
+    base = Int64(0)
     if lane < ranks:
         target = lane
         if lane == rank:
             target = Int32(ranks)
-        store_relaxed_sys(peer_base(peers, target) + flag_offset + Int64(rank) * LINE, Uint32(1))
+        base = load_u64(peers + Int64(target) * 8)
+    return base
+
+
+@cute.jit
+def peer_of(table: Int64, target: Int32) -> Int64:
+    """The base of rank `target`'s buffer (its local mapping for this rank) from `load_peer_table`'s per-lane
+    table: a warp shuffle (every lane of the warp must call it, converged)."""
+    return shfl_idx_u64(table, Uint32(target))
+
+
+@cute.jit
+def raise_flags(table: Int64, flag_offset: Int64, rank: Int32, lane: Int32, ranks: cutlass.Constexpr[int]):
+    """Lane d < N sets this rank's flag (line `rank`) on rank d with a relaxed system-scope store, all lanes in
+    parallel; the caller fenced (`last_arrival`). `table` is the lane's `load_peer_table` entry (rank d's base,
+    this rank's own through its local mapping), loaded at the kernel's start: no load on this path."""
+    if lane < ranks:
+        store_relaxed_sys(table + flag_offset + Int64(rank) * LINE, Uint32(1))
+
+
+@cute.jit
+def arrive_seen(counter: Int64, total: Int32, lane: Int32) -> Uint32:
+    """Warp-wide: lane 0 counts this CTA's arrival on a SEEN counter with a release `atom.inc` (it orders the
+    CTA's flag polls before it; the `total`-th arrival wraps the counter back to 0) and returns the old value
+    (0 on other lanes) WITHOUT waiting for it: the caller hands it to `finish_seen` at the end of the kernel, so
+    the atomic's round trip overlaps the copy-out / reduce."""
+    old = Uint32(0)
+    if lane == 0:
+        old = atomic_inc_release_gpu(counter, Uint32(total - 1))
+    return old
+
+
+@cute.jit
+def finish_seen(
+    old: Uint32,
+    total: Int32,
+    local: Int64,
+    flag_offset: Int64,
+    lane: Int32,
+    ranks: cutlass.Constexpr[int],
+    ctrl: Int64,
+    bump_layer: cutlass.Constexpr[bool],
+):
+    """Warp-wide, with `arrive_seen`'s value: the `total`-th arrival (its atomic already reset the counter)
+    acquires (GPU scope: every waiter of this rank is on this GPU) so that its stores follow every waiter's
+    polls, re-arms this rank's N flags (single reader) and, if `bump_layer`, adds 1 to ctrl[CTRL_LAYER] (a `red`:
+    nothing waits for it)."""
+    last = Uint32(0)
+    if lane == 0:
+        if old == Uint32(total - 1):
+            last = Uint32(1)
+    last = shfl_idx(last, Uint32(0))
+    if last != Uint32(0):
+        fence_acq_rel_gpu()
+        if lane == 0:
+            if bump_layer:
+                red_add_relaxed_gpu(ctrl + 4 * lay.CTRL_LAYER, Uint32(1))
+        rearm_flags(local, flag_offset, lane, ranks)
 
 
 @cute.jit
@@ -126,18 +193,21 @@ def wait_flags(
 ):
     """Warp-wide: lane s < N polls flag s of this rank's buffer (relaxed, system scope; all lanes in flight
     together) until every flag is set, then every lane fences (acquire). If `timeout_ns != 0` and the wait
-    outlives it (`%globaltimer`), lane 0 writes `ctrl[CTRL_ERROR, CTRL_ERROR_PEER, CTRL_ERROR_LAYER]` and, if
+    outlives it (`%globaltimer`, read every 32 polls), lane 0 writes `ctrl[CTRL_ERROR, CTRL_ERROR_PEER, CTRL_ERROR_LAYER]` and, if
     `status != 0`, the host record `{code, rank, peer, layer}` (peer = the lowest rank whose flag is missing,
     layer = `ctrl[CTRL_LAYER] + layer_bias`), fences, and the warp traps."""
     pending = Uint32(0)
     if lane < ranks:
         pending = Uint32(1)
     start = globaltimer()
+    polls = Uint32(0)
     while warp_or(pending) != Uint32(0):
         if pending != Uint32(0):
             if load_relaxed_sys(local + flag_offset + Int64(lane) * LINE) != Uint32(0):
                 pending = Uint32(0)
-        if timeout_ns != Int64(0):
+        polls = polls + Uint32(1)
+        # The timer (and the two reductions of the check) only every 32 polls: a shorter poll period.
+        if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
             late = Uint32(0)
             if globaltimer() - start > timeout_ns:
                 late = Uint32(1)

@@ -19,14 +19,17 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     DeviceLayout,
+    arrive_seen,
     compile_cubin,
+    finish_seen,
     last_arrival,
-    peer_base,
+    load_peer_table,
+    peer_of,
     raise_flags,
-    rearm_flags,
     wait_flags,
 )
 from jax_latent_ep.kernels.memory import (
+    ballot,
     bits_from_f32,
     e4m3x4,
     f32_from_bits,
@@ -36,6 +39,7 @@ from jax_latent_ep.kernels.memory import (
     load_u64,
     load_v4,
     lo_f32,
+    lowest_bit,
     mul_ftz,
     shfl_bfly,
     shfl_idx,
@@ -68,6 +72,9 @@ PARAMS = (
     ("max_tokens", "i32"),
 )
 
+#: Valid receive rows copied out together (all their loads in flight before their stores).
+COPY_ROWS = 2
+
 #: rn_f32(1 / 448), numerics.md's R.
 RECIPROCAL_448_BITS = 0x3B124925
 #: E8M0 scale of a 32-block that holds a NaN or Inf (the project's non-finite rule).
@@ -78,6 +85,16 @@ def block_threads(shape: LatentMoEShape) -> int:
     """Threads per CTA: one per 16 latent elements."""
     check_shape(shape)
     return shape.latent // 16
+
+
+#: Registers per thread the kernels are held to (ptxas `.minnctapersm`, see `min_ctas_per_sm`).
+MAX_REGISTERS = 48
+
+
+def min_ctas_per_sm(threads: int) -> int:
+    """CTAs of `threads` threads that must fit on one SM by registers (64K per SM, `MAX_REGISTERS` each): 6 for
+    Kimi K3's 224-thread CTAs, 3 for DeepSeek-V3's 448 (the co-residency bound of docs/kernel_abi.md)."""
+    return max(1, 65536 // (threads * MAX_REGISTERS))
 
 
 def check_shape(shape: LatentMoEShape) -> None:
@@ -121,7 +138,16 @@ class Dispatch:
         self.kernel(
             x, ids, weights, peers, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
             status, timeout_ns, rank, tokens, max_tokens,
-        ).launch(grid=[tokens, 1, 1], block=[self.threads, 1, 1], smem=SMEM_BYTES)
+        ).launch(
+            grid=[tokens, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=SMEM_BYTES,
+            # Co-residency (docs/kernel_abi.md): bound the registers so that min_ctas_per_sm CTAs fit on an SM
+            # (ptxas `.minnctapersm`); the carveout is a launch-time attribute only, given so that compiling
+            # needs no device query.
+            min_blocks_per_mp=min_ctas_per_sm(self.threads),
+            preferred_smem_carveout=-1,
+        )
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -155,31 +181,38 @@ class Dispatch:
         lane = tid % 32
         warp = tid // 32
         smem = cutlass.memory.SmemAllocator()
+        # [0]: the token's destination mask; [1]: the valid-row mask of the current copy-out chunk.
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
+        column = Int64(tid) * 16
 
         cute.arch.griddepcontrol_wait()
-        local = load_u64(peers + 8 * ranks)  # this rank's own buffer through its local mapping
+        # Lane d of every warp holds rank d's buffer base (this rank's own through its local mapping); the
+        # token's inputs are loaded in the same wave, before anything waits for either.
+        table = load_peer_table(peers, rank, lane, ranks)
 
         if cta < tokens:
             token = cta
+            # Every load of the token first, all in flight together: its K ids and weights (threads tid < K,
+            # which are warp 0's lanes: K <= 32) and the 32 bytes of x of this thread.
+            meta = Int64(token) * topk + tid
+            if tid >= topk:
+                meta = Int64(token) * topk  # a valid address; the value is not used
+            expert_word = load_b32(ids + meta * 4)
+            weight_word = load_b32(weights + meta * 4)
+            x_line = x + (Int64(token) * latent + column) * 2
+            first = load_v4(x_line)
+            second = load_v4(x_line + 16)
             # Destination mask of the token: bit d set iff one of its experts lives on rank d.
             if warp == 0:
                 bit = Uint32(0)
                 if lane < topk:
-                    expert = Int32(load_b32(ids + (Int64(token) * topk + lane) * 4))
-                    bit = Uint32(1) << Uint32(expert // self.local_experts)
+                    bit = Uint32(1) << Uint32(Int32(expert_word) // self.local_experts)
                 mask = warp_or(bit)
                 if lane == 0:
                     shared[0] = Int32(mask)
-            cute.arch.sync_threads()
-            mask = Uint32(shared[0])
 
             # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block.
-            column = Int64(tid) * 16
-            row = x + (Int64(token) * latent + column) * 2
-            first = load_v4(row)
-            second = load_v4(row + 16)
             words = first + second
             top = Uint32(0)
             for w in cutlass.range_constexpr(8):
@@ -229,20 +262,14 @@ class Dispatch:
             for s in cutlass.range_constexpr(1, 4):
                 sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
 
-            expert_word = Uint32(0)
-            weight_word = Uint32(0)
-            if tid < topk:
-                expert_word = load_b32(ids + (Int64(token) * topk + tid) * 4)
-                weight_word = load_b32(weights + (Int64(token) * topk + tid) * 4)
             source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
+            cute.arch.sync_threads()  # the mask (the x loads above were issued before this barrier)
+            mask = Uint32(shared[0])
 
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
-                    target = Int32(d)
-                    if rank == d:
-                        target = Int32(ranks)
-                    base = peer_base(peers, target)
+                    base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
                     store_v4(base + buf.x + slot * buf.x_pitch + column, packed)
                     if tid % 8 == 0:
                         store_b32(base + buf.sf + slot * buf.sf_pitch + tid // 2, sf_word)
@@ -251,44 +278,113 @@ class Dispatch:
                         store_b32(base + buf.weights + slot * buf.meta_pitch + tid * 4, weight_word)
                     if tid == 0:
                         store_b32(base + buf.src + slot * lay.LINE, source_word)
-
-        # Every thread that stored fences at system scope before the CTA's arrival is counted.
-        fence_acq_rel_sys()
+            # Every thread of this CTA stored (every token reaches >= 1 rank): each fences at system scope before
+            # the CTA's arrival is counted. CTAs cta >= T stored nothing and skip the fence.
+            fence_acq_rel_sys()
         cute.arch.sync_threads()
+        local = peer_of(table, rank)  # this rank's own buffer through its local mapping
         dflag = Int64(buf.dflag)
         ctrl = local + buf.ctrl
+        seen = Uint32(0)
         if warp == 0:
             if last_arrival(ctrl + 4 * lay.CTRL_DISPATCH_DONE, grid, lane) != Uint32(0):
-                raise_flags(peers, dflag, rank, lane, ranks)
+                raise_flags(table, dflag, rank, lane, ranks)
             wait_flags(local, dflag, lane, ranks, timeout_ns, status, ctrl, rank, lay.ERROR_DISPATCH_TIMEOUT, 0)
             # (wait_flags ended with warp 0's acquire fence; the barrier below extends it to the CTA.)
-            if last_arrival(ctrl + 4 * lay.CTRL_DISPATCH_SEEN, grid, lane) != Uint32(0):
-                rearm_flags(local, dflag, lane, ranks)
-                if lane == 0:
-                    store_b32(ctrl + 4 * lay.CTRL_LAYER, load_b32(ctrl + 4 * lay.CTRL_LAYER) + Uint32(1))
+            # The SEEN arrival is issued now, its result used at the end (`finish_seen`).
+            seen = arrive_seen(ctrl + 4 * lay.CTRL_DISPATCH_SEEN, grid, lane)
         cute.arch.sync_threads()
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
 
-        # Copy the receive rows out of the local buffer into XLA's outputs.
-        r = cta
-        while r < buf.rows:
-            row = Int64(r)
-            source = load_b32(local + buf.src + row * lay.LINE)
-            if tid == 0:
-                store_b32(recv_src + row * 4, source)
-            if tid < topk:
-                store_b32(recv_ids + (row * topk + tid) * 4, load_b32(local + buf.ids + row * buf.meta_pitch + tid * 4))
-                store_b32(
-                    recv_weights + (row * topk + tid) * 4,
-                    load_b32(local + buf.weights + row * buf.meta_pitch + tid * 4),
-                )
-            if source != Uint32(0xFFFFFFFF):
-                column = Int64(tid) * 16
-                store_v4(recv_x + row * latent + column, load_v4(local + buf.x + row * buf.x_pitch + column))
-                if tid < num_sf // 16:
-                    store_v4(recv_sf + row * num_sf + column, load_v4(local + buf.sf + row * buf.sf_pitch + column))
-            r += grid
+        # Copy the receive rows r = cta + k * G (k < count) out of the local buffer into XLA's outputs, in chunks
+        # of 32 rows: warp 0's lane j loads the source word of the chunk's row j (all in flight), copies it to
+        # recv_src and ballots its validity; after one barrier every thread copies the valid rows, U at a time
+        # with all their loads issued before any store, and writes the known constants of the empty rows
+        # (ids = the next rank's first expert, weights 0: what init and the combine's re-arm leave there).
+        invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
+        rows32 = Int32(buf.rows)  # N * S < 2^21
+        count = Int32(0)
+        if cta < rows32:
+            count = (rows32 - cta + grid - 1) // grid
+        sf_threads = num_sf // 16
+        x_src = local + buf.x + column
+        sf_col = column
+        if tid >= sf_threads:
+            sf_col = Int64(0)  # a valid address; the value is not stored
+        meta_col = Int64(tid) * 4
+        if tid >= topk:
+            meta_col = Int64(0)
+        kb = Int32(0)
+        while kb < count:
+            if warp == 0:
+                valid = Uint32(0)
+                if kb + lane < count:
+                    crow = Int64(cta) + Int64(kb + lane) * Int64(grid)
+                    csource = load_b32(local + buf.src + crow * lay.LINE)
+                    store_b32(recv_src + crow * 4, csource)
+                    if csource != Uint32(0xFFFFFFFF):
+                        valid = Uint32(1)
+                valid_mask = ballot(valid)
+                if lane == 0:
+                    shared[1] = Int32(valid_mask)
+            cute.arch.sync_threads()
+            vmask = Uint32(shared[1])
+            in_chunk = count - kb
+            if in_chunk > 32:
+                in_chunk = Int32(32)
+            # Empty rows: constants, one (row, k) pair per thread.
+            p = tid
+            while p < in_chunk * topk:
+                pj = p // topk
+                if (vmask >> Uint32(pj)) & Uint32(1) == Uint32(0):
+                    prow = Int64(cta) + Int64(kb + pj) * Int64(grid)
+                    at = prow * topk + (p - pj * topk)
+                    store_b32(recv_ids + at * 4, invalid)
+                    store_b32(recv_weights + at * 4, Uint32(0))
+                p += self.threads
+            # Valid rows, U at a time (a short group repeats its first row: loaded again, stored once).
+            m = vmask
+            while m != Uint32(0):
+                rows = []
+                lives = []
+                j0 = lowest_bit(m)
+                m = m & (m - Uint32(1))
+                for u in cutlass.range_constexpr(COPY_ROWS):
+                    ju = j0
+                    live = Uint32(1)
+                    if u > 0:
+                        live = Uint32(0)
+                        if m != Uint32(0):
+                            ju = lowest_bit(m)
+                            m = m & (m - Uint32(1))
+                            live = Uint32(1)
+                    rows.append(Int64(cta) + Int64(kb + Int32(ju)) * Int64(grid))
+                    lives.append(live)
+                loaded = []
+                for u in cutlass.range_constexpr(COPY_ROWS):
+                    vrow = rows[u]
+                    xs = load_v4(x_src + vrow * buf.x_pitch)
+                    sfs = load_v4(local + buf.sf + vrow * buf.sf_pitch + sf_col)
+                    e_w = load_b32(local + buf.ids + vrow * buf.meta_pitch + meta_col)
+                    w_w = load_b32(local + buf.weights + vrow * buf.meta_pitch + meta_col)
+                    loaded.append((xs, sfs, e_w, w_w))
+                for u in cutlass.range_constexpr(COPY_ROWS):
+                    vrow = rows[u]
+                    xs, sfs, e_w, w_w = loaded[u]
+                    if lives[u] != Uint32(0):
+                        store_v4(recv_x + vrow * latent + column, xs)
+                        if tid < sf_threads:
+                            store_v4(recv_sf + vrow * num_sf + column, sfs)
+                        if tid < topk:
+                            store_b32(recv_ids + (vrow * topk + tid) * 4, e_w)
+                            store_b32(recv_weights + (vrow * topk + tid) * 4, w_w)
+            cute.arch.sync_threads()  # every thread read shared[1] before warp 0 writes the next chunk's
+            kb += 32
+
+        # The last SEEN arrival re-arms the dispatch flags and counts the layer.
+        if warp == 0:
+            finish_seen(seen, grid, local, dflag, lane, ranks, ctrl, True)
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

@@ -134,6 +134,37 @@ def atomic_add_acq_rel_gpu(addr, value, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def atomic_inc_release_gpu(addr, limit, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `atom.release.gpu.global.inc.u32` (new = old >= limit ? 0 : old + 1); returns the old
+    value. A release arrival whose result may be consumed much later: no acquire, and (unlike `atom.add`, which
+    ptxas aggregates over the warp with a shuffle of the result right after the atomic) nothing waits for it
+    until it is used. With `limit = total - 1` the `total`-th arrival finds `limit` and resets the counter to 0
+    itself; it must `fence_acq_rel_gpu` before acting on the other arrivals."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_i64(addr, loc, ip), _u32(limit, loc, ip)],
+            "atom.release.gpu.global.inc.u32 $0, [$1], $2;",
+            "=r,l,r",
+            loc,
+            ip,
+        )
+    )
+
+
+@dsl_user_op
+def red_add_relaxed_gpu(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one `red.relaxed.gpu.global.add.u32` (no return value: nothing waits for it)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    """Always issues one `fence.acq_rel.gpu` (GPU scope: orders this thread's operations for the threads of this GPU)."""
+    _asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """Always issues `trap`: the launch fails with an illegal-instruction error (the context is lost)."""
     _asm(None, [], "trap;", "~{memory}", loc, ip)
@@ -189,6 +220,30 @@ def shfl_idx(value, lane, *, loc=None, ip=None) -> Uint32:
             ip,
         )
     )
+
+
+@dsl_user_op
+def shfl_idx_u64(value, lane, *, loc=None, ip=None) -> Int64:
+    """Two `shfl.sync.idx.b32` over the full warp: the 64-bit value of lane `lane`."""
+    code = (
+        "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; shfl.sync.idx.b32 lo, lo, $2, 0x1f, 0xffffffff; "
+        "shfl.sync.idx.b32 hi, hi, $2, 0x1f, 0xffffffff; mov.b64 $0, {lo, hi}; }"
+    )
+    return Int64(_asm(T.i64(), [_i64(value, loc, ip), _u32(lane, loc, ip)], code, "=l,l,r", loc, ip))
+
+
+@dsl_user_op
+def ballot(value, *, loc=None, ip=None) -> Uint32:
+    """`vote.sync.ballot.b32` over the full warp: bit l set iff lane l's `value` is nonzero."""
+    code = "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }"
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], code, "=r,r", loc, ip))
+
+
+@dsl_user_op
+def lowest_bit(value, *, loc=None, ip=None) -> Uint32:
+    """Index of the lowest set bit of a nonzero `value` (`brev` + `bfind.shiftamt`); 0xFFFFFFFF for 0."""
+    code = "{ .reg .b32 r; brev.b32 r, $1; bfind.shiftamt.u32 $0, r; }"
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], code, "=r,r", loc, ip))
 
 
 @dsl_user_op
