@@ -132,7 +132,7 @@ def worker(args):
     results = []
     max_tokens = max(args.tokens)
     backends = args.backends.split(",")
-    rng = np.random.default_rng(1234 + args.process_id)
+    rng = np.random.default_rng(1234)  # the same global inputs on every process
     pool = 8  # routings rotated over the layers
     combos = [(b, t) for b in backends for t in args.tokens]
     show = args.process_id == 0
@@ -247,20 +247,22 @@ def run_all(args):
     date = datetime.date.today().isoformat()
     rows = []
     plans = [(1, 1)] + ([(2, 1), (2, 2)] if gpus >= 2 else [])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for ranks, procs in plans:
         if args.only_ranks and ranks not in args.only_ranks:
             continue
+        new_rows = []
         for r in _run_workers(ranks, procs, args, env):
             backend = r["backend"] + ("-1proc" if ranks > 1 and procs == 1 else "")
-            rows.append((date, device, commit, backend, r["ranks"], r["tokens"], "layer_us_median",
-                         f"{r['layer_us_median']:.2f}"))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    new = not os.path.exists(args.out)
-    with open(args.out, "a") as f:
-        if new:
-            f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
-        for row in rows:
-            f.write(",".join(map(str, row)) + "\n")
+            new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], "layer_us_median",
+                             f"{r['layer_us_median']:.2f}"))
+        new = not os.path.exists(args.out)
+        with open(args.out, "a") as f:  # written per mode, so a cut-off run keeps what it measured
+            if new:
+                f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
+            for row in new_rows:
+                f.write(",".join(map(str, row)) + "\n")
+        rows += new_rows
     _print_table(rows)
 
 

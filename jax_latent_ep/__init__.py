@@ -1,10 +1,19 @@
-"""jax_latent_ep: expert-parallel MoE dispatch and combine for JAX (NVLink kernels and an XLA backend)."""
+"""jax_latent_ep: expert-parallel MoE dispatch and combine for JAX (NVLink kernels and an XLA backend).
 
-from jax_latent_ep.api import ExpertParallel
+The shape and layout definitions import without JAX (the kernel build uses them); everything else is loaded
+on first use.
+"""
+
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape
 from jax_latent_ep.layout import EpLayout, stride
-from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
-from jax_latent_ep.types import Received
+
+_LAZY = {
+    "ExpertParallel": "jax_latent_ep.api",
+    "Received": "jax_latent_ep.types",
+    "mxfp8_quantize": "jax_latent_ep.numerics",
+    "mxfp8_dequantize": "jax_latent_ep.numerics",
+    "rms_norm": "jax_latent_ep.numerics",
+}
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -19,3 +28,17 @@ __all__ = [
     "stride",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jax_latent_ep' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -22,8 +22,6 @@ however many of its ids live there.
 
 from __future__ import annotations
 
-import importlib.resources
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,11 +34,16 @@ from jax_latent_ep.types import Received
 BACKENDS = ("auto", "xla", "nvlink")
 
 
-def _artifacts_present() -> bool:
+def _artifacts_present() -> str | None:
+    """None if the FFI library and the kernel manifest are found, else why not."""
     try:
-        return (importlib.resources.files("jax_latent_ep") / "_artifacts" / "manifest.json").is_file()
-    except Exception:
-        return False
+        from jax_latent_ep import artifacts
+
+        artifacts.find(artifacts.MANIFEST)
+        artifacts.find(artifacts.FFI_LIBRARY)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _all_cuda(mesh) -> bool:
@@ -59,8 +62,12 @@ def _nvlink_reason(mesh) -> str | None:
     if not _all_cuda(mesh):
         kinds = sorted({d.platform for d in np.asarray(mesh.devices).flat})
         return f"not every mesh device is a CUDA GPU (platforms: {kinds})"
-    if not _artifacts_present():
-        return "the package's kernel artifacts (jax_latent_ep/_artifacts/manifest.json) are missing"
+    ccs = sorted({str(getattr(d, "compute_capability", "")) for d in np.asarray(mesh.devices).flat})
+    if any(cc.split(".")[0] not in ("9", "10") for cc in ccs):
+        return f"the kernels are built for sm_90a and sm_100a only (compute capabilities: {ccs})"
+    missing = _artifacts_present()
+    if missing is not None:
+        return f"the kernel artifacts are missing ({missing})"
     try:
         from jax_latent_ep.nvlink import NvlinkBackend  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the GPU stack
@@ -96,9 +103,11 @@ class ExpertParallel:
       shape: the layer's `LatentMoEShape` (default Kimi K3: L=3584, E=896, K=16).
       backend: "xla" (XLA collectives, any device), "nvlink" (the CuTe DSL kernels over NVLink symmetric
         memory, CUDA GPUs only) or "auto" (nvlink when every mesh device is a CUDA GPU, the kernel artifacts
-        exist and the module imports; xla otherwise).
+        exist, the module imports and a kernel is compiled for this N / shape / GPU; xla otherwise, with
+        the reason in `fallback_reason`). The chosen one is `self.backend`.
       check_ids: check at run time that every id is in `[0, E)` (see the module docstring).
-      **backend_opts: passed to the backend's constructor (nvlink only).
+      **backend_opts: passed to the nvlink backend's constructor (e.g. `timeout_s`, `grid`); ignored when
+        "auto" falls back to xla; an error with backend="xla".
 
     Raises:
       ValueError: naming the bad value, for a bad axis, rank count, max_tokens or backend.
@@ -130,21 +139,34 @@ class ExpertParallel:
         self.check_ids = bool(check_ids)
         self.stride = stride(max_tokens)
         self.rows = self.ranks * self.stride
-        if backend == "auto":
-            backend = "nvlink" if _nvlink_reason(mesh) is None else "xla"
-        if backend == "nvlink":
+        #: Why "auto" did not pick nvlink (None when it did, or when the backend was named).
+        self.fallback_reason = None
+        self._impl = None
+        if backend in ("auto", "nvlink"):
             reason = _nvlink_reason(mesh)
-            if reason is not None:
-                raise ValueError(f"backend='nvlink' is not available: {reason}")
-            from jax_latent_ep.nvlink import NvlinkBackend
+            if reason is None:
+                from jax_latent_ep.nvlink import NvlinkBackend
 
-            self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
-        else:
-            if backend_opts:
+                try:
+                    self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
+                except (LookupError, FileNotFoundError) as e:  # no kernel compiled for this N / shape / arch
+                    if backend == "nvlink":
+                        raise
+                    reason = f"{type(e).__name__}: {e}"
+            if backend == "nvlink" and reason is not None:
+                raise ValueError(f"backend='nvlink' is not available: {reason}")
+            if self._impl is not None:
+                backend = "nvlink"
+            else:
+                self.fallback_reason = reason
+                backend_opts = {}  # options were meant for nvlink
+        if self._impl is None:
+            if backend_opts and backend == "xla":
                 raise ValueError(f"the xla backend takes no options, got {sorted(backend_opts)}")
             from jax_latent_ep.reference import XlaBackend
 
             self._impl = XlaBackend(mesh, axis_name, max_tokens, shape)
+            backend = "xla"
         self.backend = backend
         self._closed = False
 

@@ -1,7 +1,7 @@
 """Ahead-of-time build of the EP kernels: `python -m jax_latent_ep.build [--out DIR] [--arch sm_90a,sm_100a]
 [--only kimi_k3/2 ...] [--jobs J] [--check-installed]`.
 
-Compiles every default variant (`DEFAULT_VARIANTS`: both kernels, each shape and rank count, each arch) with
+Compiles every default variant (`default_variants()`: both kernels, each shape and rank count, each arch) with
 nvidia-cutlass-dsl into `DIR/cubins/<kernel>_<shape>_n<N>_<arch>.cubin` and writes `DIR/manifest.json`, the
 record the C++ launcher reads (symbol name, parameter list, block, shared memory; see docs/kernel_abi.md).
 Needs no GPU. `--check-installed` verifies an installed artifact directory (manifest complete, files present,

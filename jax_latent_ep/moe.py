@@ -152,7 +152,9 @@ def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
         ids, w = route(hr, p["router"], shape.topk)
         x = jnp.dot(hr, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         member = jnp.any(ids[:, :, None] // local == rank_ids[None, None, :], axis=1)  # [T, N]
-        return ids, w, mxfp8_dequantize(*mxfp8_quantize(x)), member
+        # The barrier keeps the FP8 rounding: with XLA's default `xla_allow_excess_precision` the GPU compiler
+        # removes the f32 -> float8 -> f32 convert pair of quantize-then-dequantize (dispatch's bitcasts keep it).
+        return ids, w, mxfp8_dequantize(*lax.optimization_barrier(mxfp8_quantize(x))), member
 
     ids, w, xf, member = lax.map(project, hs)  # [N, T, ...]
     pad = ((0, 0), (0, s_rows - t), (0, 0))
@@ -178,7 +180,7 @@ def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
         for d in range(ranks):
             acc = jnp.where(mr[:, d, None], acc + parts[d].astype(jnp.float32), acc)
         acc = jnp.where(acc == 0, jnp.float32(0), acc)
-        y = rms_norm(acc.astype(jnp.bfloat16), p["norm"], eps)
+        y = rms_norm(lax.optimization_barrier(acc.astype(jnp.bfloat16)), p["norm"], eps)  # as combine does
         return hr + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
     return lax.map(combine_rank, (rank_ids, hs, member)).reshape(h.shape)

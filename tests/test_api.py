@@ -43,6 +43,7 @@ def test_auto_is_xla_on_cpu():
     ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
     assert ep.backend == "xla" and ep.ranks == N and ep.rows == N * 8
     assert "backend='xla'" in repr(ep)
+    assert "not every mesh device is a CUDA GPU" in ep.fallback_reason
 
 
 def test_nvlink_unavailable_on_cpu():

@@ -10,6 +10,8 @@ from jax_latent_ep import ExpertParallel, LatentMoEShape, moe
 
 
 def run_both(n, t, cfg, scan=True, seed=0):
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices, have {jax.device_count()}")
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
     params = moe.init_params(jax.random.key(seed), cfg)
     h = jax.random.normal(jax.random.key(seed + 1), (n * t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
@@ -28,10 +30,14 @@ def test_sharded_matches_one_device(n, t, scan):
     got, want, h = run_both(n, t, cfg, scan=scan, seed=n)
     assert np.all(np.isfinite(got))
     assert not np.array_equal(got, h), "the layers changed nothing"
-    # Same shapes per rank, same order of every sum: equal in practice; the bound guards XLA kernel changes.
-    assert np.mean(got == want) > 0.99, f"only {100 * np.mean(got == want):.1f}% equal"
-    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-
+    # Tokens are independent: a token matches unless a near-tie in its top-k flipped (possible on GPUs, whose
+    # GEMMs may sum in another order in the two programs).
+    close = np.max(np.abs(got - want) / (1 + np.abs(want)), axis=1) <= 2e-2
+    assert close.mean() >= 0.9, f"only {100 * close.mean():.0f}% of tokens match"
+    if jax.devices()[0].platform == "cpu":
+        # Same shapes per rank, same order of every sum: equal (the bound guards XLA kernel changes).
+        assert np.mean(got == want) > 0.99, f"only {100 * np.mean(got == want):.1f}% equal"
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 def test_demo_runs():
     from jax_latent_ep import demo

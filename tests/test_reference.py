@@ -6,6 +6,7 @@ import itertools
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,3 +91,35 @@ def test_model_quantizer_matches_numerics():
     np.testing.assert_array_equal(q.view(np.uint8)[finite], mq.view(np.uint8)[finite])
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal(np.asarray(mxfp8_dequantize(q, sf)), model.mxfp8_dequantize(mq, msf))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_tokens(backend):
+    """Tokens holding Inf / NaN: their blocks get scale 255 and NaN elements where the input was not finite,
+    identically in the backend and the model; other blocks and tokens are untouched."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_latent_ep.testing import model
+
+    n, t, mt = 2, 4, 6
+    rng = np.random.default_rng(11)
+    x = check.random_latent(rng, (n, t), SMALL.latent, special=False).astype(np.float32)
+    x[0, 1, 7], x[1, 3, 100], x[1, 3, 101], x[0, 2, 300] = np.inf, -np.inf, np.nan, np.nan
+    x = x.astype(check.BF16)
+    ids, w = routing.random_topk(rng, (n, t), SMALL)
+    mesh = jax.make_mesh((n,), ("ep",), devices=_devices(backend, n))
+    with ExpertParallel(mesh, "ep", max_tokens=mt, shape=SMALL, backend=backend) as ep:
+        def f(x, i, w):
+            recv = ep.dispatch(x, i, w)
+            return tuple(recv), ep.combine(jnp.where(recv.src[:, None] == -1, 0, 1).astype(jnp.bfloat16)
+                                           * jnp.ones((1, SMALL.latent), jnp.bfloat16), i)
+
+        put = lambda a: jax.device_put(a.reshape(n * t, -1), NamedSharding(mesh, P("ep")))  # noqa: E731
+        recv, _ = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))(
+            put(x), put(ids.astype(np.int32)), put(w))
+        recv = [np.asarray(a) for a in recv]
+    want = model.dispatch(x, ids, w, shape=SMALL, max_tokens=mt)
+    assert np.any(want.sf == 255)
+    for r in range(n):
+        rows = slice(r * ep.rows, (r + 1) * ep.rows)
+        check.compare_received(tuple(a[rows] for a in recv), want, r, "non-finite tokens")

@@ -39,7 +39,13 @@ if path.endswith(".py"):
 else:
     module = importlib.import_module(path)
 print(f"launcher: process {pid}/{nproc} devices {jax.local_devices()} of {jax.device_count()}", flush=True)
-getattr(module, name)(pid, nproc, **json.loads(args))
+try:
+    getattr(module, name)(pid, nproc, **json.loads(args))
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(1)  # at once: a normal exit would wait in jax.distributed's shutdown barrier for the others
 print(f"launcher: process {pid} done", flush=True)
 jax.distributed.shutdown()
 """

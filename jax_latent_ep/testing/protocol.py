@@ -35,39 +35,55 @@ dispatch, CTA ``c`` of rank ``r``, layer ``l`` (grid ``Gd >= T``):
   S: issue the stores of token ``c`` (if ``c < T``) into row ``r*T + c`` of every destination rank;
      system fence (lands them); CTA barrier.
   A: after the barrier, fence + arrive on CTRL_DISPATCH_DONE; the ``Gd``-th arrival resets the counter and
-     raises flag ``r`` on ranks 0..N-1 (one step each); every CTA polls the N dispatch flags (one step per
-     flag seen set), arrives on CTRL_DISPATCH_SEEN, the ``Gd``-th re-arms the N dispatch flags of this rank;
-     then the CTA reads (copies out) its receive rows ``c, c + Gd, ...`` (one step each).
+     raises flag ``r`` on ranks 0..N-1 (one step each); every CTA waits for the N dispatch flags, arrives on
+     CTRL_DISPATCH_SEEN, then reads (copies out) its receive rows ``c, c + Gd, ...``; the ``Gd``-th SEEN
+     arrival then re-arms the N dispatch flags of this rank (one step; as the kernels' `finish_seen` does at
+     their end; ``rearm_at_end=False``: before its reads, as in the seed).
 combine, CTA ``c`` (grid ``Gc >= 1``):
-  S: for each receive row ``c, c + Gc, ...``: read its source word and, if it holds a token, issue the partial
-     to the source's combine slot ``[token, r]`` and the row's re-arm (one step per row); system fence; barrier.
+  S: reads the source word of each of its receive rows ``c, c + Gc, ...`` and, if it holds a token, issues the
+     partial to the source's combine slot ``[token, r]`` and the row's re-arm; system fence; barrier.
   A: fence + arrive on CTRL_COMBINE_DONE; the ``Gc``-th raises combine flag ``r`` on every rank (one step
-     each); the CTAs ``c < min(Gc, T)`` poll the N combine flags, arrive on CTRL_COMBINE_SEEN, the last one
-     re-arms the combine flags; then each reads the combine slots of its tokens ``c, c + Gc, ...`` (one step
-     per token: the slots of every destination rank of the token).
+     each); the CTAs ``c < min(Gc, T)`` wait for the N combine flags, arrive on CTRL_COMBINE_SEEN, read the
+     combine slots of their tokens ``c, c + Gc, ...`` (the slot of every destination rank of the token); the
+     last SEEN arrival then re-arms the combine flags (before its reads with ``rearm_at_end=False``).
 
 Receive rows are modelled for tokens ``t < T`` only (rows ``t >= T`` of the real ``stride(T)`` block are never
-written). The routing (which ranks a token reaches, per layer) is a parameter.
+written). The routing (which ranks a token reaches, per layer) is a parameter (`default_route`,
+`random_route`).
 
-Reductions (each keeps every violation reachable):
+Reductions (steps merged or left out; each keeps the violations reachable):
 
 * Issuing stores into the pending set and starting the next kernel are invisible steps: they are taken
-  eagerly, alone (a singleton ample set of a step independent of every other).
-* A pending store to location ``L`` is landed only where it can make a difference: just before an enabled
-  read of ``L``, just before another pending store to ``L`` lands, at its thread's fence, or once every rank
+  eagerly and alone (a singleton ample set: the step is independent of every other step).
+* A pending store to location ``L`` lands only where it can make a difference: just before an enabled
+  read of ``L``, while another pending store to ``L`` exists, at its thread's fence, or once every rank
   finished. Any schedule can be reordered into one of these, because landing a store commutes with every step
   that does not touch ``L``.
-* Spinning polls that see 0 change nothing and are not steps: a poll step is enabled when its flag is set.
-* Flag re-arms of one CTA (local stores to its own rank, whose every poller has passed) are one step.
+* A wait is one step, enabled once all N flags are set (spinning on a 0 changes nothing). The lanes' polls
+  really happen one by one, but a flag observed set stays set until it is re-armed, and re-arming it before
+  every waiter passed its wait is itself reported (``flag_rearmed_unseen``), so up to the first violation the
+  two are the same. The SEEN arrival that follows is merged into the wait step, and with per-thread fences the
+  storing thread's fence, the CTA barrier and lane 0's DONE arrival are one step: arrivals touch only their
+  rank's counter, so they commute with everything but that counter's other arrivals.
+* The N local flag re-arms of the last waiter are one step (nobody polls them any more).
+* ``atomic_reads=True`` (the default): a CTA's reads of its receive rows / combine slots are one step (a
+  snapshot); stores landing among them are explored before or after the whole snapshot. ``atomic_reads=False``
+  makes every row / token its own step (more states; the tests run both).
 
-Broken variants (switches of `Config`), each caught by `explore`:
+Flag stores and counters landing at once is an assumption: a flag's re-arm is a local store that is performed
+before its kernel ends, and the next raise of that flag is causally after a later kernel of the same rank.
 
-* ``fence_per_thread=False``: only the arrival thread fences, after the CTA barrier; the storing thread's rows
-  and partials may land after the flag: ``read_before_write``.
+Broken variants (switches of `Config`), each caught by `explore` and by `random_runs`:
+
+* ``fence_per_thread=False``: only the arrival thread fences, after the CTA barrier (in the kernels named by
+  ``unfenced_kernels``); the storing thread's rows, re-arms and partials may land after the flag:
+  ``read_before_write`` (then ``overwrite_unread``, ``stale_read``).
 * ``rearm_by_writer=True``: the last waiter re-arms the flags it *wrote* (its own flag on every rank) instead
-  of those it read: ``flag_rearmed_unseen`` (and ``deadlock``).
+  of those it read: ``flag_rearmed_unseen`` (without that check: ``deadlock``).
 * ``stream_order=False``: a rank may start its next dispatch as soon as its combine started (before it
-  finished): ``overwrite_unread`` / ``flag_raised_while_set``.
+  finished): ``overwrite_unread`` (then ``flag_raised_while_set``, ``stale_read``).
+* ``seen_counter=False``: every dispatch / combine waiter re-arms the flags after its own wait (no SEEN
+  counter): ``flag_rearmed_unseen`` as soon as a grid has two waiters.
 """
 
 from __future__ import annotations
@@ -104,6 +120,7 @@ A_RAISE = 100  # + d: raise this rank's flag on rank d
 A_WAIT = 200  # waiting for every flag, then arrives on the SEEN counter
 A_REARM = 400  # (+ d with rearm_by_writer) re-arm
 A_READ = 500  # + j: the j-th read after the wait (copy-out row / reduce token)
+A_LAST = 700  # + j: the same, by the last waiter, which re-arms after its reads (`rearm_at_end`)
 A_DONE = 999
 
 # Pending store kinds.
@@ -130,8 +147,12 @@ class Config:
     layers: int = 3
     route: tuple | None = None
     fence_per_thread: bool = True
+    unfenced_kernels: tuple = ("dispatch", "combine")  # where `fence_per_thread=False` drops the fence
     rearm_by_writer: bool = False
     stream_order: bool = True
+    seen_counter: bool = True
+    atomic_reads: bool = True  # a CTA's reads of its rows / slots after a wait are one step
+    rearm_at_end: bool = True  # the last waiter re-arms after its own reads (the kernels); False: before them
 
     def __post_init__(self):
         if self.dispatch_grid is None:
@@ -221,13 +242,15 @@ class Model:
         self.rows = self.cf + n * n
         self.slots = self.rows + n * n * t
         self.size = self.slots + t * n * n
-        self.full = (1 << n) - 1
         # rows of each combine CTA / copy-out rows of each dispatch CTA / tokens of each combine CTA
         nrows = n * t
         self.drows = [list(range(c, nrows, cfg.dispatch_grid)) for c in range(cfg.dispatch_grid)]
         self.crows = [list(range(c, nrows, cfg.combine_grid)) for c in range(cfg.combine_grid)]
         self.ctoks = [list(range(c, t, cfg.combine_grid)) for c in range(cfg.combine_grid)]
         self.cwaiters = min(cfg.combine_grid, t)
+        self.fenced = tuple(
+            cfg.fence_per_thread or name not in cfg.unfenced_kernels for name in ("dispatch", "combine")
+        )
 
     # ----------------------------------------------------------------------------------------------------
     def initial(self):
@@ -247,7 +270,7 @@ class Model:
         return all(w[r * self.rank_words] == self.kernels for r in range(self.n))
 
     # ----------------------------------------------------------------------------------------------------
-    def _land(self, w: list, store, label: str):
+    def _land(self, w: list, store):
         """Lands one pending store into `w` (checks for overwrites)."""
         _, kind, rank, index, value = store
         if kind == P_ROW:
@@ -255,7 +278,7 @@ class Model:
             if w[at] != 0:
                 raise Violation(
                     OVERWRITE_UNREAD,
-                    f"{label}: layer {value - 1} data lands on row {index} of rank {rank} still holding layer "
+                    f"layer {value - 1} data lands on row {index} of rank {rank} still holding layer "
                     f"{w[at] - 1}",
                 )
             w[at] = value
@@ -264,7 +287,7 @@ class Model:
             if w[at] not in (0, value):
                 raise Violation(
                     OVERWRITE_UNREAD,
-                    f"{label}: the re-arm of layer {value - 1} lands on row {index} of rank {rank} holding "
+                    f"the re-arm of layer {value - 1} lands on row {index} of rank {rank} holding "
                     f"unread layer {w[at] - 1} data",
                 )
             w[at] = 0
@@ -273,7 +296,7 @@ class Model:
             if w[at] != 0 and not w[at] & 1:
                 raise Violation(
                     OVERWRITE_UNREAD,
-                    f"{label}: layer {value - 1} partial lands on combine slot {index} of rank {rank} whose "
+                    f"layer {value - 1} partial lands on combine slot {index} of rank {rank} whose "
                     f"layer {w[at] // 2 - 1} partial was never read",
                 )
             w[at] = 2 * value
@@ -286,7 +309,7 @@ class Model:
 
     def _all_seen(self, w, reader: int, kernel_kind: int, layer: int, source: int) -> bool:
         """Whether every waiting CTA of rank `reader` in its (kind, layer) kernel saw flag `source` (passed its
-        wait: see `Model` on why a wait is one step)."""
+        wait: a wait is one step, see the module docstring)."""
         kernel = 2 * layer + kernel_kind
         base = reader * self.rank_words
         k = w[base]
@@ -326,7 +349,11 @@ class Model:
 
     # ----------------------------------------------------------------------------------------------------
     def successors(self, state):
-        """[(label, next_state or Violation)]: every step enabled in `state` (after the reductions)."""
+        """[(step, next_state or Violation)]: every step enabled in `state` (after the reductions)."""
+        return [(step, self._apply(state, step)) for step in self.enabled(state)]
+
+    def enabled(self, state):
+        """The steps enabled in `state` (after the reductions), not applied."""
         w, pending = state
         n = self.n
         cfg = self.cfg
@@ -350,49 +377,48 @@ class Model:
                 for c in range(g):
                     cb = self.cta_base(r, which, c)
                     s_pc, a_pc = w[cb], w[cb + 1]
-                    tag = f"r{r} L{layer} {'dispatch' if kind == 0 else 'combine'} cta{c}"
                     # storing thread
                     if kind == 0:
                         if s_pc == 0:
                             local = local or ("issue", r, which, kernel, c)
                         elif s_pc == S_FENCE:
-                            out.append((f"{tag} S fence", ("sfence", r, which, kernel, c)))
+                            out.append(("sfence", r, which, kernel, c))
                     else:
                         rows = self.crows[c]
                         if s_pc < len(rows):
-                            row = rows[s_pc]
-                            reads.add((0, r * n * self.t + row))
-                            out.append((f"{tag} S read+send row {row}", ("cread", r, which, kernel, c)))
+                            for row in rows[s_pc:] if cfg.atomic_reads else rows[s_pc:s_pc + 1]:
+                                reads.add((0, r * n * self.t + row))
+                            out.append(("cread", r, which, kernel, c))
                         elif s_pc == S_FENCE or (not rows and s_pc == 0):
-                            out.append((f"{tag} S fence", ("sfence", r, which, kernel, c)))
+                            out.append(("sfence", r, which, kernel, c))
                     # arrival thread
                     if a_pc == A_ARRIVE:
                         if s_pc == S_DONE:
-                            out.append((f"{tag} A arrive done", ("arrive", r, which, kernel, c)))
+                            out.append(("arrive", r, which, kernel, c))
                     elif A_RAISE <= a_pc < A_RAISE + n:
-                        d = a_pc - A_RAISE
-                        out.append((f"{tag} A raise flag on r{d}", ("raise", r, which, kernel, c)))
+                        out.append(("raise", r, which, kernel, c, a_pc - A_RAISE))
                     elif a_pc == A_WAIT:
                         flags = self.df if kind == 0 else self.cf
                         if all(w[flags + r * n + s] for s in range(n)):
-                            out.append((f"{tag} A sees every flag, arrives seen", ("wait", r, which, kernel, c)))
+                            out.append(("wait", r, which, kernel, c))
                     elif A_REARM <= a_pc < A_REARM + n:
-                        out.append((f"{tag} A re-arm", ("rearm", r, which, kernel, c)))
+                        out.append(("rearm", r, which, kernel, c, a_pc - A_REARM))
                     elif A_READ <= a_pc < A_DONE:
-                        j = a_pc - A_READ
+                        j = a_pc - (A_LAST if a_pc >= A_LAST else A_READ)
+                        last = None if cfg.atomic_reads else j + 1
                         if kind == 0:
-                            row = self.drows[c][j]
-                            reads.add((0, r * n * self.t + row))
-                            out.append((f"{tag} A copy out row {row}", ("copy", r, which, kernel, c)))
+                            for row in self.drows[c][j:last]:
+                                reads.add((0, r * n * self.t + row))
+                            out.append(("copy", r, which, kernel, c))
                         else:
-                            tok = self.ctoks[c][j]
-                            for d in range(n):
-                                if cfg.route[layer][r][tok] >> d & 1:
-                                    reads.add((1, r * self.t * n + tok * n + d))
-                            out.append((f"{tag} A reduce token {tok}", ("reduce", r, which, kernel, c)))
+                            for tok in self.ctoks[c][j:last]:
+                                for d in range(n):
+                                    if cfg.route[layer][r][tok] >> d & 1:
+                                        reads.add((1, r * self.t * n + tok * n + d))
+                            out.append(("reduce", r, which, kernel, c))
 
         if local is not None:
-            return [(self._label(local), self._apply(state, local))]
+            return [local]
 
         # landing pending stores where it matters
         if pending:
@@ -404,29 +430,50 @@ class Model:
             for loc, stores in locs.items():
                 for p in stores:
                     if len(stores) > 1 or loc in reads or p == first:
-                        out.append((f"land {p}", ("land", p)))
-        result = []
-        for label, step in out:
-            result.append((label, self._apply(state, step, label)))
-        return result
+                        out.append(("land", p))
+        return out
 
-    def _label(self, step):
-        return " ".join(str(x) for x in step)
+    def describe(self, step) -> str:
+        """A step in words (for the schedules of counterexamples)."""
+        op = step[0]
+        if op == "land":
+            (r, kernel, c), kind, rank, index, value = step[1]
+            what = ("row", "re-arm of row", "partial into slot")[kind]
+            return f"land r{r} cta{c} L{kernel // 2} {what} {index} on r{rank}"
+        if op == "start":
+            return f"r{step[1]} starts its next dispatch early"
+        _, r, _, kernel, c = step[:5]
+        words = {
+            "issue": "S issues its row stores",
+            "sfence": "S fences (its stores land), lane 0 arrives on DONE",
+            "cread": "S reads a row's source word, issues partial + re-arm",
+            "arrive": "lane 0 arrives on DONE",
+            "raise": "lane 0 raises a flag",
+            "wait": "lane 0 sees every flag, arrives on SEEN",
+            "rearm": "lane 0 re-arms flags",
+            "copy": "copies out a receive row",
+            "reduce": "reads the partials of a token",
+        }[op]
+        if op == "raise":
+            words = f"lane 0 raises its flag on r{step[5]}"
+        elif op == "rearm" and self.cfg.rearm_by_writer:
+            words = f"lane 0 re-arms its own flag on r{step[5]}"
+        return f"r{r} L{kernel // 2} {'dispatch' if kernel % 2 == 0 else 'combine'} cta{c}: {words}"
 
-    def _apply(self, state, step, label=None):
+    def _apply(self, state, step):
         try:
-            return self._step(state, step, label or self._label(step))
+            return self._step(state, step)
         except Violation as v:
-            return v
+            return Violation(v.kind, f"{self.describe(step)}: {v.message}")
 
-    def _step(self, state, step, label):
+    def _step(self, state, step):
         w0, pending = state
         w = list(w0)
         n, cfg = self.n, self.cfg
         op = step[0]
         if op == "land":
             p = step[1]
-            self._land(w, p, label)
+            self._land(w, p)
             return (tuple(w), pending - {p})
         if op == "start":
             r = step[1]
@@ -447,27 +494,32 @@ class Model:
                     if mask >> d & 1:
                         new.add((owner, P_ROW, d, r * T + c, layer + 1))
             pending = pending | new
-            w[cb] = S_FENCE if cfg.fence_per_thread else S_DONE
+            w[cb] = S_FENCE if self.fenced[kind] else S_DONE
         elif op == "sfence":
             mine = sorted(p for p in pending if p[0] == owner)
             for p in mine:
-                self._land(w, p, label)
+                self._land(w, p)
             pending = pending - set(mine)
             w[cb] = S_DONE
             op = "arrive"  # the barrier and lane 0's arrival follow at once (they touch only a local counter)
         elif op == "cread":
-            row = self.crows[c][w[cb]]
-            value = w[self.rows + r * n * T + row]
-            self._check_row(layer, r, row, value, label)
-            if value:
-                s, t = divmod(row, T)
-                pending = pending | {
-                    (owner, P_SLOT, s, s * T * n + t * n + r, layer + 1),
-                    (owner, P_REARM, r, row, value),
-                }
-            w[cb] += 1
-            if w[cb] == len(self.crows[c]):
-                w[cb] = S_FENCE if cfg.fence_per_thread else S_DONE
+            rows = self.crows[c]
+            while True:
+                row = rows[w[cb]]
+                value = w[self.rows + r * n * T + row]
+                self._check_row(layer, r, row, value)
+                if value:
+                    s, t = divmod(row, T)
+                    pending = pending | {
+                        (owner, P_SLOT, s, s * T * n + t * n + r, layer + 1),
+                        (owner, P_REARM, r, row, value),
+                    }
+                w[cb] += 1
+                if w[cb] == len(rows):
+                    w[cb] = S_FENCE if self.fenced[kind] else S_DONE
+                    break
+                if not cfg.atomic_reads:
+                    break
         if op == "arrive":
             counter = base + (C_TDONE if kind == 0 else C_CDONE)
             w[counter] += 1
@@ -482,7 +534,7 @@ class Model:
             if w[at]:
                 raise Violation(
                     FLAG_RAISED_WHILE_SET,
-                    f"{label}: layer {layer} raises the {'dispatch' if kind == 0 else 'combine'} flag of r{r} on "
+                    f"layer {layer} raises the {'dispatch' if kind == 0 else 'combine'} flag of r{r} on "
                     f"r{d} still holding layer {w[at] - 1}",
                 )
             w[at] = layer + 1
@@ -493,14 +545,17 @@ class Model:
                 if w[flags + r * n + s] != layer + 1:
                     raise Violation(
                         STALE_FLAG,
-                        f"{label}: a layer {layer} waiter sees the layer {w[flags + r * n + s] - 1} flag of r{s}",
+                        f"a layer {layer} waiter sees the layer {w[flags + r * n + s] - 1} flag of r{s}",
                     )
             counter = base + (C_DSEEN if kind == 0 else C_CSEEN)
             total = g if kind == 0 else self.cwaiters
             w[counter] += 1
-            if w[counter] == total:
+            if w[counter] == total or not cfg.seen_counter:
                 w[counter] = 0
-                w[cb + 1] = A_REARM
+                if cfg.rearm_at_end:
+                    w[cb + 1] = A_LAST if self._reads(kind, c) else A_REARM
+                else:
+                    w[cb + 1] = A_REARM
             else:
                 w[cb + 1] = self._first_read(kind, c)
         elif op == "rearm":
@@ -508,34 +563,45 @@ class Model:
             if cfg.rearm_by_writer:
                 # the flag this rank wrote on rank d (one remote store per step)
                 d = w[cb + 1] - A_REARM
-                self._rearm(w, flags + d * n + r, d, kind, layer, r, label)
-                w[cb + 1] = A_REARM + d + 1 if d + 1 < n else self._first_read(kind, c)
+                self._rearm(w, flags + d * n + r, d, kind, layer, r)
+                w[cb + 1] = A_REARM + d + 1 if d + 1 < n else self._after_rearm(kind, c)
             else:
                 for s in range(n):
-                    self._rearm(w, flags + r * n + s, r, kind, layer, s, label)
-                w[cb + 1] = self._first_read(kind, c)
+                    self._rearm(w, flags + r * n + s, r, kind, layer, s)
+                w[cb + 1] = self._after_rearm(kind, c)
         elif op == "copy":
-            j = w[cb + 1] - A_READ
-            row = self.drows[c][j]
-            self._check_row(layer, r, row, w[self.rows + r * n * T + row], label)
-            w[cb + 1] = A_READ + j + 1 if j + 1 < len(self.drows[c]) else A_DONE
+            rows = self.drows[c]
+            while True:
+                first = A_LAST if w[cb + 1] >= A_LAST else A_READ
+                j = w[cb + 1] - first
+                row = rows[j]
+                self._check_row(layer, r, row, w[self.rows + r * n * T + row])
+                w[cb + 1] = first + j + 1 if j + 1 < len(rows) else A_REARM if first == A_LAST else A_DONE
+                if j + 1 == len(rows) or not cfg.atomic_reads:
+                    break
         elif op == "reduce":
-            j = w[cb + 1] - A_READ
-            tok = self.ctoks[c][j]
-            for d in range(n):
-                if cfg.route[layer][r][tok] >> d & 1:
-                    at = self.slots + r * T * n + tok * n + d
-                    if w[at] // 2 != layer + 1:
-                        raise Violation(
-                            READ_BEFORE_WRITE,
-                            f"{label}: the partial of r{d} for token {tok} of r{r} is read before it landed "
-                            f"(slot holds layer {w[at] // 2 - 1})",
-                        )
-                    w[at] |= 1
-            w[cb + 1] = A_READ + j + 1 if j + 1 < len(self.ctoks[c]) else A_DONE
+            toks = self.ctoks[c]
+            while True:
+                first = A_LAST if w[cb + 1] >= A_LAST else A_READ
+                j = w[cb + 1] - first
+                tok = toks[j]
+                for d in range(n):
+                    if cfg.route[layer][r][tok] >> d & 1:
+                        at = self.slots + r * T * n + tok * n + d
+                        if w[at] // 2 != layer + 1:
+                            raise Violation(
+                                READ_BEFORE_WRITE,
+                                f"the layer {layer} partial of r{d} for token {tok} of r{r} is read before it "
+                                f"landed (the slot holds {f'layer {w[at] // 2 - 1}' if w[at] else 'nothing yet'})",
+                            )
+                        w[at] |= 1
+                w[cb + 1] = first + j + 1 if j + 1 < len(toks) else A_REARM if first == A_LAST else A_DONE
+                if j + 1 == len(toks) or not cfg.atomic_reads:
+                    break
         elif op not in ("issue", "cread"):  # pragma: no cover
             raise AssertionError(op)
-        self._normalize(w, r)
+        if w[cb] == S_DONE and w[cb + 1] == A_DONE:
+            self._normalize(w, r)
         return (tuple(w), pending)
 
     def _after_raise(self, kind, c):
@@ -543,30 +609,35 @@ class Model:
             return A_WAIT
         return A_DONE
 
-    def _first_read(self, kind, c):
-        reads = self.drows[c] if kind == 0 else self.ctoks[c]
-        return A_READ if reads else A_DONE
+    def _reads(self, kind, c):
+        return self.drows[c] if kind == 0 else self.ctoks[c]
 
-    def _rearm(self, w, at, reader, kind, layer, source, label):
+    def _first_read(self, kind, c):
+        return A_READ if self._reads(kind, c) else A_DONE
+
+    def _after_rearm(self, kind, c):
+        return A_DONE if self.cfg.rearm_at_end else self._first_read(kind, c)
+
+    def _rearm(self, w, at, reader, kind, layer, source):
         if w[at] and not self._all_seen(w, reader, kind, w[at] - 1, source):
             raise Violation(
                 FLAG_REARMED_UNSEEN,
-                f"{label}: the {'dispatch' if kind == 0 else 'combine'} flag of r{source} on r{reader} "
+                f"the {'dispatch' if kind == 0 else 'combine'} flag of r{source} on r{reader} "
                 f"(layer {w[at] - 1}) is re-armed before every waiter of r{reader} saw it",
             )
         w[at] = 0
 
-    def _check_row(self, layer, d, row, value, label):
+    def _check_row(self, layer, d, row, value):
         expected = self.expected_row(layer, d, row)
         if value != expected:
             if expected:
                 raise Violation(
                     READ_BEFORE_WRITE,
-                    f"{label}: row {row} of r{d} is read in layer {layer} before its data landed "
+                    f"row {row} of r{d} is read in layer {layer} before its data landed "
                     f"(holds {'empty' if not value else f'layer {value - 1}'})",
                 )
             raise Violation(
-                STALE_READ, f"{label}: empty row {row} of r{d} still holds layer {value - 1} data in layer {layer}"
+                STALE_READ, f"empty row {row} of r{d} still holds layer {value - 1} data in layer {layer}"
             )
 
     def final_check(self, state):
@@ -584,15 +655,17 @@ def explore(
     *,
     stop_at: Callable[[Result], bool] | None = None,
     max_states: int | None = None,
+    model_class: type = None,
 ) -> Result:
     """Every reachable state of `config` (depth first, visited set). Stops early when `stop_at(result)` is true
-    or after `max_states` states (then `complete` is False). Records the first schedule of each violation."""
-    model = Model(config)
+    or after `max_states` states (then `complete` is False). Records the first schedule of each violation.
+    `model_class`: a subclass of `Model` to explore instead (the tests weaken checks with it)."""
+    model = (model_class or Model)(config)
     result = Result()
     start = time.perf_counter()
     init = model.initial()
     seen = {init}
-    path = []  # labels along the current DFS path
+    path = []  # steps along the current DFS path
     stack = [(init, None)]
     while stack:
         state, it = stack[-1]
@@ -607,7 +680,7 @@ def explore(
                 else:
                     v = Violation(DEADLOCK, "no step is possible and some rank has not finished")
                 if v is not None and v.kind not in result.violations:
-                    result.violations[v.kind] = (v.message, list(path))
+                    result.violations[v.kind] = (v.message, [model.describe(x) for x in path])
             it = iter(succ)
             stack[-1] = (state, it)
             if stop_at is not None and result.violations and stop_at(result):
@@ -623,7 +696,7 @@ def explore(
         result.transitions += 1
         if isinstance(child, Violation):
             if child.kind not in result.violations:
-                result.violations[child.kind] = (child.message, path + [label])
+                result.violations[child.kind] = (child.message, [model.describe(x) for x in path + [label]])
             continue
         if child in seen:
             continue
@@ -648,21 +721,22 @@ def random_runs(config: Config, runs: int, seed: int = 0) -> Result:
     for _ in range(runs):
         state, path = model.initial(), []
         while True:
-            succ = model.successors(state)
-            if not succ:
+            steps = model.enabled(state)
+            if not steps:
                 v = model.final_check(state) if model.finished(state[0]) else Violation(
                     DEADLOCK, "no step is possible and some rank has not finished")
                 if model.finished(state[0]):
                     result.finished += 1
                 if v is not None and v.kind not in result.violations:
-                    result.violations[v.kind] = (v.message, path)
+                    result.violations[v.kind] = (v.message, [model.describe(x) for x in path])
                 break
-            label, child = succ[rng.randrange(len(succ))]
+            label = steps[rng.randrange(len(steps))]
+            child = model._apply(state, label)
             result.transitions += 1
             path.append(label)
             if isinstance(child, Violation):
                 if child.kind not in result.violations:
-                    result.violations[child.kind] = (child.message, path)
+                    result.violations[child.kind] = (child.message, [model.describe(x) for x in path])
                 break
             state = child
             result.states += 1

@@ -1,0 +1,71 @@
+"""Plots per-layer latency against T (one line per backend, the floor dashed) from benchmarks/results/*.csv.
+
+    python benchmarks/plot.py [--ranks 2] [--out benchmarks/results/latency_n2.png] [--table]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(ranks: int, paths=None):
+    """{series name: {T: us}} of `layer_us_median`, `kernel_us_median` (kernel harness) and `floor_us` rows."""
+    series = {}
+    for path in sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv"))):
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if r.get("ranks") != str(ranks) or r.get("metric") not in ("layer_us_median", "kernel_us_median",
+                                                                            "floor_us"):
+                    continue
+                if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1:
+                    continue
+                name = {"floor_us": "floor (2 flag round trips + bytes at peer bandwidth)",
+                        "kernel_us_median": "kernels only (CUDA graph, harness)"}.get(r["metric"], r["backend"])
+                series.setdefault(name, {})[int(r["tokens"])] = float(r["value"])  # the newest row wins
+    return series
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.add_argument("--table", action="store_true", help="print a markdown table instead of plotting")
+    args = p.parse_args()
+    series = load(args.ranks)
+    if args.table:
+        tokens = sorted({t for s in series.values() for t in s})
+        print("| backend (N = %d) | " % args.ranks + " | ".join(f"T={t}" for t in tokens) + " |")
+        print("|---|" + "---|" * len(tokens))
+        for name, pts in sorted(series.items()):
+            print(f"| {name} | " + " | ".join(f"{pts[t]:.1f}" if t in pts else "" for t in tokens) + " |")
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name, pts in sorted(series.items()):
+        ts = sorted(pts)
+        style = "k--" if name.startswith("floor") else ("s:" if name.startswith("kernels") else "o-")
+        ax.plot(ts, [pts[t] for t in ts], style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank T")
+    ax.set_ylabel("us per layer (median)")
+    ax.set_title(f"Kimi K3 dispatch + expert + combine(+RMSNorm), N = {args.ranks}, H200")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = args.out or os.path.join(HERE, "results", f"latency_n{args.ranks}.png")
+    fig.savefig(out, dpi=120)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
