@@ -102,7 +102,7 @@ class ExpertParallel:
       max_tokens: the largest number of tokens `T` a rank sends in one call, `1 <= T < 2**16`.
       shape: the layer's `LatentMoEShape` (default Kimi K3: L=3584, E=896, K=16).
       backend: "xla" (XLA collectives, any device), "nvlink" (the CuTe DSL kernels over NVLink symmetric
-        memory, CUDA GPUs only) or "auto" (nvlink when every mesh device is a CUDA GPU, the kernel artifacts
+        memory, CUDA GPUs only) or "auto" (nvlink when N > 1, every mesh device is a CUDA GPU, the kernel artifacts
         exist, the module imports and a kernel is compiled for this N / shape / GPU; xla otherwise, with
         the reason in `fallback_reason`). The chosen one is `self.backend`.
       check_ids: check at run time that every id is in `[0, E)` (see the module docstring).
@@ -144,6 +144,10 @@ class ExpertParallel:
         self._impl = None
         if backend in ("auto", "nvlink"):
             reason = _nvlink_reason(mesh)
+            if reason is None and backend == "auto" and self.ranks == 1:
+                # Measured (benchmarks/results/bench_2026-11-30.csv): with one rank nothing crosses NVLink and
+                # the XLA backend (a local quantize) is faster than the kernels' fixed cost.
+                reason = "N=1: nothing to communicate; the xla backend is faster there"
             if reason is None:
                 from jax_latent_ep.nvlink import NvlinkBackend
 

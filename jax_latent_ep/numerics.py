@@ -112,6 +112,8 @@ def mxfp8_dequantize(q, sf):
     if sf.shape != q.shape[:-1] + (q.shape[-1] // MX_BLOCK,):
         raise ValueError(f"sf shape {sf.shape} does not match q shape {q.shape} (expected [..., L // 32])")
     lead, width = q.shape[:-1], q.shape[-1]
+    # XLA may fold convert(convert(v, f8), f32) into v (excess precision): keep the rounding of q.
+    q, sf = lax.optimization_barrier((q, sf))
     scale = _f32_from_bits(sf.astype(jnp.uint32) << 23)  # 2^(e - 127); e = 255 gives inf
     values = q.astype(jnp.float32).reshape(*lead, width // MX_BLOCK, MX_BLOCK) * scale[..., None]
     return values.reshape(*lead, width)
@@ -135,6 +137,8 @@ def rms_norm(x, weight, eps: float = 1e-5):
         raise ValueError(f"rms_norm expects bfloat16 x and weight, got {x.dtype} and {weight.dtype}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight shape {weight.shape} must be [L] = {x.shape[-1:]}")
+    # XLA may fold convert(convert(v, bf16), f32) into v (excess precision): keep x's BF16 rounding.
+    x = lax.optimization_barrier(x)
     values = x.astype(jnp.float32)
     total = jnp.sum(values * values, axis=-1, keepdims=True)
     rstd = lax.rsqrt(total / jnp.float32(x.shape[-1]) + jnp.float32(eps))
