@@ -115,7 +115,7 @@ def test_non_finite_tokens(backend):
     x[0, 1, 7], x[1, 3, 100], x[1, 3, 101], x[0, 2, 300] = np.inf, -np.inf, np.nan, np.nan
     x = x.astype(check.BF16)
     ids, w = routing.random_topk(rng, (n, t), SMALL)
-    mesh = jax.make_mesh((n,), ("ep",), devices=_devices(backend, n, shape))
+    mesh = jax.make_mesh((n,), ("ep",), devices=_devices(backend, n, SMALL))
     with ExpertParallel(mesh, "ep", max_tokens=mt, shape=SMALL, backend=backend) as ep:
         def f(x, i, w):
             recv = ep.dispatch(x, i, w)
