@@ -22,6 +22,8 @@ however many of its ids live there.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +65,7 @@ def _nvlink_reason(mesh) -> str | None:
         kinds = sorted({d.platform for d in np.asarray(mesh.devices).flat})
         return f"not every mesh device is a CUDA GPU (platforms: {kinds})"
     ccs = sorted({str(getattr(d, "compute_capability", "")) for d in np.asarray(mesh.devices).flat})
-    if any(cc.split(".")[0] not in ("9", "10") for cc in ccs):
+    if any(cc not in ("9.0", "10.0") for cc in ccs):  # sm_90a / sm_100a cubins load on exactly these
         return f"the kernels are built for sm_90a and sm_100a only (compute capabilities: {ccs})"
     missing = _artifacts_present()
     if missing is not None:
@@ -153,7 +155,9 @@ class ExpertParallel:
 
                 try:
                     self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
-                except (LookupError, FileNotFoundError) as e:  # no kernel compiled for this N / shape / arch
+                # No kernel compiled for this N / shape / arch, the FFI library or cuda-bindings missing, no
+                # peer access, a module that does not load: "auto" falls back, "nvlink" raises.
+                except (LookupError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
                     if backend == "nvlink":
                         raise
                     reason = f"{type(e).__name__}: {e}"
@@ -268,7 +272,7 @@ class ExpertParallel:
         self._check_array("combine", "ids", ids, jnp.int32, (t, shp.topk))
         if norm_weight is not None:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
         return self._impl.combine(out, self._checked_ids(ids, "combine"), norm_weight, float(eps))
 
@@ -277,7 +281,12 @@ class ExpertParallel:
             raise ValueError("ExpertParallel is closed")
 
     def close(self):
-        """Releases the backend's resources (symmetric buffers for nvlink); idempotent."""
+        """Releases the backend's resources (symmetric buffers for nvlink); idempotent.
+
+        Executables compiled with this object must not run after `close()`: with XLA command buffers (CUDA
+        graphs) the FFI handler's host code ran at capture time only, so a replay would reach freed memory.
+        Close when the model is done (or leave it to interpreter exit), not between steps.
+        """
         if not self._closed:
             self._closed = True
             self._impl.close()

@@ -54,8 +54,7 @@ _instances_lock = threading.Lock()
 
 def _arch(device) -> str:
     cc = str(getattr(device, "compute_capability", ""))
-    major = cc.split(".")[0]
-    arch = {"9": "sm_90a", "10": "sm_100a"}.get(major)
+    arch = {"9.0": "sm_90a", "10.0": "sm_100a"}.get(cc)  # an "a" cubin loads on exactly one capability
     if arch is None:
         raise ValueError(f"the NVLink backend has kernels for sm_90a and sm_100a only; {device} has compute "
                          f"capability {cc or 'unknown'}")

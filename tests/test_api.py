@@ -215,3 +215,20 @@ def test_duplicate_ids_reach_a_rank_once():
     valid1 = sorted(int(s) for s in src[1] if s != -1)
     assert valid1 == sorted(((r << 16) | t) for r in range(N) for t in range(T) if not (r == 0 and t == 2))
     assert [int(s) for s in src[0] if s != -1] == [2]
+
+
+def test_numpy_eps_is_accepted_and_equal_to_python_float():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    g = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2, SHAPE.latent), jnp.bfloat16)
+
+    def f(eps):
+        def body(x, i, w):
+            recv = ep.dispatch(x, i, w)
+            return ep.combine(recv.x.astype(jnp.bfloat16), i, g, eps)
+
+        return np.asarray(run(ep, body, x, ids, w))
+
+    a, b = f(np.float32(1e-3)), f(1e-3)
+    assert np.isfinite(a.astype(np.float32)).all() and np.any(a.astype(np.float32) != 0)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
