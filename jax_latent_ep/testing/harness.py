@@ -30,12 +30,12 @@ import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
 from jax_latent_ep.layout import CTRL_ERROR, EpLayout
+from jax_latent_ep.testing import model
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
 SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
-R_BITS = 0x3B124925
 
 
 def _cu():
@@ -60,33 +60,13 @@ def check(result):
 # numpy reference (numerics.md + the project's non-finite rule)
 
 
-def _ftz(values):
-    bits = values.view(np.uint32)
-    return np.where((bits & 0x7F800000) == 0, bits & 0x80000000, bits).astype(np.uint32).view(np.float32)
-
-
 def mxfp8_reference(x):
-    """x bf16 [T, L] -> (q uint8 [T, L], sf uint8 [T, L // 32]) exactly as numerics.md (+ non-finite rule)."""
-    tokens, latent = x.shape
-    bits = x.view(np.uint16).astype(np.uint32)
-    blocks = (bits & 0x7FFF).reshape(tokens, latent // 32, 32)
-    top = blocks.max(-1)
-    nonfinite = top >= 0x7F80
-    amax = (top << 16).astype(np.uint32).view(np.float32)
-    s = _ftz(amax * np.uint32(R_BITS).view(np.float32))
-    sb = s.view(np.uint32)
-    e = np.where(sb == 0, 0, np.minimum(254, ((sb >> 23) & 0xFF) + ((sb & 0x7FFFFF) != 0))).astype(np.uint32)
-    inv_bits = np.where(e == 0, 0, (254 - e) << 23).astype(np.uint32)
-    e = np.where(nonfinite, 255, e)
-    inv_bits = np.where(nonfinite, 0, inv_bits).astype(np.uint32)
-    inv = inv_bits.view(np.float32)
-    xf = _ftz((bits << 16).astype(np.uint32).view(np.float32)).reshape(tokens, latent // 32, 32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        prod = _ftz((xf * inv[..., None]).astype(np.float32)).reshape(tokens, latent)
-        prod = np.where(np.isnan(prod), prod, np.clip(prod, -448.0, 448.0)).astype(np.float32)
-        q = prod.astype(E4M3).view(np.uint8)
-    q = np.where(np.isnan(prod), np.uint8(0x7F), q)  # cvt.satfinite gives the canonical NaN 0x7F
-    return q, e.astype(np.uint8)
+    """x bf16 [T, L] -> (q uint8 [T, L], sf uint8 [T, L // 32]): the contract model's MXFP8 (`testing/model.py`,
+    numerics.md + the non-finite rule), with NaN elements as the canonical 0x7F that `cvt.satfinite` writes."""
+    q, sf = model.mxfp8_quantize(x)
+    q_bytes = q.view(np.uint8).copy()
+    q_bytes[np.isnan(q.astype(np.float32))] = 0x7F
+    return q_bytes, sf
 
 
 def dequant(q, sf):
