@@ -130,7 +130,10 @@ def worker(args):
     assert n == args.ranks, (n, args.ranks)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices, axis_types=(jax.sharding.AxisType.Explicit,))
     results = []
-    max_tokens = max(args.tokens)
+    # --max-tokens 0: one buffer sized for the largest T of the run (one backend serves every T); > 0: that.
+    # --max-tokens -1: per T (each T its own backend with max_tokens = T, as a server with one program per
+    # batch-size bucket would build it): receive rows, copy-out and the expert stage then scale with T.
+    fixed_max_tokens = args.max_tokens if args.max_tokens > 0 else max(args.tokens)
     backends = args.backends.split(",")
     rng = np.random.default_rng(1234)  # the same global inputs on every process
     pool = 8  # routings rotated over the layers
@@ -138,6 +141,7 @@ def worker(args):
     show = args.process_id == 0
     it = _progress(combos, len(combos), f"N={n} procs={args.num_processes}") if show else combos
     for backend, t in it:
+        max_tokens = t if args.max_tokens < 0 else fixed_max_tokens
         if backend == "xla-allgather":
             ep = allgather_backend(mesh, "ep", max_tokens, shape)
         else:
@@ -182,6 +186,7 @@ def worker(args):
             times.append((time.perf_counter() - start) / args.layers * 1e6)
         ok = bool(np.isfinite(np.asarray(jax.device_get(y.addressable_shards[0].data), np.float32)).all())
         results.append({"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
+                        "max_tokens": max_tokens,
                         "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
                         "finite": ok})
         ep.close()
@@ -203,7 +208,7 @@ def _free_port():
 def _run_workers(ranks, procs, args, env):
     cmd = [sys.executable, os.path.abspath(__file__), "worker", "--ranks", str(ranks),
            "--tokens", ",".join(map(str, args.tokens)), "--layers", str(args.layers),
-           "--repeats", str(args.repeats), "--backends", args.backends]
+           "--repeats", str(args.repeats), "--backends", args.backends, "--max-tokens", str(args.max_tokens)]
     if procs == 1:
         out = subprocess.run(cmd + ["--num-processes", "1"], env=env, capture_output=True, text=True,
                              timeout=args.timeout)
@@ -285,6 +290,8 @@ def main():
         p.add_argument("--layers", type=int, default=48)
         p.add_argument("--repeats", type=int, default=20)
         p.add_argument("--backends", default="nvlink,xla,xla-allgather")
+        p.add_argument("--max-tokens", type=int, default=0,
+                       help="receive-buffer size: 0 = the largest T of the run, -1 = each T its own, N = N")
     sub.choices["all"].add_argument("--out", default=os.path.join(HERE, "results", "bench.csv"))
     sub.choices["all"].add_argument("--timeout", type=int, default=900)
     sub.choices["all"].add_argument("--only-ranks", type=lambda s: [int(v) for v in s.split(",")], default=None)
