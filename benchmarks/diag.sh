@@ -25,8 +25,8 @@ for t in 5 8; do
 done
 log bench N=2, buffer for 128 vs for T
 for mt in 0 -1; do
-  XLA_FLAGS="" timeout 300 python3 benchmarks/bench.py all --only-ranks 2 --backends nvlink,xla --tokens 1,5,8,32,128 \
-    --layers 48 --repeats 10 --max-tokens $mt --out $OUT/bench_mt$mt.csv 2>&1 | grep -v "^\[" | tail -8
+  XLA_FLAGS="" timeout 300 python3 benchmarks/bench.py all --only-ranks 2 --backends nvlink,xla --tokens 1,8,128 \
+    --layers 32 --repeats 10 --max-tokens $mt --out $OUT/bench_mt$mt.csv 2>&1 | grep -v "^\[" | tail -8
 done
 log harness latency, buffer for 8
 python3 -m jax_latent_ep.testing.harness --mode latency --ranks 1 2 --max-tokens 8 --csv $OUT/lat8.csv 2>&1 | tail -8
