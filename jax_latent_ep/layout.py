@@ -12,20 +12,28 @@ LINE = 128
 #: Rows per source block of the receive arrays: `stride(tokens)` is a multiple of this.
 ROW_BLOCK = 8
 
-# Words of the first control line (int32 each). Counters are touched by this rank only.
-CTRL_LAYER = 0  # dispatches completed on this rank (the layer number in error reports)
-CTRL_DISPATCH_DONE = 1  # dispatch CTAs that finished storing (arrival counter)
-CTRL_COMBINE_DONE = 2  # combine CTAs that finished sending (arrival counter)
-CTRL_COMBINE_SEEN = 3  # combine waiters that saw every combine flag (arrival counter)
-CTRL_DISPATCH_SEEN = 4  # dispatch waiters that saw every dispatch flag (arrival counter)
-CTRL_ERROR = 5  # 0, or an error code (1: dispatch flag timeout, 2: combine flag timeout)
-CTRL_ERROR_PEER = 6  # the rank whose flag never came
+# Words of the first control line (int32 each), written by this rank only. The two epoch words hand the
+# layer epoch from kernel to kernel: a kernel reads both after its griddepcontrol.wait (the previous kernel of
+# the stream has completed) and only the other kernel writes the word it reads, so no CTA ever races a write.
+CTRL_EPOCH_D = 0  # epoch of the last completed layer (written by combine, read by the next dispatch)
+CTRL_EPOCH_C = 1  # epoch of the current layer (written by dispatch, read by its combine)
+CTRL_LAYER = CTRL_EPOCH_D  # = layers completed on this rank (the layer number in error reports)
+CTRL_ERROR = 5  # 0, or an error code (ERROR_*)
+CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a sequence error)
 CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
 
 ERROR_NONE = 0
-ERROR_DISPATCH_TIMEOUT = 1
-ERROR_COMBINE_TIMEOUT = 2
+ERROR_DISPATCH_TIMEOUT = 1  # a dispatch wait (a peer's ready line or a receive row) outlived the timeout
+ERROR_COMBINE_TIMEOUT = 2  # a combine wait (a partial of an own token) outlived the timeout
+ERROR_DISPATCH_TWICE = 3  # dispatch called again before the combine of the previous dispatch
+ERROR_COMBINE_WITHOUT_DISPATCH = 4  # combine called without a dispatch before it
+
+#: Bytes of one LL word: a 4-byte payload and the 4-byte epoch of the layer that wrote it, stored and loaded
+#: as one 8-byte access (single-copy atomic), so a reader that sees the epoch sees the payload of that store.
+LL_WORD = 8
+#: Payload bytes of one LL word.
+LL_PAYLOAD = 4
 
 
 def stride(tokens: int) -> int:
@@ -46,6 +54,31 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def x_pitch(shape: LatentMoEShape) -> int:
+    """Bytes of a receive row's MXFP8 elements in LL words: `L` payload bytes -> `2 L`."""
+    return 2 * shape.latent
+
+
+def sf_pitch(shape: LatentMoEShape) -> int:
+    """Bytes of a receive row's scales in LL words: `ceil(SF / 16) * 16` payload bytes, doubled (16-byte
+    multiple, so 8 rows of a source block fill whole lines)."""
+    return 2 * _round_up(shape.num_sf, 16)
+
+
+def meta_pitch(shape: LatentMoEShape) -> int:
+    """Bytes of a receive row's ids (or weights): one LL word per expert, `ceil(K / 2) * 2` words."""
+    return _round_up(shape.topk, 2) * LL_WORD
+
+
+#: Bytes of a receive row's header: one LL word (the source word, -1 for an empty row) and padding.
+HDR_PITCH = 16
+
+
+def comb_pitch(shape: LatentMoEShape) -> int:
+    """Bytes of one combine slot (a BF16 partial of `L` elements in LL words): `4 L`."""
+    return 4 * shape.latent
+
+
 def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> dict[str, tuple]:
     """`{name: (offset, bytes)}` of every region, for `stride_rows = stride(tokens)`.
 
@@ -54,16 +87,15 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
     and `//` are used), so host and device offsets cannot drift apart.
     """
     rows = stride_rows * ranks
-    sf_pitch = _round_up(shape.num_sf, 16)
-    meta_pitch = _round_up(shape.topk, 4) * 4
     sizes = [
-        ("x", rows * shape.latent),
-        ("sf", rows * sf_pitch),
-        ("ids", rows * meta_pitch),
-        ("weights", rows * meta_pitch),
-        ("src", rows * LINE),
-        ("comb", tokens * (ranks * shape.latent * 2)),
-        ("ctrl", LINE + 2 * NUM_MAX_RANKS * LINE),
+        ("x", rows * x_pitch(shape)),
+        ("sf", rows * sf_pitch(shape)),
+        ("ids", rows * meta_pitch(shape)),
+        ("weights", rows * meta_pitch(shape)),
+        ("hdr", rows * HDR_PITCH),
+        ("mirror", rows * 4),
+        ("comb", tokens * (ranks * comb_pitch(shape))),
+        ("ctrl", LINE + NUM_MAX_RANKS * LINE),
     ]
     regions, offset = {}, 0
     for name, size in sizes:
@@ -76,17 +108,22 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
 class EpLayout:
     """Byte offsets of one rank's symmetric EP buffer for `ranks` ranks and at most `tokens` tokens per rank.
 
+    Every region a peer writes holds LL words (`LL_WORD`: 4 payload bytes + the writer's layer epoch, one
+    8-byte store), so a reader polls the data itself: no fences, counters or flags (docs/protocol.md).
     Regions, in order, each starting on a 128-byte line:
-      x        [rows, x_pitch]        MXFP8 (float8_e4m3fn) latent of each receive row
-      sf       [rows, sf_pitch]       E8M0 block scales (uint8), `L // 32` used per row
-      ids      [rows, meta_pitch]     the token's `K` expert ids (int32)
-      weights  [rows, meta_pitch]     the token's `K` routing weights (float32)
-      src      [rows, 128]            source word `(rank << 16) | token` or -1, one line per row
-      comb     [tokens, ranks, L]     BF16 partial of every own token from every destination rank
-      ctrl     128 + 2 * 32 * 128     counters (see CTRL_*), then 32 dispatch and 32 combine flags,
-                                      one line each
+      x        [rows, 2 L]            MXFP8 (float8_e4m3fn) latent of each receive row, in LL words
+      sf       [rows, sf_pitch]       E8M0 block scales (uint8), `L // 32` used per row, in LL words
+      ids      [rows, meta_pitch]     the token's `K` expert ids (int32), one LL word each
+      weights  [rows, meta_pitch]     the token's `K` routing weights (float32), one LL word each
+      hdr      [rows, 16]             LL word of the source word `(rank << 16) | token`, or -1: row empty
+      mirror   [rows] int32           this rank's own copy of each row's source word (written by the dispatch's
+                                      copy-out, read by the combine; no peer writes it)
+      comb     [tokens, ranks, 4 L]   BF16 partial of every own token from every destination rank, in LL words
+      ctrl     128 + 32 * 128         control words (CTRL_*), then one `ready` line per rank: ready[s] = the
+                                      epoch of the last layer whose receive rows rank s has copied out
     with `rows = ranks * stride(tokens)`, row `s * stride(tokens) + t` holding token `t` of source `s`.
-    Row pitches are padded to multiples of 16 bytes so that 8 rows fill whole lines.
+    Row pitches are multiples of 16 bytes so that the 8 rows of a source block fill whole lines (no line of
+    a peer-written region has two writers). A zeroed buffer is the initial state (epoch 0: nothing written).
 
     Args:
       ranks: ranks `N` on the expert-parallel axis, `1 <= N <= 32`, dividing `shape.experts`.
@@ -108,19 +145,23 @@ class EpLayout:
     # Row pitches in bytes.
     @property
     def x_pitch(self) -> int:
-        return self.shape.latent
+        return x_pitch(self.shape)
 
     @property
     def sf_pitch(self) -> int:
-        return _round_up(self.shape.num_sf, 16)
+        return sf_pitch(self.shape)
 
     @property
     def meta_pitch(self) -> int:
-        return _round_up(self.shape.topk, 4) * 4
+        return meta_pitch(self.shape)
 
     @property
-    def src_pitch(self) -> int:
-        return LINE
+    def hdr_pitch(self) -> int:
+        return HDR_PITCH
+
+    @property
+    def comb_pitch(self) -> int:
+        return comb_pitch(self.shape)
 
     @property
     def stride(self) -> int:
@@ -156,8 +197,12 @@ class EpLayout:
         return self._regions()["weights"][0]
 
     @property
-    def src(self) -> int:
-        return self._regions()["src"][0]
+    def hdr(self) -> int:
+        return self._regions()["hdr"][0]
+
+    @property
+    def mirror(self) -> int:
+        return self._regions()["mirror"][0]
 
     @property
     def comb(self) -> int:
@@ -172,14 +217,9 @@ class EpLayout:
         return self.ctrl + 4 * index
 
     @property
-    def dflag(self) -> int:
-        """Byte offset of the dispatch flags: flag of source rank `s` at `dflag + 128 * s`."""
+    def ready(self) -> int:
+        """Byte offset of the ready lines: rank `s`'s at `ready + 128 * s`."""
         return self.ctrl + LINE
-
-    @property
-    def cflag(self) -> int:
-        """Byte offset of the combine flags: flag of rank `d` at `cflag + 128 * d`."""
-        return self.ctrl + LINE + NUM_MAX_RANKS * LINE
 
     @property
     def bytes(self) -> int:
@@ -188,7 +228,7 @@ class EpLayout:
         return align(offset + size)
 
     def invalid_expert(self, rank: int) -> int:
-        """The expert id written into empty rows of `rank`: the next rank's first expert, never local when N > 1."""
+        """The expert id of empty rows on `rank`: the next rank's first expert, never local when N > 1."""
         return ((rank + 1) % self.ranks) * self.shape.num_local_experts(self.ranks)
 
     def offsets(self) -> dict[str, int]:
@@ -198,10 +238,10 @@ class EpLayout:
             "sf": self.sf,
             "ids": self.ids,
             "weights": self.weights,
-            "src": self.src,
+            "hdr": self.hdr,
+            "mirror": self.mirror,
             "comb": self.comb,
             "ctrl": self.ctrl,
-            "dflag": self.dflag,
-            "cflag": self.cflag,
+            "ready": self.ready,
             "bytes": self.bytes,
         }

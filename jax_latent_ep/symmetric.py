@@ -351,12 +351,9 @@ class SymmetricBuffers:
                           self.layout.bytes, handle)
 
     def _arm(self, drv, buf, rank, where):
-        """Zero, then every receive row empty: src -1, ids the rank's invalid expert (weights stay 0)."""
+        """Zero the buffer: the protocol's initial state (every epoch 0, nothing written yet)."""
         lay = self.layout
         _check(drv.cuMemsetD8(buf, 0, lay.bytes), f"cuMemsetD8 (zero) for {where}")
-        _check(drv.cuMemsetD32(buf + lay.src, 0xFFFFFFFF, lay.rows * lay.src_pitch // 4), f"arming src of {where}")
-        invalid = lay.invalid_expert(rank)
-        _check(drv.cuMemsetD32(buf + lay.ids, invalid, lay.rows * lay.meta_pitch // 4), f"arming ids of {where}")
 
     def _enable_peer_access(self, drv, lr: LocalRank, peer: LocalRank):
         """Lets `lr`'s device access `peer`'s memory (current context: lr's)."""

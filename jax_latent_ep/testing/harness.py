@@ -203,14 +203,11 @@ class Rank:
         self.arm()
 
     def arm(self):
-        """Zero the buffer, then src = -1, ids = the invalid expert, weights 0 (EpBuffers' initial state)."""
+        """Zero the buffer (the protocol's initial state, as `SymmetricBuffers` leaves it)."""
         cu = _cu()
         lay = self.layout
         check(cu.cuCtxSetCurrent(self.ctx))
-        base = self.buffer.ptr
-        check(cu.cuMemsetD8(base, 0, lay.bytes))
-        check(cu.cuMemsetD32(base + lay.src, 0xFFFFFFFF, lay.rows * lay.src_pitch // 4))
-        check(cu.cuMemsetD32(base + lay.ids, lay.invalid_expert(self.rank), lay.rows * lay.meta_pitch // 4))
+        check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.bytes))
         check(cu.cuCtxSynchronize())
 
     def ctrl_words(self):
