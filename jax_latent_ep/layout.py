@@ -96,6 +96,7 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
         ("mirror", rows * 4),
         ("comb", tokens * (ranks * comb_pitch(shape))),
         ("ctrl", LINE + NUM_MAX_RANKS * LINE),
+        ("peers", (NUM_MAX_RANKS + 1) * 8),
     ]
     regions, offset = {}, 0
     for name, size in sizes:
@@ -121,6 +122,9 @@ class EpLayout:
       comb     [tokens, ranks, 4 L]   BF16 partial of every own token from every destination rank, in LL words
       ctrl     128 + 32 * 128         control words (CTRL_*), then one `ready` line per rank: ready[s] = the
                                       epoch of the last layer whose receive rows rank s has copied out
+      peers    [N + 1] int64          local only: the base of every rank's buffer as this rank maps it, then
+                                      its own (the kernels' `peers` argument points here, so the local base
+                                      is `peers - offset`, with no load)
     with `rows = ranks * stride(tokens)`, row `s * stride(tokens) + t` holding token `t` of source `s`.
     Row pitches are multiples of 16 bytes so that the 8 rows of a source block fill whole lines (no line of
     a peer-written region has two writers). A zeroed buffer is the initial state (epoch 0: nothing written).
@@ -222,9 +226,14 @@ class EpLayout:
         return self.ctrl + LINE
 
     @property
+    def peers(self) -> int:
+        """Byte offset of the peer table (int64 `[N + 1]`, local only)."""
+        return self._regions()["peers"][0]
+
+    @property
     def bytes(self) -> int:
         """Total bytes of one rank's buffer (a multiple of 128)."""
-        offset, size = self._regions()["ctrl"]
+        offset, size = self._regions()["peers"]
         return align(offset + size)
 
     def invalid_expert(self, rank: int) -> int:
@@ -243,5 +252,6 @@ class EpLayout:
             "comb": self.comb,
             "ctrl": self.ctrl,
             "ready": self.ready,
+            "peers": self.peers,
             "bytes": self.bytes,
         }

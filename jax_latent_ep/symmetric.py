@@ -339,8 +339,9 @@ class SymmetricBuffers:
                     table.append(self._open_ipc(drv, lr, r, records[r]))
             table.append(lr.buffer)  # peers[N]: own buffer through the local mapping
             host = np.asarray(table, dtype=np.int64)
-            dev = int(_check(drv.cuMemAlloc(host.nbytes), f"cuMemAlloc(peer table of rank {lr.rank})"))
-            self._allocs.append((lr.context, dev))
+            # The table lives in the buffer's local-only `peers` region: the kernels derive the local base
+            # from its address (`peers - layout.peers`) without a load.
+            dev = int(lr.buffer) + self.layout.peers
             _check(drv.cuMemcpyHtoD(dev, host.ctypes.data, host.nbytes), "cuMemcpyHtoD(peer table)")
             _check(drv.cuCtxSynchronize(), "cuCtxSynchronize(peer table)")
             lr.peers, lr.peer_table = dev, tuple(int(v) for v in table)

@@ -176,6 +176,13 @@ class DeviceArray:
         return out
 
 
+class DeviceView(DeviceArray):
+    """A window `[ptr, ptr + nbytes)` of another allocation (no memory of its own)."""
+
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = int(ptr), int(nbytes)
+
+
 class Rank:
     """One rank: its context, stream, symmetric buffer, peer table, inputs and outputs."""
 
@@ -188,7 +195,7 @@ class Rank:
         shape, n, tmax = layout.shape, layout.ranks, layout.tokens
         rows, latent, topk = layout.rows, shape.latent, shape.topk
         self.buffer = DeviceArray(layout.bytes)
-        self.peers = DeviceArray(8 * (n + 1))
+        self.peers = DeviceView(self.buffer.ptr + layout.peers, 8 * (n + 1))  # the layout's local peer table
         self.x = DeviceArray(tmax * latent * 2)
         self.ids = DeviceArray(tmax * topk * 4)
         self.weights = DeviceArray(tmax * topk * 4)
@@ -203,11 +210,11 @@ class Rank:
         self.arm()
 
     def arm(self):
-        """Zero the buffer (the protocol's initial state, as `SymmetricBuffers` leaves it)."""
+        """Zero the buffer but its peer table (the protocol's initial state, as `SymmetricBuffers` leaves it)."""
         cu = _cu()
         lay = self.layout
         check(cu.cuCtxSetCurrent(self.ctx))
-        check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.bytes))
+        check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.peers))
         check(cu.cuCtxSynchronize())
 
     def ctrl_words(self):
