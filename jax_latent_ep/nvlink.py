@@ -24,29 +24,37 @@ set `XLA_PYTHON_CLIENT_PREALLOCATE=false` before JAX starts), loads the kernels 
 registers each rank with the FFI library under a fresh instance id, so several backends can coexist. In a
 multi-process program (one process per GPU, `jax.distributed`), every process must build its backends with
 the same arguments and in the same order. Timeouts: a flag wait that outlives `timeout_s` traps the kernel
-after writing an error record; `status()` / `check()` read it (the computation itself fails with a CUDA
-error, and later calls of this backend fail with a message naming the rank, the peer and the layer).
+after writing an error record; so does a kernel called out of sequence (a dispatch twice without a
+combine, error code 3; a combine without its dispatch, code 4; the other ranks then time out waiting for
+that one). `status()` / `check()` read the records (the computation itself fails with a CUDA error, and
+later calls of this backend fail with a message naming the rank, the peer and the layer).
+
+Lifetime: `close()` unregisters the ranks and frees the buffers; a backend dropped without it is released
+when garbage-collected. Executables compiled with a backend must not run after it was released (see
+`NvlinkBackend.close`).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_latent_ep import ffi
+from jax_latent_ep import ffi, layout
 from jax_latent_ep.config import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
-from jax_latent_ep.symmetric import SymmetricBuffers
+from jax_latent_ep.symmetric import SymmetricBuffers, _distributed_client, publish_failure
 from jax_latent_ep.types import Received
 
-#: Default dispatch grid: at least one CTA per token, at least min(N*S, 32) CTAs to copy receive rows out.
-DISPATCH_MIN_CTAS = 32
-#: Default combine grid: at least one CTA per own token, at least min(N*S, 64) CTAs to send receive rows.
-COMBINE_MIN_CTAS = 64
+#: Default dispatch grid: at least one CTA per token, at least min(N*S, 128) CTAs to copy receive rows out (a
+#: CTA polls its rows one after another: one row each up to N * S = 128).
+DISPATCH_MIN_CTAS = 128
+#: Default combine grid: at least one CTA per own token, at least min(N*S, 128) CTAs to send receive rows.
+COMBINE_MIN_CTAS = 128
 
 _instances = itertools.count(1)
 _instances_lock = threading.Lock()
@@ -80,6 +88,50 @@ def _varying(a, axis_name: str):
         return a
 
 
+#: The kernels' error codes (`jax_latent_ep.layout.ERROR_*`) -> what `check()` says (rank, peer, layer filled in).
+ERROR_MESSAGES = {
+    layout.ERROR_DISPATCH_TIMEOUT: "dispatch on rank {rank} timed out waiting for rank {peer} at layer {layer}",
+    layout.ERROR_COMBINE_TIMEOUT: "combine on rank {rank} timed out waiting for rank {peer} at layer {layer}",
+    layout.ERROR_DISPATCH_TWICE: "dispatch called twice without a combine on rank {rank} at layer {layer}",
+    layout.ERROR_COMBINE_WITHOUT_DISPATCH: "combine called without its dispatch on rank {rank} at layer {layer}",
+}
+
+
+def describe_error(group: int, record) -> str:
+    """The message for one nonzero error record `(code, rank, peer, layer)` of expert-parallel group `group`."""
+    code, rank, peer, layer = (int(v) for v in record)
+    text = ERROR_MESSAGES.get(code, "unknown error on rank {rank} (peer {peer}) at layer {layer}")
+    return f"{text.format(rank=rank, peer=peer, layer=layer)} (group {group}, error code {code})"
+
+
+def _release(instance: int, registered: list, buffers: list, background: bool) -> None:
+    """Unregisters `instance` on every ordinal of `registered`, then closes every SymmetricBuffers of `buffers`
+    (emptying both lists). Unregistering comes first: from then on a handler that runs for this instance fails
+    with an FFI error instead of launching on memory about to be freed. `background`: close the buffers on a
+    daemon thread (the garbage-collection path: `close()` synchronizes the devices, which must not happen on
+    a thread that a running computation waits for, e.g. a host callback's)."""
+    for ordinal in registered:
+        ffi.unregister_rank(instance, ordinal)
+    registered.clear()
+    owned = list(buffers)
+    buffers.clear()
+
+    def close_all():
+        errors = []
+        for bufs in owned:
+            try:
+                bufs.close()
+            except Exception as e:  # close the others all the same
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    if background and owned:
+        threading.Thread(target=close_all, name=f"jax_latent_ep release {instance}", daemon=True).start()
+    else:
+        close_all()
+
+
 def default_grids(tokens: int, ranks: int, max_tokens: int) -> tuple[int, int]:
     """(dispatch CTAs, combine CTAs) for a call with `tokens` tokens per rank."""
     rows = ranks * stride(max_tokens)
@@ -102,7 +154,15 @@ class NvlinkBackend:
 
     Raises:
       ValueError, LookupError (no compiled kernel for this N / shape / arch), FileNotFoundError (no
-      artifacts), MemoryError, jax_latent_ep.symmetric.SymmetricMemoryError.
+      artifacts), MemoryError, jax_latent_ep.symmetric.SymmetricMemoryError (PeerSetupError: another
+      process of a group failed during its setup).
+
+    Lifetime: `close()` releases the buffers (see there). A backend dropped without `close()` is released
+    when it is garbage-collected (`weakref.finalize`: the ranks are unregistered at once, the buffers closed
+    on a background thread once the devices are idle); one still alive at interpreter exit keeps its memory
+    until the process ends. Functions that close over the backend (or its `ExpertParallel`) keep it alive,
+    so a `jax.jit` function is safe; an executable that does not reference it (`jit(...).lower(...).compile()`
+    kept alone) must not outlive it, for the reasons given in `close()`.
     """
 
     name = "nvlink"
@@ -127,32 +187,56 @@ class NvlinkBackend:
         #: (occupancy x SMs, docs/kernel_abi.md); a dispatch needs T CTAs, so this also bounds T.
         self.max_grids = (1 << 31, 1 << 31)
         self._buffers: list[SymmetricBuffers] = []
+        self._group_index: list[int] = []  # the mesh-wide index of each of `_buffers`' groups
         self._registered: list[int] = []
         self._closed = False
+        self._track()
 
         me = jax.process_index()
         # (index, devices) of every group with a device of this process; the index names it in the KV store.
         groups = [(i, g) for i, g in enumerate(_groups(mesh, axis_name)) if any(d.process_index == me for d in g)]
-        archs = {_arch(d) for _, g in groups for d in g if d.process_index == me}
-        if len(archs) != 1:
-            raise ValueError(f"the local devices of the mesh mix GPU architectures: {sorted(archs)}")
-        arch = archs.pop()
-        dispatch = ffi.find_kernel("dispatch", self.ranks, shape, arch)
-        combine = ffi.find_kernel("combine", self.ranks, shape, arch)
-        ffi.register_targets()
         try:
+            archs = {_arch(d) for _, g in groups for d in g if d.process_index == me}
+            if len(archs) != 1:
+                raise ValueError(f"the local devices of the mesh mix GPU architectures: {sorted(archs)}")
+            arch = archs.pop()
+            dispatch = ffi.find_kernel("dispatch", self.ranks, shape, arch)
+            combine = ffi.find_kernel("combine", self.ranks, shape, arch)
+            ffi.register_targets()
             for index, g in groups:
-                bufs = SymmetricBuffers(g, max_tokens, shape, key=f"{self.instance}/{index}")
+                bufs = SymmetricBuffers(g, max_tokens, shape, key=self._key(index))
                 self._buffers.append(bufs)
+                self._group_index.append(index)
                 for lr in bufs.local:
                     ffi.register_rank(self.instance, lr.ordinal, lr.rank, self.ranks, max_tokens, shape, lr.peers,
                                       lr.status_device, lr.status_host, self.timeout_ns, dispatch, combine)
                     self._registered.append(lr.ordinal)
                     bounds = ffi.max_grids(self.instance, lr.ordinal)
                     self.max_grids = tuple(min(a, b) for a, b in zip(self.max_grids, bounds))
-        except BaseException:
+        except BaseException as e:
+            self._publish_failure(groups, me, e)
             self.close()
             raise
+
+    def _key(self, index: int) -> str:
+        """The key-value store name of group `index` of this backend (identical in every process)."""
+        return f"{self.instance}/{index}"
+
+    def _track(self):
+        """Releases the ranks and buffers when this backend is garbage-collected without `close()`."""
+        self._finalizer = weakref.finalize(self, _release, self.instance, self._registered, self._buffers, True)
+        self._finalizer.atexit = False  # at exit, symmetric.py closes every live SymmetricBuffers itself
+
+    def _publish_failure(self, groups, me, error):
+        """Error records for this process's unpublished ranks of every group spanning several processes: the
+        other processes, waiting for them, then fail at once with `error` instead of after a timeout."""
+        client = None
+        for index, g in groups:
+            if all(d.process_index == me for d in g):
+                continue  # nobody waits for this group's records
+            client = client or _distributed_client()
+            ranks = [r for r, d in enumerate(g) if d.process_index == me]
+            publish_failure(client, self._key(index), ranks, me, error)
 
     @staticmethod
     def _check_grid(grid):
@@ -211,32 +295,49 @@ class NvlinkBackend:
                              eps=float(eps), apply_norm=apply_norm)
         return _varying(y, self.axis_name)
 
-    def status(self) -> dict[int, tuple[int, int, int, int]]:
-        """`{rank: (code, rank, peer, layer)}` of every local rank's error record (codes: 0 none, 1 dispatch
-        timeout, 2 combine timeout). Host-mapped memory: no synchronization, readable after a failure."""
-        return {lr.rank: b.status(lr.rank) for b in self._buffers for lr in b.local}
+    def status(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """`{(group, rank): (code, rank, peer, layer)}`: the error record of every rank this process drives.
+
+        `group` is the index of the rank's expert-parallel group among all groups of the mesh (the devices
+        sharing every other mesh coordinate, numbered row-major over the other axes; 0 when `axis_name` is the
+        only axis), `rank` its position on `axis_name`. Codes (`jax_latent_ep.layout.ERROR_*`): 0 none,
+        1 dispatch timeout, 2 combine timeout (`peer`: the rank whose data never came), 3 dispatch called
+        twice without a combine, 4 combine called without its dispatch (`peer`: the rank itself); `layer`: the
+        layers that rank had completed. Host-mapped memory: no synchronization, readable after a failure.
+        Empty after `close()`.
+        """
+        return {(g, lr.rank): b.status(lr.rank) for g, b in zip(self._group_index, self._buffers) for lr in b.local}
 
     def check(self) -> None:
-        """Raises RuntimeError naming rank, peer and layer if a kernel of this backend timed out."""
-        for rank, (code, r, peer, layer) in self.status().items():
-            if code:
-                phase = {1: "dispatch", 2: "combine"}.get(code, f"code {code}")
-                raise RuntimeError(f"jax_latent_ep: {phase} on rank {r} timed out waiting for rank {peer} at "
-                                   f"layer {layer} (local rank {rank})")
+        """Raises RuntimeError if a kernel of this backend recorded an error, naming for every such rank the
+        error (a timeout with the peer waited for, or a call-sequence error), the rank, the layer and the group."""
+        problems = [describe_error(g, rec) for (g, _), rec in sorted(self.status().items()) if rec[0]]
+        if problems:
+            raise RuntimeError("jax_latent_ep: " + "; ".join(problems))
 
     def close(self):
-        """Unregisters the ranks and frees the symmetric memory (idempotent). Call it only once every
-        computation using this backend has finished on every rank; executables compiled with it cannot run
-        afterwards."""
+        """Unregisters the ranks, then frees the symmetric memory (idempotent).
+
+        Call it only once every computation using this backend has finished on every rank (a peer may still
+        write into this rank's buffer). Afterwards `dispatch` / `combine` raise ValueError when traced.
+        Executables compiled earlier cannot be intercepted and must not run again:
+          * where XLA runs the FFI handler (every execution without command buffers, and command buffers
+            when XLA records them again, e.g. for new buffer addresses), the handler no longer finds this
+            backend's (instance, device) registration and fails the execution with
+            "jax_latent_ep dispatch: no NvlinkBackend instance <i> is registered on device ordinal <d> (was
+            the backend closed, ...)" before launching anything: the FFI targets stay registered for the
+            process and instance ids are never reused, so no later backend answers for it;
+          * but a CUDA graph captured earlier (XLA command buffers, `kCmdBufferCompatible`) and replayed as
+            it is launches the kernels without running the handler, with the pointers of the freed buffers:
+            it would read and write memory that may belong to someone else by then. Where an old executable
+            might still run, keep the backend open, or leave CUSTOM_CALL out of
+            `--xla_gpu_enable_command_buffer` so that every launch goes through the handler's check.
+        """
         if self._closed:
             return
         self._closed = True
-        for ordinal in self._registered:
-            ffi.unregister_rank(self.instance, ordinal)
-        self._registered = []
-        for bufs in self._buffers:
-            bufs.close()
-        self._buffers = []
+        if self._finalizer.detach() is not None:  # not yet released (by the garbage collector's path)
+            _release(self.instance, self._registered, self._buffers, False)
 
     def __enter__(self):
         return self

@@ -20,8 +20,9 @@ def test_stride_rule():
     assert stride(65535) == 65536
 
 
-def test_seed_offsets_for_kimi():
-    # The seed's EpLayout for Kimi K3 (3584 / 112 / 64-byte rows), recomputed from its rules by hand.
+def test_offsets_for_kimi_by_hand():
+    # Kimi K3 (3584 / 112 / K = 16), every peer-written region in LL words (8 bytes per 4 payload bytes),
+    # recomputed from the documented rules by hand.
     def align(v):
         return (v + 127) // 128 * 128
 
@@ -30,17 +31,20 @@ def test_seed_offsets_for_kimi():
             lay = EpLayout(n, t)
             rows = n * stride(t)
             x = 0
-            sf = align(x + rows * 3584)
-            ids = align(sf + rows * 112)
-            weights = align(ids + rows * 64)
-            src = align(weights + rows * 64)
-            comb = align(src + rows * 128)
-            ctrl = align(comb + t * n * 3584 * 2)
-            total = align(ctrl + 128 + 2 * 32 * 128)
+            sf = align(x + rows * 3584 * 2)
+            ids = align(sf + rows * 112 * 2)
+            weights = align(ids + rows * 16 * 8)
+            hdr = align(weights + rows * 16 * 8)
+            mirror = align(hdr + rows * 16)
+            comb = align(mirror + rows * 4)
+            ctrl = align(comb + t * n * 3584 * 4)
+            peers = align(ctrl + 128 + 32 * 128)
+            total = align(peers + 33 * 8)
             got = lay.offsets()
-            assert (got["x"], got["sf"], got["ids"], got["weights"], got["src"]) == (x, sf, ids, weights, src)
-            assert (got["comb"], got["ctrl"], got["bytes"]) == (comb, ctrl, total)
-            assert got["dflag"] == ctrl + 128 and got["cflag"] == ctrl + 128 + 32 * 128
+            assert (got["x"], got["sf"], got["ids"], got["weights"], got["hdr"]) == (x, sf, ids, weights, hdr)
+            assert (got["mirror"], got["comb"], got["ctrl"], got["peers"], got["bytes"]) == (
+                mirror, comb, ctrl, peers, total)
+            assert got["ready"] == ctrl + 128
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s.latent}_E{s.experts}_K{s.topk}")
@@ -56,23 +60,26 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
                 end = offset + size
             assert lay.bytes >= end and lay.bytes % LINE == 0
             s = lay.stride
-            # No 128-byte line of a receive array holds rows of two source ranks: every source block
-            # [s * S, (s + 1) * S) rows starts and ends on a line boundary.
+            # No 128-byte line of a peer-written receive region holds rows of two source ranks: every
+            # source block [s * S, (s + 1) * S) rows starts and ends on a line boundary.
             for name, pitch in (("x", lay.x_pitch), ("sf", lay.sf_pitch), ("ids", lay.meta_pitch),
-                                ("weights", lay.meta_pitch), ("src", lay.src_pitch)):
+                                ("weights", lay.meta_pitch), ("hdr", lay.hdr_pitch)):
                 offset = getattr(lay, name)
                 assert (s * pitch) % LINE == 0, (name, n, t)
                 assert pitch * 8 % LINE == 0  # 8-row blocks fill whole lines
+                assert pitch % 16 == 0  # 16-byte LL stores stay aligned
                 for source in (0, n - 1):
                     first = offset + source * s * pitch
                     last = offset + (source + 1) * s * pitch - 1
                     assert first % LINE == 0 and (last + 1) % LINE == 0
-            assert lay.sf_pitch >= shape.num_sf and lay.meta_pitch >= 4 * shape.topk
-            # Each source word and each flag owns a line.
-            assert lay.src_pitch == LINE
-            assert lay.dflag % LINE == 0 and lay.cflag % LINE == 0 and lay.cflag - lay.dflag == 32 * LINE
-            assert lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.dflag
-            assert lay.cflag + 32 * LINE <= lay.bytes
+            # LL words: twice the payload bytes.
+            assert lay.x_pitch == 2 * shape.latent and lay.comb_pitch == 4 * shape.latent
+            assert lay.sf_pitch >= 2 * shape.num_sf and lay.meta_pitch >= 8 * shape.topk
+            # Combine slots [t, d] are whole lines (one writer each).
+            assert lay.comb % LINE == 0 and lay.comb_pitch % LINE == 0
+            # Each ready word owns a line; control words come before them; the peer table is last.
+            assert lay.ready == lay.ctrl + LINE and lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ready
+            assert lay.ready + 32 * LINE <= lay.peers and lay.peers + 33 * 8 <= lay.bytes
 
 
 def test_region_offsets_is_the_one_definition():

@@ -1,13 +1,14 @@
-"""EpCombine: send every received row's BF16 expert output back to its source's combine slot, re-arm the row,
-then (CTAs with own tokens) wait for all N ranks and reduce: FP32 sum of the partials in ascending rank order
-over the token's destination set, rounded once to BF16 (the routed latent), optionally vLLM's RMSNorm of it.
+"""EpCombine: send every received row's BF16 expert output back, as LL words, to its source's combine slot; then
+reduce own tokens, polling each partial until it carries this layer's epoch: FP32 sum of the partials in
+ascending rank order over the token's destination set, rounded once to BF16 (the routed latent), optionally
+vLLM's RMSNorm of it.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): out, ids, norm_weight, result, peers, status (i64 addresses),
 timeout_ns (i64), eps (f32), rank, tokens, max_tokens, apply_norm (i32).
-Grid: G >= 1 CTAs; rows r = cta, cta + G, ... are sent; CTAs cta < min(G, T) wait and reduce own tokens
-t = cta, cta + G, ... Block: L // 16 threads.
+Grid: G >= 1 CTAs; rows q = c, c + G, ... are sent; own tokens t = c, c + G, ... < T are reduced.
+Block: L // 16 threads.
 """
 
 from __future__ import annotations
@@ -19,33 +20,32 @@ from cutlass import Float32, Int32, Int64, Uint32
 from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
+    EMPTY,
     DeviceLayout,
-    arrive_seen,
     compile_cubin,
-    finish_seen,
-    last_arrival,
+    fail,
     load_peer_table,
     peer_of,
-    raise_flags,
-    wait_flags,
+    poll_expired,
 )
 from jax_latent_ep.kernels.dispatch import block_threads, check_shape, min_ctas_per_sm
 from jax_latent_ep.kernels.memory import (
     add_rn,
-    ballot,
     bf16x2,
     bits_from_f32,
     f32_from_bits,
-    fence_acq_rel_sys,
+    globaltimer,
     hi_f32,
     load_b32,
+    load_ll2,
+    load_relaxed_sys,
     load_v4,
     lo_f32,
-    lowest_bit,
     mul_rn,
     rms_rstd,
     shfl_bfly_f32,
-    store_b32,
+    store_ll2,
+    store_relaxed_sys,
     store_v4,
     warp_or,
 )
@@ -53,8 +53,8 @@ from jax_latent_ep.kernels.memory import (
 # ---------------------------------------------------------------------------------------------------------
 # Settings
 
-#: Dynamic shared memory bytes the launcher must pass (the kernel uses less: 4 mask words and 32 words that hold
-#: the source words of a send chunk, then the FP32 warp sums).
+#: Dynamic shared memory bytes the launcher must pass (the kernel uses less: 4 mask words and 32 words for the
+#: FP32 warp sums of the RMSNorm).
 SMEM_BYTES = 256
 
 #: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
@@ -72,12 +72,6 @@ PARAMS = (
     ("max_tokens", "i32"),
     ("apply_norm", "i32"),
 )
-
-#: Valid receive rows sent together (all their loads in flight before their stores).
-SEND_ROWS = 2
-
-#: Source word of an empty receive row.
-EMPTY = 0xFFFFFFFF
 
 
 class Combine:
@@ -156,131 +150,71 @@ class Combine:
         lane = tid % 32
         warp = tid // 32
         smem = cutlass.memory.SmemAllocator()
-        # [0]: the destination mask of the token being reduced; [1]: the valid-row mask of the current send chunk.
+        # [0]: the destination mask of the token being reduced.
         shared_mask = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
-        # Send phase: the source words of the chunk's 32 rows. Reduce phase: the 32 warp sums (FP32 bits).
-        # (The send phase ends with a CTA barrier before the reduce phase writes it.)
+        # The FP32 bits of the warp sums of the RMSNorm.
         stash = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
-        src_off = Int64(buf.src)
-        ids_off = Int64(buf.ids)
-        weights_off = Int64(buf.weights)
-        comb_off = Int64(buf.comb)
-        cflag = Int64(buf.cflag)
-        meta_pitch = buf.meta_pitch
-        invalid = Uint32(((rank + 1) % ranks) * self.local_experts)  # re-armed rows: next rank's first expert
         column = Int64(tid) * 16
+        local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
+        ctrl = local + buf.ctrl
+        rows32 = Int32(buf.rows)  # N * S < 2^21
 
         cute.arch.griddepcontrol_wait()
-        # Lane d of every warp holds rank d's buffer base (this rank's own through its local mapping).
+        # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
+        # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
+        # the dispatch; nothing in this kernel writes it).
+        first_row = Int64(cta)
+        if cta >= rows32:
+            first_row = Int64(0)  # a valid address; nothing is sent
+        source = load_b32(local + buf.mirror + first_row * 4)
+        line = out + (first_row * latent + column) * 2
+        first = load_v4(line)
+        second = load_v4(line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
-        local = peer_of(table, rank)
-        ctrl = local + buf.ctrl
-
-        # Send every valid receive row r = cta + k * G (k < count) to its source's slot [token, rank], then re-arm
-        # the row. In chunks of 32 rows: warp 0's lane j loads the source word of the chunk's row j (all in
-        # flight) into shared memory and ballots its validity; after one barrier every thread sends the valid
-        # rows, U at a time with all their loads issued before any store. The row's re-arm (its source word by
-        # thread 0) comes after that barrier, so after every read of the word.
-        rows32 = Int32(buf.rows)  # N * S < 2^21
-        count = Int32(0)
-        if cta < rows32:
-            count = (rows32 - cta + grid - 1) // grid
-        stored = Uint32(0)
-        kb = Int32(0)
-        while kb < count:
-            if warp == 0:
-                csource = Uint32(EMPTY)
-                if kb + lane < count:
-                    crow = Int64(cta) + Int64(kb + lane) * Int64(grid)
-                    csource = load_b32(local + src_off + crow * lay.LINE)
-                stash[lane] = Int32(csource)
-                valid_mask = ballot(csource ^ Uint32(EMPTY))
-                if lane == 0:
-                    shared_mask[1] = Int32(valid_mask)
-            cute.arch.sync_threads()
-            m = Uint32(shared_mask[1])
-            if m != Uint32(0):
-                stored = Uint32(1)
-            while m != Uint32(0):
-                js = []
-                lives = []
-                j0 = lowest_bit(m)
-                m = m & (m - Uint32(1))
-                for u in cutlass.range_constexpr(SEND_ROWS):
-                    ju = j0
-                    live = Uint32(1)
-                    if u > 0:
-                        live = Uint32(0)
-                        if m != Uint32(0):
-                            ju = lowest_bit(m)
-                            m = m & (m - Uint32(1))
-                            live = Uint32(1)
-                    js.append(ju)
-                    lives.append(live)
-                # Every load of the group first (a short group repeats its first row: loaded again, sent once).
-                loaded = []
-                for u in cutlass.range_constexpr(SEND_ROWS):
-                    srow = Int64(cta) + Int64(kb + Int32(js[u])) * Int64(grid)
-                    line = out + (srow * latent + column) * 2
-                    first = load_v4(line)
-                    second = load_v4(line + 16)
-                    source = Uint32(stash[Int32(js[u])])
-                    loaded.append((srow, first, second, source))
-                for u in cutlass.range_constexpr(SEND_ROWS):
-                    srow, first, second, source = loaded[u]
-                    origin = Int32(source >> Uint32(16))
-                    token = Int64(source & Uint32(0xFFFF))
-                    # The base of the origin (its local mapping if it is this rank); the group is CTA-uniform.
-                    dest = peer_of(table, origin) + comb_off + ((token * ranks + rank) * latent + column) * 2
-                    if lives[u] != Uint32(0):
-                        store_v4(dest, first)
-                        store_v4(dest + 16, second)
-                        if tid < topk:
-                            store_b32(local + ids_off + srow * meta_pitch + tid * 4, invalid)
-                            store_b32(local + weights_off + srow * meta_pitch + tid * 4, Uint32(0))
-                        if tid == 0:
-                            store_b32(local + src_off + srow * lay.LINE, Uint32(EMPTY))
-            cute.arch.sync_threads()  # every thread read the stash before warp 0 writes the next chunk's
-            kb += 32
-
-        # Every thread of a CTA that sent a row stored (remotely and re-arms): each fences at system scope before
-        # the CTA's arrival is counted. CTAs without a valid row stored nothing (their source-word reads were
-        # consumed before the barrier above) and skip the fence.
-        if stored != Uint32(0):
-            fence_acq_rel_sys()
-        cute.arch.sync_threads()
-        waiters = grid
-        if tokens < grid:
-            waiters = tokens
-        seen = Uint32(0)
-        if warp == 0:
-            if last_arrival(ctrl + 4 * lay.CTRL_COMBINE_DONE, grid, lane) != Uint32(0):
-                raise_flags(table, cflag, rank, lane, ranks)
-        # The RMSNorm weight of this thread's 16 elements is loaded with each token's partials (one round trip for
-        # both); from `out` when there is no norm (a valid address, the value unused).
-        gamma_base = out
-        if apply_norm != 0:
-            gamma_base = norm_weight
+        epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
+        if cta == 0:
+            # Sequence guard (CTA 0 alone reads and writes EPOCH_D, so no CTA races the write): a dispatch must
+            # come before. Then tell every rank that this rank's receive rows are copied out (the dispatch grid
+            # completed before griddepcontrol.wait returned): its next dispatch may overwrite them.
+            if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1) != epoch:
+                fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
+            if tid == 0:
+                store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D, epoch)
+            if warp == 0 and lane < ranks:
+                store_relaxed_sys(table + buf.ready + Int64(rank) * lay.LINE, epoch)
         if warp == self.mask_warp:
-            # The destination mask of the first own token (routing input: no flag needed), read while waiting.
+            # The destination mask of the first own token (routing input: no wait needed), read with the rest.
             if cta < tokens:
                 self.token_mask(ids, cta, lane, shared_mask)
-        if warp == 0:
-            if cta < waiters:
-                wait_flags(local, cflag, lane, ranks, timeout_ns, status, ctrl, rank, lay.ERROR_COMBINE_TIMEOUT, -1)
-                # (wait_flags ended with warp 0's acquire fence; the barrier below extends it to the CTA.)
-                seen = arrive_seen(ctrl + 4 * lay.CTRL_COMBINE_SEEN, waiters, lane)
-        cute.arch.sync_threads()
+
+        # ---- Phase 2: send every valid receive row q = c, c + G, ... to its source's slot [token, rank] as LL
+        # words. The source word is CTA-uniform (every thread loads it), so the warps stay converged.
+        if cta < rows32:
+            self.send_row(table, buf, source, first, second, epoch, rank, tid)
+        q = cta + grid
+        while q < rows32:
+            row = Int64(q)
+            source_q = load_b32(local + buf.mirror + row * 4)
+            line_q = out + (row * latent + column) * 2
+            self.send_row(table, buf, source_q, load_v4(line_q), load_v4(line_q + 16), epoch, rank, tid)
+            q += grid
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
 
+        # ---- Phase 3: reduce own tokens t = c, c + G, ... < T. For each rank d of the token's destination set,
+        # in ascending order, every thread polls its 64 bytes of slot [t, d] until all 8 LL words carry this
+        # epoch, then adds them. Invariant: a partial is added only once it was stored in this layer (each slot
+        # is stored once per layer, by rank d alone).
+        gamma_base = out
+        if apply_norm != 0:
+            gamma_base = norm_weight
         t = cta
         while t < tokens:
             if t != cta:
                 if warp == 0:
                     self.token_mask(ids, t, lane, shared_mask)
-                cute.arch.sync_threads()
+            cute.arch.sync_threads()
             mask = Uint32(shared_mask[0])
             gamma = load_v4(gamma_base + column * 2) + load_v4(gamma_base + column * 2 + 16)
             values = cute.make_rmem_tensor(16, Float32)
@@ -288,13 +222,26 @@ class Combine:
                 values[j] = Float32(0.0)
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
-                    part = local + comb_off + ((Int64(t) * ranks + d) * latent + column) * 2
-                    first = load_v4(part)
-                    second = load_v4(part + 16)
-                    words = first + second
-                    for j in cutlass.range_constexpr(8):
-                        values[2 * j] = add_rn(values[2 * j], lo_f32(words[j]))
-                        values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
+                    part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + Int64(tid) * 64
+                    pending = Uint32(1)
+                    start = globaltimer()
+                    polls = Uint32(0)
+                    while pending != Uint32(0):
+                        w0, e0, w1, e1 = load_ll2(part)
+                        w2, e2, w3, e3 = load_ll2(part + 16)
+                        w4, e4, w5, e5 = load_ll2(part + 32)
+                        w6, e6, w7, e7 = load_ll2(part + 48)
+                        if (e0 == epoch and e1 == epoch and e2 == epoch and e3 == epoch and e4 == epoch
+                                and e5 == epoch and e6 == epoch and e7 == epoch):
+                            pending = Uint32(0)
+                            words = [w0, w1, w2, w3, w4, w5, w6, w7]
+                            for j in cutlass.range_constexpr(8):
+                                values[2 * j] = add_rn(values[2 * j], lo_f32(words[j]))
+                                values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
+                        else:
+                            polls = polls + Uint32(1)
+                            if poll_expired(start, polls, timeout_ns) != Uint32(0):
+                                fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
             routed = []
             for j in cutlass.range_constexpr(8):
                 routed.append(bf16x2(values[2 * j], values[2 * j + 1]))
@@ -329,10 +276,19 @@ class Combine:
             cute.arch.sync_threads()  # shared_mask / stash are reused by the next token
             t += grid
 
-        # The last SEEN arrival re-arms the combine flags.
-        if warp == 0:
-            if cta < waiters:
-                finish_seen(seen, waiters, local, cflag, lane, ranks, ctrl, False)
+    @cute.jit
+    def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):
+        """Stores this thread's 32 bytes of a receive row's output (`first`, `second`: 4 words each) as 8 LL words
+        into slot [token, rank] of the source rank named by `source` (nothing if the row is empty). Warp-wide
+        (`peer_of` shuffles): `source` must be uniform over the warp."""
+        if source != Uint32(EMPTY):
+            origin = Int32(source >> Uint32(16))
+            token = Int64(source & Uint32(0xFFFF))
+            dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch + Int64(tid) * 64
+            store_ll2(dest, first[0], first[1], epoch)
+            store_ll2(dest + 16, first[2], first[3], epoch)
+            store_ll2(dest + 32, second[0], second[1], epoch)
+            store_ll2(dest + 48, second[2], second[3], epoch)
 
     @cute.jit
     def token_mask(self, ids: Int64, t: Int32, lane: Int32, shared_mask):

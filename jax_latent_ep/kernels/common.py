@@ -1,18 +1,12 @@
 """Device-side pieces shared by the dispatch and combine kernels: buffer offsets on run-time integers, the
-arrival counters and the single-reader flag protocol (raise, wait with a timeout, re-arm).
+peer table, the layer epoch and its sequence guard, bounded polls and the error record.
 
-The protocol (the seed's, with every dispatch CTA waiting):
-  * every thread that stored (locally or remotely) fences at system scope, then the CTA barrier, then warp 0's
-    lane 0 counts the CTA's arrival on a local counter (`last_arrival`); a CTA that stored nothing (it may
-    have read: its reads were consumed before the barrier) skips the fence;
-  * the last arrival raises this rank's flag on every rank (`raise_flags`: lane d stores to rank d, in
-    parallel, through the base it loaded at the kernel's start, `load_peer_table`; this rank's own flag
-    through its local mapping `peers[N]`);
-  * waiters poll their N flags with one lane each, all in flight (`wait_flags`), then fence;
-  * a second counter of waiters (`arrive_seen`: a release `atom.inc` whose result is only used at the end of
-    the kernel, `finish_seen`) lets the last waiter re-arm the flags (`rearm_flags`): a flag has one reader
-    (its rank) and the next layer's writer cannot raise it before the re-arm (see the seed); the re-arm still
-    happens inside the kernel, before the next kernel of the stream can start.
+The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): every word a peer writes is an
+LL word (`memory.store_ll`: payload + the writer's layer epoch in one 8-byte store), so a reader polls the data
+itself until it carries the current epoch; no fences, counters or flags. Layer epochs come from two control
+words of the rank's own buffer (`read_epochs`); a `ready` line per rank tells writers that a rank has copied its
+receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
+error record and traps (`fail`).
 No JAX here.
 """
 
@@ -25,80 +19,37 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
-    atomic_add_acq_rel_gpu,
-    atomic_inc_release_gpu,
-    fence_acq_rel_gpu,
-    red_add_relaxed_gpu,
-    shfl_idx_u64,
-    fence_acq_rel_sys,
     fence_sc_sys,
     globaltimer,
-    load_b32,
     load_relaxed_sys,
     load_u64,
-    shfl_idx,
-    store_b32,
+    shfl_idx_u64,
     store_relaxed_sys,
     trap,
-    warp_or,
 )
 
 LINE = lay.LINE
+#: Source word of an empty receive row (its LL header's payload).
+EMPTY = 0xFFFFFFFF
 
 
 class DeviceLayout:
     """Byte offsets of a rank's buffer as DSL `Int64` values, from `layout.region_offsets` evaluated on the
-    run-time `max_tokens` (the host sizes the buffer with the same function)."""
+    run-time `max_tokens` (the host sizes the buffer with the same function); pitches are compile-time."""
 
     def __init__(self, max_tokens, ranks: int, shape: LatentMoEShape):
         tokens = Int64(max_tokens)
         self.stride = (tokens + (lay.ROW_BLOCK - 1)) // lay.ROW_BLOCK * lay.ROW_BLOCK  # = layout.stride
         regions = lay.region_offsets(self.stride, tokens, ranks, shape)
         self.rows = self.stride * ranks
-        self.x = regions["x"][0]
-        self.sf = regions["sf"][0]
-        self.ids = regions["ids"][0]
-        self.weights = regions["weights"][0]
-        self.src = regions["src"][0]
-        self.comb = regions["comb"][0]
-        self.ctrl = regions["ctrl"][0]
-        self.dflag = self.ctrl + LINE
-        self.cflag = self.ctrl + LINE + lay.NUM_MAX_RANKS * LINE
-        # Row pitches (compile-time).
-        self.x_pitch = shape.latent
-        self.sf_pitch = (shape.num_sf + 15) // 16 * 16
-        self.meta_pitch = (shape.topk + 3) // 4 * 4 * 4
-
-    def word(self, index: int):
-        """Byte offset of control word `index` (CTRL_*)."""
-        return self.ctrl + 4 * index
-
-
-@cute.jit
-def peer_base(peers: Int64, target: Int32) -> Int64:
-    """`peers[target]` (8-byte load from the device peer table)."""
-    return load_u64(peers + Int64(target) * 8)
-
-
-@cute.jit
-def last_arrival(counter: Int64, total: Int32, lane: Int32) -> Uint32:
-    """Warp-wide (all 32 lanes call it): nonzero on every lane iff this CTA is the `total`-th arrival on
-    `counter`. Lane 0 adds 1 (acq_rel, gpu scope: every arriving CTA is on this GPU); the last arrival resets
-    the counter to 0 for the next launch and every lane of its warp fences at system scope, so what the warp
-    does next (raise flags) is ordered after every counted CTA's stores.
-
-    The caller guarantees that every thread of the CTA whose stores the arrival publishes has fenced at
-    system scope and passed a CTA barrier before this call (so lane 0 needs no fence of its own)."""
-    last = Uint32(0)
-    if lane == 0:
-        old = atomic_add_acq_rel_gpu(counter, Uint32(1))
-        if old == Uint32(total - 1):
-            store_b32(counter, Uint32(0))
-            last = Uint32(1)
-    last = shfl_idx(last, Uint32(0))
-    if last != Uint32(0):
-        fence_acq_rel_sys()
-    return last
+        for name in ("x", "sf", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
+            setattr(self, name, regions[name][0])
+        self.ready = self.ctrl + LINE
+        self.x_pitch = lay.x_pitch(shape)
+        self.sf_pitch = lay.sf_pitch(shape)
+        self.meta_pitch = lay.meta_pitch(shape)
+        self.hdr_pitch = lay.HDR_PITCH
+        self.comb_pitch = lay.comb_pitch(shape)
 
 
 @cute.jit
@@ -123,114 +74,48 @@ def peer_of(table: Int64, target: Int32) -> Int64:
 
 
 @cute.jit
-def raise_flags(table: Int64, flag_offset: Int64, rank: Int32, lane: Int32, ranks: cutlass.Constexpr[int]):
-    """Lane d < N sets this rank's flag (line `rank`) on rank d with a relaxed system-scope store, all lanes in
-    parallel; the caller fenced (`last_arrival`). `table` is the lane's `load_peer_table` entry (rank d's base,
-    this rank's own through its local mapping), loaded at the kernel's start: no load on this path."""
-    if lane < ranks:
-        store_relaxed_sys(table + flag_offset + Int64(rank) * LINE, Uint32(1))
+def read_epochs(ctrl: Int64):
+    """`(EPOCH_D, EPOCH_C)` of this rank: two fresh loads, issued together. Only valid after
+    `griddepcontrol.wait` (the kernel that wrote them has completed)."""
+    return load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D), load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
 
 
 @cute.jit
-def arrive_seen(counter: Int64, total: Int32, lane: Int32) -> Uint32:
-    """Warp-wide: lane 0 counts this CTA's arrival on a SEEN counter with a release `atom.inc` (it orders the
-    CTA's flag polls before it; the `total`-th arrival wraps the counter back to 0) and returns the old value
-    (0 on other lanes) WITHOUT waiting for it: the caller hands it to `finish_seen` at the end of the kernel, so
-    the atomic's round trip overlaps the copy-out / reduce."""
-    old = Uint32(0)
-    if lane == 0:
-        old = atomic_inc_release_gpu(counter, Uint32(total - 1))
-    return old
+def reached(value: Uint32, target: Uint32) -> Uint32:
+    """1 iff the epoch `value` is at or past `target` (modulo 2^32: epochs wrap after 4e9 layers)."""
+    result = Uint32(0)
+    if Int32(value - target) >= 0:
+        result = Uint32(1)
+    return result
 
 
 @cute.jit
-def finish_seen(
-    old: Uint32,
-    total: Int32,
-    local: Int64,
-    flag_offset: Int64,
-    lane: Int32,
-    ranks: cutlass.Constexpr[int],
-    ctrl: Int64,
-    bump_layer: cutlass.Constexpr[bool],
-):
-    """Warp-wide, with `arrive_seen`'s value: the `total`-th arrival (its atomic already reset the counter)
-    acquires (GPU scope: every waiter of this rank is on this GPU) so that its stores follow every waiter's
-    polls, re-arms this rank's N flags (single reader) and, if `bump_layer`, adds 1 to ctrl[CTRL_LAYER] (a `red`:
-    nothing waits for it)."""
-    last = Uint32(0)
-    if lane == 0:
-        if old == Uint32(total - 1):
-            last = Uint32(1)
-    last = shfl_idx(last, Uint32(0))
-    if last != Uint32(0):
-        fence_acq_rel_gpu()
-        if lane == 0:
-            if bump_layer:
-                red_add_relaxed_gpu(ctrl + 4 * lay.CTRL_LAYER, Uint32(1))
-        rearm_flags(local, flag_offset, lane, ranks)
+def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
+    """1 iff `timeout_ns != 0` and this is a 32nd poll and `%globaltimer` is past `start + timeout_ns` (the timer
+    is read every 32 polls only: a shorter poll period)."""
+    late = Uint32(0)
+    if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
+        if globaltimer() - start > timeout_ns:
+            late = Uint32(1)
+    return late
 
 
 @cute.jit
-def rearm_flags(local: Int64, flag_offset: Int64, lane: Int32, ranks: cutlass.Constexpr[int]):
-    """Lane s < N re-arms flag s of this rank's own buffer to 0 (single reader: only this rank does)."""
-    if lane < ranks:
-        store_b32(local + flag_offset + Int64(lane) * LINE, Uint32(0))
-
-
-@cute.jit
-def wait_flags(
-    local: Int64,
-    flag_offset: Int64,
-    lane: Int32,
-    ranks: cutlass.Constexpr[int],
-    timeout_ns: Int64,
-    status: Int64,
-    ctrl: Int64,
-    rank: Int32,
-    code: cutlass.Constexpr[int],
-    layer_bias: cutlass.Constexpr[int],
-):
-    """Warp-wide: lane s < N polls flag s of this rank's buffer (relaxed, system scope; all lanes in flight
-    together) until every flag is set, then every lane fences (acquire). If `timeout_ns != 0` and the wait
-    outlives it (`%globaltimer`, read every 32 polls), lane 0 writes `ctrl[CTRL_ERROR, CTRL_ERROR_PEER, CTRL_ERROR_LAYER]` and, if
-    `status != 0`, the host record `{code, rank, peer, layer}` (peer = the lowest rank whose flag is missing,
-    layer = `ctrl[CTRL_LAYER] + layer_bias`), fences, and the warp traps."""
-    pending = Uint32(0)
-    if lane < ranks:
-        pending = Uint32(1)
-    start = globaltimer()
-    polls = Uint32(0)
-    while warp_or(pending) != Uint32(0):
-        if pending != Uint32(0):
-            if load_relaxed_sys(local + flag_offset + Int64(lane) * LINE) != Uint32(0):
-                pending = Uint32(0)
-        polls = polls + Uint32(1)
-        # The timer (and the two reductions of the check) only every 32 polls: a shorter poll period.
-        if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
-            late = Uint32(0)
-            if globaltimer() - start > timeout_ns:
-                late = Uint32(1)
-            late = warp_or(late)
-            missing = warp_or(pending << Uint32(lane))
-            if late != Uint32(0) and missing != Uint32(0):
-                if lane == 0:
-                    peer = Int32(0)
-                    while (missing >> Uint32(peer)) & Uint32(1) == Uint32(0):
-                        peer += 1
-                    layer = load_b32(ctrl + 4 * lay.CTRL_LAYER) + Uint32(layer_bias)
-                    store_b32(ctrl + 4 * lay.CTRL_ERROR, Uint32(code))
-                    store_b32(ctrl + 4 * lay.CTRL_ERROR_PEER, Uint32(peer))
-                    store_b32(ctrl + 4 * lay.CTRL_ERROR_LAYER, layer)
-                    if status != Int64(0):
-                        store_relaxed_sys(status + 4, Uint32(rank))
-                        store_relaxed_sys(status + 8, Uint32(peer))
-                        store_relaxed_sys(status + 12, layer)
-                        fence_sc_sys()
-                        store_relaxed_sys(status, Uint32(code))
-                    fence_sc_sys()
-                trap()
-    fence_acq_rel_sys()
+def fail(ctrl: Int64, status: Int64, code: cutlass.Constexpr[int], rank: Int32, peer: Int32, layer: Uint32):
+    """Writes the error record `ctrl[CTRL_ERROR, CTRL_ERROR_PEER, CTRL_ERROR_LAYER] = code, peer, layer` and, if
+    `status != 0`, the host record `{code, rank, peer, layer}` (code last, after a fence), then traps: the launch
+    fails, and the host reads the record (several threads may write it; they write the same code)."""
+    store_relaxed_sys(ctrl + 4 * lay.CTRL_ERROR_PEER, Uint32(peer))
+    store_relaxed_sys(ctrl + 4 * lay.CTRL_ERROR_LAYER, layer)
+    store_relaxed_sys(ctrl + 4 * lay.CTRL_ERROR, Uint32(code))
+    if status != Int64(0):
+        store_relaxed_sys(status + 4, Uint32(rank))
+        store_relaxed_sys(status + 8, Uint32(peer))
+        store_relaxed_sys(status + 12, layer)
+        fence_sc_sys()
+        store_relaxed_sys(status, Uint32(code))
+    fence_sc_sys()
+    trap()
 
 
 def compile_cubin(launch, fake_args, arch: str):

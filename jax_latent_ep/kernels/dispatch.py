@@ -1,12 +1,13 @@
-"""EpDispatch: MXFP8-quantize this rank's tokens and store them into their receive rows on every destination
-rank, then (every CTA) wait for all N ranks and copy this rank's receive rows into XLA's output arrays.
+"""EpDispatch: MXFP8-quantize this rank's tokens and store them, as LL words, into their receive rows on every
+destination rank (a header word on every rank, -1 where the token does not go); then copy this rank's receive
+rows into XLA's output arrays, polling each word until it carries this layer's epoch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): x, ids, weights, peers, recv_x, recv_sf, recv_ids,
 recv_weights, recv_src, status (i64 addresses), timeout_ns (i64), rank, tokens, max_tokens (i32).
-Grid: G >= T CTAs (a run-time choice); CTA t < T sends token t; every CTA arrives, waits for the N dispatch
-flags and copies receive rows r = cta, cta + G, ... out of the local buffer. Block: L // 16 threads.
+Grid: G >= T CTAs (a run-time choice); CTA c < S stores source rows j = c, c + G, ... < S (token j if j < T,
+else an empty header); every CTA copies receive rows q = c, c + G, ... < N * S out. Block: L // 16 threads.
 """
 
 from __future__ import annotations
@@ -18,32 +19,35 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
+    EMPTY,
     DeviceLayout,
-    arrive_seen,
     compile_cubin,
-    finish_seen,
-    last_arrival,
+    fail,
     load_peer_table,
     peer_of,
-    raise_flags,
-    wait_flags,
+    poll_expired,
+    reached,
 )
 from jax_latent_ep.kernels.memory import (
-    ballot,
     bits_from_f32,
     e4m3x4,
     f32_from_bits,
-    fence_acq_rel_sys,
-    hi_f32,
+    globaltimer,
+    load_acquire_sys,
     load_b32,
-    load_u64,
+    load_ll,
+    load_ll2,
+    load_relaxed_sys,
     load_v4,
     lo_f32,
-    lowest_bit,
+    hi_f32,
     mul_ftz,
     shfl_bfly,
     shfl_idx,
     store_b32,
+    store_ll,
+    store_ll2,
+    store_relaxed_sys,
     store_v4,
     warp_or,
 )
@@ -71,9 +75,6 @@ PARAMS = (
     ("tokens", "i32"),
     ("max_tokens", "i32"),
 )
-
-#: Valid receive rows copied out together (all their loads in flight before their stores).
-COPY_ROWS = 2
 
 #: rn_f32(1 / 448), numerics.md's R.
 RECIPROCAL_448_BITS = 0x3B124925
@@ -181,28 +182,60 @@ class Dispatch:
         lane = tid % 32
         warp = tid // 32
         smem = cutlass.memory.SmemAllocator()
-        # [0]: the token's destination mask; [1]: the valid-row mask of the current copy-out chunk.
+        # [0]: the token's destination mask.
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
+        stride = Int32(buf.stride)
         column = Int64(tid) * 16
+        local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
+        ctrl = local + buf.ctrl
 
         cute.arch.griddepcontrol_wait()
-        # Lane d of every warp holds rank d's buffer base (this rank's own through its local mapping); the
-        # token's inputs are loaded in the same wave, before anything waits for either.
+        # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
+        # inputs, lane d's peer base, the epoch words, then warp 0 lane d's ready word of rank d (an acquire:
+        # last, so it orders only what follows: our stores into rank d's rows).
+        sends = Int32(0)
+        if cta < stride:
+            sends = Int32(1)
+        meta = Int64(cta) * topk + tid
+        if tid >= topk or cta >= tokens:
+            meta = Int64(0)  # a valid address; the value is not used
+        token_row = Int64(cta)
+        if cta >= tokens:
+            token_row = Int64(0)
+        expert_word = load_b32(ids + meta * 4)
+        weight_word = load_b32(weights + meta * 4)
+        x_line = x + (token_row * latent + column) * 2
+        first = load_v4(x_line)
+        second = load_v4(x_line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
+        # This layer's epoch: one past the last combined layer (EPOCH_D is written only by the combine).
+        epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
+        if cta == 0:
+            # Sequence guard (CTA 0 alone reads and writes EPOCH_C, so no CTA races the write): the last
+            # dispatch must have been combined. EPOCH_C is then read by the combine, after this grid.
+            if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C) == epoch:
+                fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
+            if tid == 0:
+                store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C, epoch)
+        ready = Uint32(0)
+        if warp == 0 and lane < ranks and sends != 0:
+            ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
+
+        # ---- Phase 2 (CTAs c < S): wait until every rank has copied out the previous layer's rows (its ready
+        # word, stored by its combine, reaches epoch - 1), then store. Invariant after the barrier below: every
+        # store of this CTA into rank d's buffer follows rank d's last read of the rows it overwrites.
+        if warp == 0 and lane < ranks and sends != 0:
+            start = globaltimer()
+            polls = Uint32(0)
+            while reached(ready, epoch - Uint32(1)) == Uint32(0):
+                ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
+                polls = polls + Uint32(1)
+                if poll_expired(start, polls, timeout_ns) != Uint32(0):
+                    fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, lane, epoch - Uint32(1))
 
         if cta < tokens:
             token = cta
-            # Every load of the token first, all in flight together: its K ids and weights (threads tid < K,
-            # which are warp 0's lanes: K <= 32) and the 32 bytes of x of this thread.
-            meta = Int64(token) * topk + tid
-            if tid >= topk:
-                meta = Int64(token) * topk  # a valid address; the value is not used
-            expert_word = load_b32(ids + meta * 4)
-            weight_word = load_b32(weights + meta * 4)
-            x_line = x + (Int64(token) * latent + column) * 2
-            first = load_v4(x_line)
-            second = load_v4(x_line + 16)
             # Destination mask of the token: bit d set iff one of its experts lives on rank d.
             if warp == 0:
                 bit = Uint32(0)
@@ -264,127 +297,108 @@ class Dispatch:
 
             source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
-            cute.arch.sync_threads()  # the mask (the x loads above were issued before this barrier)
+            cute.arch.sync_threads()  # the mask, and warp 0's ready wait, for every thread
             mask = Uint32(shared[0])
 
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
                     base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
-                    store_v4(base + buf.x + slot * buf.x_pitch + column, packed)
+                    x_dst = base + buf.x + slot * buf.x_pitch + Int64(tid) * 32
+                    store_ll2(x_dst, packed[0], packed[1], epoch)
+                    store_ll2(x_dst + 16, packed[2], packed[3], epoch)
                     if tid % 8 == 0:
-                        store_b32(base + buf.sf + slot * buf.sf_pitch + tid // 2, sf_word)
+                        store_ll(base + buf.sf + slot * buf.sf_pitch + Int64(tid // 8) * 8, sf_word, epoch)
                     if tid < topk:
-                        store_b32(base + buf.ids + slot * buf.meta_pitch + tid * 4, expert_word)
-                        store_b32(base + buf.weights + slot * buf.meta_pitch + tid * 4, weight_word)
-                    if tid == 0:
-                        store_b32(base + buf.src + slot * lay.LINE, source_word)
-            # Every thread of this CTA stored (every token reaches >= 1 rank): each fences at system scope before
-            # the CTA's arrival is counted. CTAs cta >= T stored nothing and skip the fence.
-            fence_acq_rel_sys()
-        cute.arch.sync_threads()
-        local = peer_of(table, rank)  # this rank's own buffer through its local mapping
-        dflag = Int64(buf.dflag)
-        ctrl = local + buf.ctrl
-        seen = Uint32(0)
-        if warp == 0:
-            if last_arrival(ctrl + 4 * lay.CTRL_DISPATCH_DONE, grid, lane) != Uint32(0):
-                raise_flags(table, dflag, rank, lane, ranks)
-            wait_flags(local, dflag, lane, ranks, timeout_ns, status, ctrl, rank, lay.ERROR_DISPATCH_TIMEOUT, 0)
-            # (wait_flags ended with warp 0's acquire fence; the barrier below extends it to the CTA.)
-            # The SEEN arrival is issued now, its result used at the end (`finish_seen`).
-            seen = arrive_seen(ctrl + 4 * lay.CTRL_DISPATCH_SEEN, grid, lane)
-        cute.arch.sync_threads()
+                        store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
+                        store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
+            # Headers: lane d tells rank d whether the row holds the token (its source word) or nothing (-1).
+            if warp == 0 and lane < ranks:
+                header = Uint32(EMPTY)
+                if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
+                    header = source_word
+                store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
+        # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every rank.
+        j = cta
+        if cta < tokens:
+            j = cta + grid
+        if warp == 0 and lane < ranks:
+            while j < stride:
+                store_ll(table + buf.hdr + (Int64(rank) * buf.stride + j) * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                j += grid
+
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
 
-        # Copy the receive rows r = cta + k * G (k < count) out of the local buffer into XLA's outputs, in chunks
-        # of 32 rows: warp 0's lane j loads the source word of the chunk's row j (all in flight), copies it to
-        # recv_src and ballots its validity; after one barrier every thread copies the valid rows, U at a time
-        # with all their loads issued before any store, and writes the known constants of the empty rows
-        # (ids = the next rank's first expert, weights 0: what init and the combine's re-arm leave there).
+        # ---- Phase 3: copy the receive rows q = c, c + G, ... out of the local buffer into XLA's outputs. Every
+        # thread polls the row's header and its own words of the row together (one round trip once they have
+        # landed) until the header carries this epoch: an empty row (-1) gets the constants (ids = the next
+        # rank's first expert, weights 0); a full row is copied once every word this thread copies carries it.
+        # Invariant: every word copied was stored in this layer by the row's source (each word is stored once
+        # per layer, and only this layer's stores carry this epoch).
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
         rows32 = Int32(buf.rows)  # N * S < 2^21
-        count = Int32(0)
-        if cta < rows32:
-            count = (rows32 - cta + grid - 1) // grid
-        sf_threads = num_sf // 16
-        x_src = local + buf.x + column
-        sf_col = column
-        if tid >= sf_threads:
-            sf_col = Int64(0)  # a valid address; the value is not stored
-        meta_col = Int64(tid) * 4
-        if tid >= topk:
-            meta_col = Int64(0)
-        kb = Int32(0)
-        while kb < count:
-            if warp == 0:
-                valid = Uint32(0)
-                if kb + lane < count:
-                    crow = Int64(cta) + Int64(kb + lane) * Int64(grid)
-                    csource = load_b32(local + buf.src + crow * lay.LINE)
-                    store_b32(recv_src + crow * 4, csource)
-                    if csource != Uint32(0xFFFFFFFF):
-                        valid = Uint32(1)
-                valid_mask = ballot(valid)
-                if lane == 0:
-                    shared[1] = Int32(valid_mask)
-            cute.arch.sync_threads()
-            vmask = Uint32(shared[1])
-            in_chunk = count - kb
-            if in_chunk > 32:
-                in_chunk = Int32(32)
-            # Empty rows: constants, one (row, k) pair per thread.
-            p = tid
-            while p < in_chunk * topk:
-                pj = p // topk
-                if (vmask >> Uint32(pj)) & Uint32(1) == Uint32(0):
-                    prow = Int64(cta) + Int64(kb + pj) * Int64(grid)
-                    at = prow * topk + (p - pj * topk)
-                    store_b32(recv_ids + at * 4, invalid)
-                    store_b32(recv_weights + at * 4, Uint32(0))
-                p += self.threads
-            # Valid rows, U at a time (a short group repeats its first row: loaded again, stored once).
-            m = vmask
-            while m != Uint32(0):
-                rows = []
-                lives = []
-                j0 = lowest_bit(m)
-                m = m & (m - Uint32(1))
-                for u in cutlass.range_constexpr(COPY_ROWS):
-                    ju = j0
-                    live = Uint32(1)
-                    if u > 0:
-                        live = Uint32(0)
-                        if m != Uint32(0):
-                            ju = lowest_bit(m)
-                            m = m & (m - Uint32(1))
-                            live = Uint32(1)
-                    rows.append(Int64(cta) + Int64(kb + Int32(ju)) * Int64(grid))
-                    lives.append(live)
-                loaded = []
-                for u in cutlass.range_constexpr(COPY_ROWS):
-                    vrow = rows[u]
-                    xs = load_v4(x_src + vrow * buf.x_pitch)
-                    sfs = load_v4(local + buf.sf + vrow * buf.sf_pitch + sf_col)
-                    e_w = load_b32(local + buf.ids + vrow * buf.meta_pitch + meta_col)
-                    w_w = load_b32(local + buf.weights + vrow * buf.meta_pitch + meta_col)
-                    loaded.append((xs, sfs, e_w, w_w))
-                for u in cutlass.range_constexpr(COPY_ROWS):
-                    vrow = rows[u]
-                    xs, sfs, e_w, w_w = loaded[u]
-                    if lives[u] != Uint32(0):
-                        store_v4(recv_x + vrow * latent + column, xs)
-                        if tid < sf_threads:
-                            store_v4(recv_sf + vrow * num_sf + column, sfs)
-                        if tid < topk:
-                            store_b32(recv_ids + (vrow * topk + tid) * 4, e_w)
-                            store_b32(recv_weights + (vrow * topk + tid) * 4, w_w)
-            cute.arch.sync_threads()  # every thread read shared[1] before warp 0 writes the next chunk's
-            kb += 32
-
-        # The last SEEN arrival re-arms the dispatch flags and counts the layer.
-        if warp == 0:
-            finish_seen(seen, grid, local, dflag, lane, ranks, ctrl, True)
+        sf_words = num_sf // 4
+        has_sf = Uint32(0)
+        sf_col = Int64(0)
+        if tid % 8 == 0 and tid // 8 < sf_words:
+            has_sf = Uint32(1)
+            sf_col = Int64(tid // 8)
+        has_meta = Uint32(0)
+        meta_col = Int64(0)
+        if tid < topk:
+            has_meta = Uint32(1)
+            meta_col = Int64(tid)
+        q = cta
+        while q < rows32:
+            row = Int64(q)
+            hdr_at = local + buf.hdr + row * buf.hdr_pitch
+            x_at = local + buf.x + row * buf.x_pitch + Int64(tid) * 32
+            sf_at = local + buf.sf + row * buf.sf_pitch + sf_col * 8
+            ids_at = local + buf.ids + row * buf.meta_pitch + meta_col * 8
+            w_at = local + buf.weights + row * buf.meta_pitch + meta_col * 8
+            pending = Uint32(1)
+            start = globaltimer()
+            polls = Uint32(0)
+            while pending != Uint32(0):
+                source, h_epoch = load_ll(hdr_at)
+                a0, ea0, a1, ea1 = load_ll2(x_at)
+                b0, eb0, b1, eb1 = load_ll2(x_at + 16)
+                sf_v, sf_e = load_ll(sf_at)
+                id_v, id_e = load_ll(ids_at)
+                w_v, w_e = load_ll(w_at)
+                if h_epoch == epoch:
+                    if source == Uint32(EMPTY):
+                        pending = Uint32(0)
+                        if has_meta != Uint32(0):
+                            store_b32(recv_ids + (row * topk + meta_col) * 4, invalid)
+                            store_b32(recv_weights + (row * topk + meta_col) * 4, Uint32(0))
+                        if tid == 0:
+                            store_b32(recv_src + row * 4, Uint32(EMPTY))
+                            store_b32(local + buf.mirror + row * 4, Uint32(EMPTY))
+                    else:
+                        ok = Uint32(0)
+                        if ea0 == epoch and ea1 == epoch and eb0 == epoch and eb1 == epoch:
+                            ok = Uint32(1)
+                            if has_sf != Uint32(0) and sf_e != epoch:
+                                ok = Uint32(0)
+                            if has_meta != Uint32(0) and (id_e != epoch or w_e != epoch):
+                                ok = Uint32(0)
+                        if ok != Uint32(0):
+                            pending = Uint32(0)
+                            store_v4(recv_x + row * latent + column, [a0, a1, b0, b1])
+                            if has_sf != Uint32(0):
+                                store_b32(recv_sf + row * num_sf + sf_col * 4, sf_v)
+                            if has_meta != Uint32(0):
+                                store_b32(recv_ids + (row * topk + meta_col) * 4, id_v)
+                                store_b32(recv_weights + (row * topk + meta_col) * 4, w_v)
+                            if tid == 0:
+                                store_b32(recv_src + row * 4, source)
+                                store_b32(local + buf.mirror + row * 4, source)
+                if pending != Uint32(0):
+                    polls = polls + Uint32(1)
+                    if poll_expired(start, polls, timeout_ns) != Uint32(0):
+                        fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
+            q += grid
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

@@ -87,6 +87,71 @@ def store_v4(addr, words, *, loc=None, ip=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# LL words: a 4-byte payload and the 4-byte epoch of the layer that wrote it, in ONE 8-byte access. PTX makes an
+# aligned 8-byte relaxed access single-copy atomic (and each element of a vector access is a scalar access of
+# its own), so a reader that sees its epoch in a word sees the payload stored with it: no fence orders data
+# before a flag, the data is the flag.
+
+
+@dsl_user_op
+def store_ll(addr, payload, epoch, *, loc=None, ip=None) -> None:
+    """Always issues one `st.relaxed.sys.global.b64` of {payload (bits 0-31), epoch (bits 32-63)} (addr 8-byte
+    aligned; local, peer or host-mapped memory): one single-copy atomic LL word."""
+    code = "{ .reg .b64 w; mov.b64 w, {$1, $2}; st.relaxed.sys.global.b64 [$0], w; }"
+    _asm(None, [_i64(addr, loc, ip), _u32(payload, loc, ip), _u32(epoch, loc, ip)], code, "l,r,r", loc, ip)
+
+
+@dsl_user_op
+def store_ll2(addr, p0, p1, epoch, *, loc=None, ip=None) -> None:
+    """Always issues one `st.relaxed.sys.global.v2.b64` of the LL words {p0, epoch}, {p1, epoch} (addr 16-byte
+    aligned): one 16-byte packet on the fabric, each 8-byte element single-copy atomic on its own (a reader
+    checks both epochs)."""
+    code = (
+        "{ .reg .b64 a, b; mov.b64 a, {$1, $3}; mov.b64 b, {$2, $3}; "
+        "st.relaxed.sys.global.v2.b64 [$0], {a, b}; }"
+    )
+    operands = [_i64(addr, loc, ip), _u32(p0, loc, ip), _u32(p1, loc, ip), _u32(epoch, loc, ip)]
+    _asm(None, operands, code, "l,r,r,r", loc, ip)
+
+
+@dsl_user_op
+def load_ll(addr, *, loc=None, ip=None):
+    """Always issues one `ld.relaxed.sys.global.b64` (a fresh read, never cached in L1, never hoisted out of a
+    poll loop); returns `(payload, epoch)` of one LL word, both from the same store."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_i64(addr, loc, ip)],
+        "{ .reg .b64 w; ld.relaxed.sys.global.b64 w, [$2]; mov.b64 {$0, $1}, w; }",
+        "=r,=r,l",
+        loc,
+        ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def load_ll2(addr, *, loc=None, ip=None):
+    """Always issues one `ld.relaxed.sys.global.v2.b64` (addr 16-byte aligned); returns `(p0, e0, p1, e1)`: two
+    LL words, each payload with the epoch of its own store."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_i64(addr, loc, ip)],
+        "{ .reg .b64 a, b; ld.relaxed.sys.global.v2.b64 {a, b}, [$4]; mov.b64 {$0, $1}, a; mov.b64 {$2, $3}, b; }",
+        "=r,=r,=r,=r,l",
+        loc,
+        ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `ld.acquire.sys.global.b32`: a fresh read; this thread's later memory operations are
+    ordered after it (a peer's `ready` word: our stores into its rows follow its reads of them)."""
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Synchronization: flags, counters, fences.
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call: correctness of the kernels (harness: N = 1, 2, 4, 8 virtual ranks and N = 2 on two GPUs,
+# Kimi K3 and DeepSeek-V3), the timeout path, kernel-only latency, then (if all passed) the GPU tests and a
+# short benchmark. Everything lands in $OUT/all.tar.gz (one file) plus $OUT/summary.txt.
+#   GIT_COMMIT=<sha> OUT=<dir> bash benchmarks/gpu_v3.sh [quick|full]
+set -u
+mode="${1:-full}"
+OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+C="--commit ${GIT_COMMIT:-unknown}"
+H="python3 -m jax_latent_ep.testing.harness"
+log() { echo "=== $(date +%T) $*"; }
+{
+log harness correctness
+( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 300 --csv $W/results.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 300 --csv $W/results.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H --shape deepseek_v3 --mode virtual --ranks 4 --max-tokens 16 --layers 100 --csv $W/results.csv $C ) > $W/h0.log 2>&1 &
+p0=$!
+( CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 300 --csv $W/results.csv $C &&
+  CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 2 --max-tokens 64 --layers 300 --csv $W/results.csv $C ) > $W/h1.log 2>&1 &
+p1=$!
+wait $p0; r0=$?; wait $p1; r1=$?
+grep -E "layers,|mismatch|Error|error|->" $W/h0.log $W/h1.log | head -20
+timeout 120 $H --mode devices --ranks 2 --max-tokens 64 --layers 1000 --csv $W/results.csv $C > $W/h2.log 2>&1; r2=$?
+tail -3 $W/h2.log
+echo "harness rc: $r0 $r1 $r2"
+log timeout test
+timeout 60 $H --mode timeout 2>&1 | tail -2
+log harness latency
+for mt in 8 128; do
+  timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $W/latency_mt$mt.csv $C 2>&1 | grep -E "T=|latency"
+done
+if [ "$mode" = full ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
+  log gpu tests
+  timeout 300 python3 -m pytest -q -x -m gpu tests/ 2>&1 | tail -8
+  log nvlink 1000 layers, two processes
+  timeout 200 python3 benchmarks/nvlink_layers.py --procs 2 --layers 1000 --csv $W/results.csv 2>&1 | tail -4
+  log bench
+  timeout 300 python3 benchmarks/bench.py all --backends nvlink,xla --tokens 1,2,5,8,16,32,64,128 --layers 48 \
+    --repeats 20 --max-tokens -1 --only-ranks 2 --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -8
+fi
+log done
+} 2>&1 | tee $OUT/summary.txt
+tar czf $OUT/all.tar.gz -C $W . 2>/dev/null
