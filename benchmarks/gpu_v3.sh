@@ -2,7 +2,7 @@
 # One device call: correctness of the kernels (harness: N = 1, 2, 4, 8 virtual ranks and N = 2 on two GPUs,
 # Kimi K3 and DeepSeek-V3), the timeout path, kernel-only latency, then (if all passed) the GPU tests and a
 # short benchmark. Everything lands in $OUT/all.tar.gz (one file) plus $OUT/summary.txt.
-#   GIT_COMMIT=<sha> OUT=<dir> bash benchmarks/gpu_v3.sh [quick|full]
+#   GIT_COMMIT=<sha> OUT=<dir> bash benchmarks/gpu_v3.sh [quick|full|perf]   (perf: skip the correctness runs)
 set -u
 mode="${1:-full}"
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
@@ -11,6 +11,8 @@ C="--commit ${GIT_COMMIT:-unknown}"
 H="python3 -m jax_latent_ep.testing.harness"
 log() { echo "=== $(date +%T) $*"; }
 {
+r0=0; r1=0; r2=0
+if [ "$mode" != perf ]; then
 log harness correctness
 ( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 300 --csv $W/results.csv $C &&
   CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 300 --csv $W/results.csv $C &&
@@ -26,11 +28,12 @@ tail -3 $W/h2.log
 echo "harness rc: $r0 $r1 $r2"
 log timeout test
 timeout 60 $H --mode timeout 2>&1 | tail -2
+fi
 log harness latency
 for mt in 8 128; do
   timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $W/latency_mt$mt.csv $C 2>&1 | grep -E "T=|latency"
 done
-if [ "$mode" = full ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
+if [ "$mode" != quick ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
   log gpu tests
   timeout 300 python3 -m pytest -q -x -m gpu tests/ 2>&1 | tail -8
   log nvlink 1000 layers, two processes

@@ -493,9 +493,9 @@ def _graph_time(system: System, body, graph_layers, replays):
 
 
 def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, replays=30, apply_norm=1):
-    """Median kernel-only microseconds per T: one dispatch + combine layer (`layer`), and, with one rank only,
-    dispatch alone and combine alone repeated (`dispatch`, `combine`). CUDA graphs of `graph_layers` layers
-    per GPU, events around each replay."""
+    """Median kernel-only microseconds per T of one dispatch + combine layer (`layer`): CUDA graphs of
+    `graph_layers` layers per GPU, events around each replay. (A dispatch alone repeated is refused by the
+    kernels' sequence guard, so only whole layers are timed.)"""
     cu = system.cu
     rng = np.random.default_rng(1)
     shape = system.shape
@@ -523,12 +523,6 @@ def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, repla
 
         row = {"layer": _graph_time(system, layer, graph_layers, replays)}
         text = ""
-        if system.n == 1:
-            # Dispatch alone (or combine alone) back to back is only safe with one rank: with more, a peer's
-            # next flag could arrive before this rank re-armed the last one (the pairing rule).
-            row["dispatch"] = _graph_time(system, lambda r: system.launch_dispatch(r, tokens), graph_layers, replays)
-            row["combine"] = _graph_time(system, lambda r: system.launch_combine(r, tokens, apply_norm), graph_layers, replays)
-            text = f"; dispatch alone {row['dispatch'][0]:.2f}, combine alone {row['combine'][0]:.2f}"
         results[tokens] = row
         print(f"  T={tokens}: {row['layer'][0]:.2f} us per dispatch + combine (median of {replays}, min "
               f"{row['layer'][1]:.2f}){text}", flush=True)
