@@ -29,18 +29,26 @@ echo "harness rc: $r0 $r1 $r2"
 log timeout test
 timeout 60 $H --mode timeout 2>&1 | tail -2
 fi
+if [ "$mode" = perf ]; then
+  log harness correctness, short
+  timeout 120 $H --mode devices --ranks 2 --max-tokens 64 --layers 300 --csv $W/results.csv $C 2>&1 | tail -1; r2=${PIPESTATUS[0]}
+fi
 log harness latency
-for mt in 8 128; do
-  timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $W/latency_mt$mt.csv $C 2>&1 | grep -E "T=|latency"
+for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
+  tag=$(basename $art)
+  for mt in 8 128; do
+    echo "-- $tag max_tokens $mt"
+    timeout 120 $H --mode latency --ranks ${LAT_RANKS:-1 2} --max-tokens $mt --artifacts $art --csv $W/latency_${tag}_mt$mt.csv $C 2>&1 | grep -E "T="
+  done
 done
 if [ "$mode" != quick ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
-  log gpu tests
-  timeout 300 python3 -m pytest -q -x -m gpu tests/ 2>&1 | tail -8
+  if [ -z "${SKIP_TESTS:-}" ]; then log gpu tests
+  timeout 300 python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py tests/test_api.py tests/test_moe.py 2>&1 | tail -8; fi
   log nvlink 1000 layers, two processes
   timeout 200 python3 benchmarks/nvlink_layers.py --procs 2 --layers 1000 --csv $W/results.csv 2>&1 | tail -4
   log bench
-  timeout 300 python3 benchmarks/bench.py all --backends nvlink,xla --tokens 1,2,5,8,16,32,64,128 --layers 48 \
-    --repeats 20 --max-tokens -1 --only-ranks 2 --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -8
+  timeout 420 python3 benchmarks/bench.py all --backends ${BACKENDS:-nvlink,xla,xla-allgather} --tokens 1,2,5,8,16,32,64,128 \
+    --layers 48 --repeats 10 --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -14
 fi
 log done
 } 2>&1 | tee $OUT/summary.txt

@@ -21,6 +21,7 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
+    POLL_SLEEP_NS,
     DeviceLayout,
     compile_cubin,
     fail,
@@ -39,6 +40,7 @@ from jax_latent_ep.kernels.memory import (
     load_b32,
     load_ll2,
     load_relaxed_sys,
+    nanosleep,
     load_v4,
     lo_f32,
     mul_rn,
@@ -173,15 +175,20 @@ class Combine:
         second = load_v4(line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
-        if cta == 0:
-            # Sequence guard (CTA 0 alone reads and writes EPOCH_D, so no CTA races the write): a dispatch must
-            # come before. Then tell every rank that this rank's receive rows are copied out (the dispatch grid
-            # completed before griddepcontrol.wait returned): its next dispatch may overwrite them.
-            if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1) != epoch:
+        if cta == 0 and warp == 0:
+            # Sequence guard: one thread (CTA 0's thread 0) alone reads and writes EPOCH_D, so no thread can
+            # read its own kernel's write: a dispatch must come before. Then lane d tells rank d that this
+            # rank's receive rows are copied out (the dispatch grid completed before griddepcontrol.wait
+            # returned): its next dispatch may overwrite them (after the warp learned lane 0's verdict).
+            bad = Uint32(0)
+            if lane == 0:
+                if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1) != epoch:
+                    bad = Uint32(1)
+                else:
+                    store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D, epoch)
+            if warp_or(bad) != Uint32(0):
                 fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
-            if tid == 0:
-                store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D, epoch)
-            if warp == 0 and lane < ranks:
+            if lane < ranks:
                 store_relaxed_sys(table + buf.ready + Int64(rank) * lay.LINE, epoch)
         if warp == self.mask_warp:
             # The destination mask of the first own token (routing input: no wait needed), read with the rest.
@@ -239,6 +246,8 @@ class Combine:
                                 values[2 * j] = add_rn(values[2 * j], lo_f32(words[j]))
                                 values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
                         else:
+                            if POLL_SLEEP_NS:
+                                nanosleep(POLL_SLEEP_NS)
                             polls = polls + Uint32(1)
                             if poll_expired(start, polls, timeout_ns) != Uint32(0):
                                 fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))

@@ -31,6 +31,9 @@ from jax_latent_ep.kernels.memory import (
 LINE = lay.LINE
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
+#: Back-off of a data poll that found a word not yet landed (ns; 0: poll back to back). Many CTAs polling
+#: their rows compete for L2 with the peers' stores they wait for.
+POLL_SLEEP_NS = 0
 
 
 class DeviceLayout:

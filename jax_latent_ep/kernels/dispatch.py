@@ -20,6 +20,7 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
+    POLL_SLEEP_NS,
     DeviceLayout,
     compile_cubin,
     fail,
@@ -38,6 +39,7 @@ from jax_latent_ep.kernels.memory import (
     load_ll,
     load_ll2,
     load_relaxed_sys,
+    nanosleep,
     load_v4,
     lo_f32,
     hi_f32,
@@ -211,13 +213,13 @@ class Dispatch:
         table = load_peer_table(peers, rank, lane, ranks)
         # This layer's epoch: one past the last combined layer (EPOCH_D is written only by the combine).
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
-        if cta == 0:
-            # Sequence guard (CTA 0 alone reads and writes EPOCH_C, so no CTA races the write): the last
-            # dispatch must have been combined. EPOCH_C is then read by the combine, after this grid.
+        if cta == 0 and tid == 0:
+            # Sequence guard: one thread (CTA 0's thread 0) alone reads and writes EPOCH_C, so no thread can
+            # read its own kernel's write: the last dispatch must have been combined. EPOCH_C is then read by
+            # the combine, after this grid.
             if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C) == epoch:
                 fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
-            if tid == 0:
-                store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C, epoch)
+            store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C, epoch)
         ready = Uint32(0)
         if warp == 0 and lane < ranks and sends != 0:
             ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
@@ -395,6 +397,8 @@ class Dispatch:
                                 store_b32(recv_src + row * 4, source)
                                 store_b32(local + buf.mirror + row * 4, source)
                 if pending != Uint32(0):
+                    if POLL_SLEEP_NS:
+                        nanosleep(POLL_SLEEP_NS)
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))

@@ -151,6 +151,13 @@ def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
 
 
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """`nanosleep.u32 ns`: this warp sleeps for about `ns` nanoseconds (the hardware picks 0 to 2 ns; a poll
+    back-off that leaves L2 bandwidth to the stores being waited for)."""
+    _asm(None, [], f"nanosleep.u32 {int(ns)};", "", loc, ip)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Synchronization: flags, counters, fences.
 
