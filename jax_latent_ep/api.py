@@ -8,12 +8,18 @@
         return ep.combine(out, ids, norm_weight)      # bf16 [T, L]
 
 Both calls are traced inside `jax.shard_map(..., mesh=mesh)` over `axis_name` (other mesh axes may be
-mapped too). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
+mapped too), with the constructor's mesh: a trace-time check compares the mesh the body is traced for (its
+axis names and sizes) with it. JAX gives a `shard_map` body only that abstract mesh, without device ids, so
+a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
+nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
+`shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
 
 Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
 its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
 trip) fails the computation on every rank at the same point with a `JaxRuntimeError` whose message names the
-first bad id, its token and its rank. Without it nothing is
+first bad id, its token, its rank and the call that first received it (combine's check runs after its
+dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
+it nothing is
 checked; the XLA backend then ignores an out-of-range id for routing (it selects no rank, in dispatch and
 combine alike, is carried unchanged in the received `ids`, and is never local to a rank) and the NVLink
 backend's behaviour is undefined. Duplicate ids within a token are allowed: a token reaches a rank once,
@@ -79,6 +85,15 @@ def _nvlink_reason(mesh) -> str | None:
 
 def _describe(a) -> str:
     return f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def _mesh_signature(mesh) -> tuple[tuple[str, int], ...]:
+    """((axis name, size), ...) of a concrete or abstract mesh."""
+    return tuple((str(k), int(v)) for k, v in dict(mesh.shape).items())
+
+
+def _describe_mesh(sig) -> str:
+    return "(" + ", ".join(f"{k!r}: {v}" for k, v in sig) + ")"
 
 
 def _check_ids_host(table, experts, where):
@@ -202,6 +217,22 @@ class ExpertParallel:
                 f"ExpertParallel.{where}: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got {_describe(a)}"
             )
 
+    def _check_mesh(self, where: str):
+        """The `shard_map` being traced must run over a mesh of the constructor's axes and sizes."""
+        try:
+            current = jax.sharding.get_abstract_mesh()
+        except Exception:  # pragma: no cover - a JAX without abstract meshes: nothing to compare
+            return
+        if current is None or getattr(current, "empty", True):
+            return  # not traced for a mesh (e.g. vmap with an axis name): the axis check is all we can do
+        have, want = _mesh_signature(current), _mesh_signature(self.mesh)
+        if have != want:
+            raise ValueError(
+                f"ExpertParallel.{where}: traced inside a shard_map over the mesh {_describe_mesh(have)}, but the "
+                f"ExpertParallel was built for the mesh {_describe_mesh(want)}; call it inside "
+                f"jax.shard_map(..., mesh=<the mesh given to ExpertParallel>)"
+            )
+
     def _check_tokens(self, where, name, a):
         if not hasattr(a, "shape") or len(a.shape) != 2:
             got = _describe(a) if hasattr(a, "shape") else type(a).__name__
@@ -214,7 +245,12 @@ class ExpertParallel:
             )
         return t
 
-    def _checked_ids(self, ids, where):
+    def _checked_ids(self, ids, where, after=None):
+        """`ids` with the run-time range check attached (with `check_ids`).
+
+        `after`: an array the check must wait for (combine passes `out`, which derives from its dispatch's
+        result, so the dispatch's check of the same ids runs first and names the right call).
+        """
         if not self.check_ids:
             return ids
         # Every rank learns every rank's first bad id (a tiny all_gather) and the host check raises on all
@@ -224,8 +260,10 @@ class ExpertParallel:
         k = self.shape.topk
         info = jnp.stack([jnp.sum(bad, dtype=jnp.int32), first // k, first % k, ids.reshape(-1)[first]])
         table = lax.all_gather(info, self.axis_name)  # [N, 4]
+        operands = (table,) if after is None else (table, after.reshape(-1)[:1])
+        experts = self.shape.experts
         ok = jax.pure_callback(
-            lambda tbl: _check_ids_host(tbl, self.shape.experts, where), jax.ShapeDtypeStruct((), jnp.int32), table
+            lambda *a: _check_ids_host(a[0], experts, where), jax.ShapeDtypeStruct((), jnp.int32), *operands
         )
         return ids + ok  # a data dependency keeps the check
 
@@ -244,6 +282,7 @@ class ExpertParallel:
         """
         self._check_open()
         self._check_axis("dispatch")
+        self._check_mesh("dispatch")
         t = self._check_tokens("dispatch", "x", x)
         shp = self.shape
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
@@ -266,6 +305,7 @@ class ExpertParallel:
         """
         self._check_open()
         self._check_axis("combine")
+        self._check_mesh("combine")
         t = self._check_tokens("combine", "ids", ids)
         shp = self.shape
         self._check_array("combine", "out", out, jnp.bfloat16, (self.rows, shp.latent))
@@ -274,7 +314,7 @@ class ExpertParallel:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
         if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
-        return self._impl.combine(out, self._checked_ids(ids, "combine"), norm_weight, float(eps))
+        return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
 
     def _check_open(self):
         if self._closed:
@@ -283,9 +323,16 @@ class ExpertParallel:
     def close(self):
         """Releases the backend's resources (symmetric buffers for nvlink); idempotent.
 
-        Executables compiled with this object must not run after `close()`: with XLA command buffers (CUDA
-        graphs) the FFI handler's host code ran at capture time only, so a replay would reach freed memory.
-        Close when the model is done (or leave it to interpreter exit), not between steps.
+        Afterwards `dispatch` and `combine` raise ValueError when traced. Executables compiled earlier cannot
+        be intercepted and must not run after `close()`. With the nvlink backend (see
+        `jax_latent_ep.nvlink.NvlinkBackend.close`): where XLA runs the FFI handler at launch, the execution
+        fails with "no NvlinkBackend instance ... is registered" instead of launching a kernel; but a CUDA graph
+        (XLA command buffer) captured earlier replays the kernel launches without the handler, on the freed
+        memory. Close when the model is done (or leave it to interpreter exit), not between steps.
+
+        Without `close()`, the nvlink backend's buffers are released when this object (and every function
+        that closes over it) is garbage-collected; keep it alive as long as an executable compiled with it
+        (e.g. `jax.jit(f).lower(...).compile()` kept on its own) may run.
         """
         if not self._closed:
             self._closed = True

@@ -186,8 +186,16 @@ def max_grids(instance: int, ordinal: int) -> tuple[int, int]:
     return int(lib.ep_max_grid(instance, ordinal, 0)), int(lib.ep_max_grid(instance, ordinal, 1))
 
 
-def unregister_rank(instance: int, ordinal: int) -> None:
-    library().ep_unregister_rank(instance, ordinal)
+def unregister_rank(instance: int, ordinal: int) -> bool:
+    """Forgets (instance, ordinal) in the C++ registry; True if it was registered.
+
+    The FFI targets stay registered with JAX (for the process), so a custom call of this instance that XLA
+    still launches through the handler finds no registration and fails the execution with an FFI error
+    ("jax_latent_ep dispatch: no NvlinkBackend instance <instance> is registered on device ordinal
+    <ordinal> (was the backend closed, ...)") before launching a kernel. A launch replayed from a CUDA graph
+    captured earlier does not run the handler and is not stopped. The loaded modules stay loaded.
+    """
+    return library().ep_unregister_rank(instance, ordinal) == 0
 
 
 def dispatch_call(x, ids, weights, *, instance: int, rows: int, grid: int, num_sf: int):

@@ -26,8 +26,10 @@ multi-process program (one process per GPU, `jax.distributed`), every process mu
 the same arguments and in the same order. Timeouts: a flag wait that outlives `timeout_s` traps the kernel
 after writing an error record; so does a kernel called out of sequence (a dispatch twice without a
 combine, error code 3; a combine without its dispatch, code 4; the other ranks then time out waiting for
-that one). `status()` / `check()` read the records (the computation itself fails with a CUDA error, and
-later calls of this backend fail with a message naming the rank, the peer and the layer).
+that one). `status()` / `check()` read the records and name the error, rank, peer, layer and group (the
+computation itself fails with a CUDA error; later calls of this backend fail in the FFI handler with a
+message naming the rank, the peer, the layer and the error code, whose phase the library spells out for the
+timeouts, codes 1 and 2, only: `check()` says what codes 3 and 4 mean).
 
 Lifetime: `close()` unregisters the ranks and frees the buffers; a backend dropped without it is released
 when garbage-collected. Executables compiled with a backend must not run after it was released (see

@@ -20,8 +20,17 @@ A rank publishes its handle only after its buffer is armed (and the device synch
 builds its peer tables only after reading every rank's record, so no kernel can write into a peer buffer
 before that peer was armed: the record exchange is the seed's post-arming barrier.
 
-Memory is freed by `close()` (idempotent) or at interpreter exit. Close only once every computation that
-uses the buffers has finished on every rank (a peer may still be writing into this rank's buffer).
+Setup failures in a multi-process group: a process whose setup fails before it published its records
+publishes an error record under the same keys instead (`publish_failure`), so the other processes, waiting
+for its records, fail at once with a `PeerSetupError` naming that process and its error rather than after
+`kv_timeout_s`.
+
+Memory is freed by `close()` (idempotent) or at interpreter exit for every object still alive then. An
+object dropped without `close()` is not freed before the process ends (the registry of live objects is weak:
+its memory stays allocated, unreachable, until the driver reclaims it at exit); owners that may be dropped
+(`jax_latent_ep.nvlink.NvlinkBackend`) close theirs when they are collected. Close only once every
+computation that uses the buffers has finished on every rank (a peer may still be writing into this rank's
+buffer).
 Set `XLA_PYTHON_CLIENT_PREALLOCATE=false` (or a memory fraction) before JAX starts: XLA preallocates 75% of
 each GPU by default, and these buffers are allocated outside XLA.
 """
@@ -159,6 +168,85 @@ def check_records(records: list[RankRecord], ranks: int) -> None:
         )
 
 
+class PeerSetupError(SymmetricMemoryError):
+    """Another process of the group failed while setting up its symmetric buffer (its error record says how)."""
+
+
+def encode_failure(rank: int, process: int, error: BaseException | str) -> bytes:
+    """The error record ("tombstone") a process publishes under rank `rank`'s key when its setup failed."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return json.dumps({"failed": True, "rank": rank, "process": process, "error": text}, sort_keys=True).encode()
+
+
+def decode_record(data: bytes, key: str = "?") -> RankRecord:
+    """A published `RankRecord`; raises PeerSetupError (naming the process and its error) for an error record."""
+    fields = json.loads(bytes(data).decode())
+    if fields.get("failed"):
+        raise PeerSetupError(
+            f"jax_latent_ep: process {fields.get('process')} failed while setting up rank {fields.get('rank')} of "
+            f"expert-parallel group {key!r}: {fields.get('error')}"
+        )
+    return RankRecord.decode(data)
+
+
+def _kv_name(key: str, rank: int) -> str:
+    return f"{KV_PREFIX}/{key}/rank{rank}"
+
+
+def publish_failure(client, key: str, ranks, process: int, error: BaseException | str) -> list[int]:
+    """Publishes an error record under the key of every rank in `ranks` that has no record yet, so that the
+    processes waiting for those ranks fail at once (naming this process and `error`) instead of after
+    `kv_timeout_s`. Best effort, never raises; a key already published is left as it is. Returns the ranks
+    whose error record was written. `client`: jax.distributed's client (None: nothing to do)."""
+    written = []
+    if client is None:
+        return written
+    for r in ranks:
+        try:
+            client.key_value_set_bytes(_kv_name(key, r), encode_failure(r, process, error))
+        except Exception:  # already published (the store refuses to overwrite), or the store is gone
+            continue
+        written.append(r)
+    return written
+
+
+def exchange_records(client, key: str, mine: dict[int, RankRecord], ranks: int, kv_timeout_s: float,
+                     published: set | None = None) -> dict[int, RankRecord]:
+    """Publishes this process's records `mine` (`{rank: record}`) and reads every rank's `0..ranks-1`.
+
+    Args:
+      client: jax.distributed's client (`key_value_set_bytes`, `blocking_key_value_get_bytes`).
+      key: the group's key (identical in every process).
+      mine: the records of the ranks this process drives.
+      ranks: N.
+      kv_timeout_s: how long to wait for each other rank's record.
+      published: if given, every rank whose record was published is added to it (as soon as it is).
+
+    Raises:
+      PeerSetupError: another process published an error record instead (it failed during its setup).
+      SymmetricMemoryError: a rank's record did not come within `kv_timeout_s`.
+    """
+    for r, rec in sorted(mine.items()):
+        client.key_value_set_bytes(_kv_name(key, r), rec.encode())
+        if published is not None:
+            published.add(r)
+    records = {}
+    timeout_ms = int(kv_timeout_s * 1000)
+    for r in range(ranks):
+        if r in mine:
+            records[r] = mine[r]
+            continue
+        try:
+            data = client.blocking_key_value_get_bytes(_kv_name(key, r), timeout_ms)
+        except Exception as e:
+            raise SymmetricMemoryError(
+                f"rank {r} of group {key!r} did not publish its buffer within {kv_timeout_s} s "
+                f"(did every process build the same backend?): {e}"
+            ) from None
+        records[r] = decode_record(data, key)
+    return records
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -232,6 +320,7 @@ class SymmetricBuffers:
         self.shape = shape
         self.layout = EpLayout(self.ranks, max_tokens, shape)
         self.key = key
+        self._close_lock = threading.Lock()  # close() may race: an owner's release thread and interpreter exit
         for d in devices:
             if getattr(d, "platform", None) != "gpu":
                 raise ValueError(f"SymmetricBuffers needs CUDA GPUs, got {d} (platform {getattr(d, 'platform', None)})")
@@ -253,16 +342,22 @@ class SymmetricBuffers:
             raise ValueError(
                 "the group spans several processes, but jax.distributed is not initialized in this one"
             )
-        drv = _driver()
-        previous = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") if _cuda_ready(drv) else None
+        self._published: set[int] = set()  # local ranks whose record is in the key-value store
         try:
-            self._setup(local_ranks, client, me, kv_timeout_s)
-        except BaseException:
+            drv = _driver()
+            previous = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent") if _cuda_ready(drv) else None
+            try:
+                self._setup(local_ranks, client, me, kv_timeout_s)
+            finally:
+                if previous is not None:
+                    drv.cuCtxSetCurrent(previous)  # leave the thread's current context as it was
+        except BaseException as e:
+            # The other processes wait for this one's records: give them an error record instead, so they
+            # fail at once naming this process and its error (not after kv_timeout_s).
+            if self.multiprocess:
+                publish_failure(client, key, [r for r in local_ranks if r not in self._published], me, e)
             self.close()
             raise
-        finally:
-            if previous is not None:
-                drv.cuCtxSetCurrent(previous)  # leave the thread's current context as it was
         with _live_lock:
             _live.add(self)
 
@@ -305,22 +400,12 @@ class SymmetricBuffers:
         by_rank = {lr.rank: lr for lr in self.local}
         records = {}
         if self.multiprocess:
+            mine = {}
             for lr in self.local:
                 _check(drv.cuCtxSetCurrent(lr.context), "cuCtxSetCurrent")
                 handle = _check(drv.cuIpcGetMemHandle(lr.buffer), f"cuIpcGetMemHandle(rank {lr.rank})")
-                rec = self._record(lr.rank, me, ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES))
-                client.key_value_set_bytes(f"{KV_PREFIX}/{self.key}/rank{lr.rank}", rec.encode())
-            timeout_ms = int(kv_timeout_s * 1000)
-            for r in range(n):
-                name = f"{KV_PREFIX}/{self.key}/rank{r}"
-                try:
-                    data = client.blocking_key_value_get_bytes(name, timeout_ms)
-                except Exception as e:
-                    raise SymmetricMemoryError(
-                        f"rank {r} of group {self.key!r} did not publish its buffer within {kv_timeout_s} s "
-                        f"(did every process build the same backend?): {e}"
-                    ) from None
-                records[r] = RankRecord.decode(data)
+                mine[lr.rank] = self._record(lr.rank, me, ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES))
+            records = exchange_records(client, self.key, mine, n, kv_timeout_s, self._published)
         else:
             for r in range(n):
                 records[r] = self._record(r, me, b"")
@@ -399,7 +484,11 @@ class SymmetricBuffers:
         raise KeyError(f"rank {rank} is not driven by this process")
 
     def close(self):
-        """Frees everything (idempotent). Only once no kernel uses the buffers on any rank."""
+        """Frees everything (idempotent, thread-safe). Only once no kernel uses the buffers on any rank."""
+        with self._close_lock:
+            self._close()
+
+    def _close(self):
         if self._closed:
             return
         self._closed = True

@@ -1,5 +1,6 @@
-"""`ExpertParallel`: backend choice, trace-time checks with clear messages, `check_ids`, out-of-range and
-duplicate ids, the context manager and the package's exports."""
+"""`ExpertParallel`: backend choice, trace-time checks with clear messages (including the mesh the shard_map
+runs over), `check_ids` (and which call it names), out-of-range and duplicate ids, the context manager and
+close, and the package's exports."""
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,9 @@ def test_context_manager_closes():
     x, ids, w = good_inputs()
     with pytest.raises(ValueError, match="ExpertParallel is closed"):
         run(ep, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+    out = np.zeros((N * ep.rows, SHAPE.latent), jnp.bfloat16)
+    with pytest.raises(ValueError, match="ExpertParallel is closed"):
+        run(ep, lambda o, i: ep.combine(o, i), out, ids)
 
 
 def test_exports():
@@ -108,6 +112,41 @@ def test_wrong_axis_size():
     other = ExpertParallel(mesh_of(4), "ep", max_tokens=MT, shape=SHAPE)
     with pytest.raises(ValueError, match="axis 'ep' has size 4 here, but the ExpertParallel was built for N=2"):
         run(other, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+
+
+def mesh_2x2():
+    return jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4])
+
+
+def test_other_mesh_is_refused():
+    """An axis of the right size in another mesh: the shard_map must run over the constructor's mesh."""
+    ep = ExpertParallel(mesh_2x2(), "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs()
+    one_d = ExpertParallel(mesh_of(2), "ep", max_tokens=MT, shape=SHAPE)  # only for `run`'s mesh
+    with pytest.raises(ValueError, match=r"dispatch: traced inside a shard_map over the mesh \('ep': 2\), but the "
+                                         r"ExpertParallel was built for the mesh \('dp': 2, 'ep': 2\)"):
+        run(one_d, lambda x, i, w: ep.dispatch(x, i, w).src, x, ids, w)
+    out = np.zeros((N * ep.rows, SHAPE.latent), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"combine: traced inside a shard_map over the mesh \('ep': 2\)"):
+        run(one_d, lambda o, i: ep.combine(o, i), out, ids)
+
+
+def test_two_groups_on_a_2x2_mesh():
+    """The constructor's mesh passes the check, with "dp" mapped too: each dp group is its own EP group."""
+    mesh = mesh_2x2()
+    ep = ExpertParallel(mesh, "ep", max_tokens=MT, shape=SHAPE)
+    x, ids, w = good_inputs(n=4)
+    spec = P(("dp", "ep"))
+    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, ids, w)]
+    f = jax.jit(jax.shard_map(_dispatch_combine(ep), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    recv, routed = jax.tree.map(np.asarray, f(*placed))
+    per = lambda a: a.reshape(N, T, *a.shape[1:])  # noqa: E731
+    for g in range(2):
+        tokens = slice(g * N * T, (g + 1) * N * T)
+        want = model.dispatch(per(x[tokens]), per(ids[tokens]), per(w[tokens]), shape=SHAPE, max_tokens=MT)
+        for r in range(N):
+            rows = slice((g * N + r) * ep.rows, (g * N + r + 1) * ep.rows)
+            check.compare_received(tuple(a[rows] for a in recv), want, r, f"group {g}")
 
 
 @pytest.mark.parametrize(
@@ -186,6 +225,66 @@ def test_check_ids_rejects_out_of_range():
         jax.effects_barrier()
     except Exception:
         pass
+
+
+def _consume_callback_error():
+    try:  # the failed callback is also recorded in JAX's runtime tokens: consume it here, not at exit
+        jax.effects_barrier()
+    except Exception:
+        pass
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_check_ids_names_the_call_that_got_the_bad_id(repeat):
+    """Dispatch and combine take the same ids: the bad id is reported by dispatch, the first call given it."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, check_ids=True)
+    x, ids, w = good_inputs(seed=repeat)
+    ids[2, 0] = -3
+    with pytest.raises(Exception) as info:
+        run(ep, _dispatch_combine(ep), x, ids, w)
+    _consume_callback_error()
+    message = str(info.value)
+    assert "ExpertParallel.dispatch: ids[2, 0] = -3 on rank 0" in message, message
+    assert "ExpertParallel.combine" not in message, message
+
+
+def test_combine_check_waits_for_the_dispatch_check():
+    """The mechanism behind the message: combine's host check takes an input computed from dispatch's check
+    (through `out`), so XLA cannot run it first."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, check_ids=True)
+    x, ids, w = good_inputs()
+    mesh = ep.mesh
+    f = jax.shard_map(_dispatch_combine(ep), mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    placed = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w)]
+    outer = jax.make_jaxpr(f)(*placed).jaxpr
+    body = next(e.params["jaxpr"] for e in outer.eqns if e.primitive.name == "shard_map")
+    body = getattr(body, "jaxpr", body)
+    callbacks, tainted = [], set()  # tainted: variables computed from the first callback's result
+    for eqn in body.eqns:
+        uses = any(not hasattr(v, "val") and v in tainted for v in eqn.invars)
+        if eqn.primitive.name == "pure_callback":
+            callbacks.append(uses)
+            if len(callbacks) == 1:
+                tainted.update(eqn.outvars)
+                continue
+        if uses:
+            tainted.update(eqn.outvars)
+    assert callbacks == [False, True], callbacks
+
+
+def test_check_ids_names_combine_for_its_own_bad_id():
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, check_ids=True)
+    x, ids, w = good_inputs()
+    bad = ids.copy()
+    bad[5, 1] = SHAPE.experts + 2
+
+    def f(x, i, b, w):
+        recv = ep.dispatch(x, i, w)
+        return ep.combine(recv.x.astype(jnp.bfloat16), b)
+
+    with pytest.raises(Exception, match=r"ExpertParallel.combine: ids\[2, 1\] = 10 on rank 1"):
+        run(ep, f, x, ids, bad, w)
+    _consume_callback_error()
 
 
 def test_out_of_range_ids_are_ignored_without_check():

@@ -1,6 +1,8 @@
 """Several JAX processes (CPU, gloo collectives) run dispatch / expert / combine layers through the XLA
 backend; every rank checks its own results against the NumPy model. Also: a failing or hanging worker ends
-the run with a clear AssertionError inside the timeout, showing every rank's log.
+the run with a clear AssertionError inside the timeout, showing every rank's log; and a process whose
+symmetric-buffer setup fails publishes an error record in jax.distributed's key-value store, so a peer
+waiting for its buffer record fails at once naming it (the NVLink setup's record exchange, on CPU).
 
 The worker functions below run in the launched processes (`launcher.launch("<this file>:worker_...")`).
 """
@@ -72,6 +74,31 @@ def worker_fail(process_id, num_processes):
     time.sleep(3600)
 
 
+def worker_setup_failure(process_id, num_processes):
+    """Process 1 fails before publishing its buffer record; process 0 waits for it (300 s allowed)."""
+    from jax._src import distributed
+
+    from jax_latent_ep.symmetric import PeerSetupError, RankRecord, exchange_records, publish_failure
+
+    client = distributed.global_state.client
+    key = "test/setup_failure"
+    if process_id == 1:
+        time.sleep(1)  # process 0 is waiting by now
+        written = publish_failure(client, key, [1], process_id, LookupError("no compiled kernel (deliberate)"))
+        print(f"published error records for ranks {written}", flush=True)
+        again = publish_failure(client, key, [1], process_id, "a second failure")
+        assert again == [], f"the store let a record be overwritten: {again}"  # records are never replaced
+        return
+    mine = {0: RankRecord(0, 2, 8, 256, 32, 4, process_id, 1 << 20, bytes(64))}
+    start = time.monotonic()
+    try:
+        exchange_records(client, key, mine, 2, kv_timeout_s=300)
+    except PeerSetupError as e:
+        print(f"peer failure after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    else:
+        raise AssertionError("process 1's error record was not recognized")
+
+
 def worker_hang(process_id, num_processes):
     """Every rank hangs."""
     print(f"rank {process_id} about to hang", flush=True)
@@ -103,6 +130,19 @@ def test_failing_worker_fails_fast():
     assert "rank(s) [1] failed" in message and "deliberate failure on rank 1" in message, message
     assert "----- rank 0:" in message and "----- rank 1:" in message
     assert elapsed < 30, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.multiprocess
+def test_setup_failure_reaches_the_peer_at_once():
+    from jax_latent_ep.testing.launcher import launch
+
+    start = time.monotonic()
+    logs = launch(f"{__file__}:worker_setup_failure", 2, timeout=90)
+    elapsed = time.monotonic() - start
+    assert "published error records for ranks [1]" in logs[1], logs[1]
+    assert ("process 1 failed while setting up rank 1 of expert-parallel group 'test/setup_failure': "
+            "LookupError: no compiled kernel (deliberate)") in logs[0], logs[0]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
 
 
 @pytest.mark.multiprocess

@@ -1,12 +1,17 @@
 """The NVLink backend (FFI handlers + symmetric memory + CuTe DSL kernels).
 
-CPU parts (always run): the rank record exchanged between processes and its config-mismatch error, grid
-rules, artifact lookup, and the lowering of both custom calls for CUDA (their attributes and side effect).
+CPU parts (always run): the rank record exchanged between processes and its config-mismatch error, the
+error record ("tombstone") of a process whose setup failed and its publication, grid rules, artifact lookup,
+the lowering of both custom calls for CUDA (their attributes and side effect), and, on stand-ins for the GPU
+state: `status()` keyed by (group, rank), `check()`'s message for every error code, `close()` (unregister
+before free, later calls refused) and the release of a dropped backend.
 GPU parts (`@pytest.mark.gpu`, skipped with the reason where there is no NVIDIA GPU): every result of a
 two-layer dispatch / expert / combine case against the XLA backend (bit for bit: receive rows and routed
 latent; the normed output within 1 bf16 ulp) and the NumPy model, with 1 and 2 GPUs in one process; many
 layers in one jit (unrolled and in `lax.scan`) with XLA command buffers on (subprocess); one process per GPU
-(subprocess, jax.distributed).
+(subprocess, jax.distributed); bad input refused before any kernel runs (subprocess); the kernels' sequence
+errors, dispatch twice and combine without dispatch, reported by `check()` (subprocess: the trap ends the
+process's CUDA context).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_latent_ep import artifacts
 from jax_latent_ep.config import KIMI_K3
+from jax_latent_ep import symmetric
 from jax_latent_ep.symmetric import RankRecord, check_records
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -85,11 +92,11 @@ def test_records_missing_rank():
 
 
 def test_default_grids():
-    from jax_latent_ep.nvlink import NvlinkBackend, default_grids
+    from jax_latent_ep.nvlink import COMBINE_MIN_CTAS, DISPATCH_MIN_CTAS, NvlinkBackend, default_grids
 
-    assert default_grids(1, 2, 8) == (16, 16)  # min(N*S, 32), min(N*S, 64)
-    assert default_grids(5, 8, 64) == (32, 64)
-    assert default_grids(100, 2, 128) == (100, 100)
+    assert default_grids(1, 2, 8) == (16, 16)  # min(N*S, DISPATCH_MIN_CTAS), min(N*S, COMBINE_MIN_CTAS)
+    assert default_grids(5, 8, 64) == (min(512, DISPATCH_MIN_CTAS), min(512, COMBINE_MIN_CTAS))
+    assert default_grids(1000, 2, 1024) == (1000, 1000)  # at least one CTA per token
     assert NvlinkBackend._check_grid(None) is None
     assert NvlinkBackend._check_grid(7) == (7, 7)
     assert NvlinkBackend._check_grid((3, 9)) == (3, 9)
@@ -193,7 +200,7 @@ def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
     with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
         got = check.run_case(nv, case)
         got_again = check.run_case(nv, case)  # the buffers were re-armed: same results
-        assert nv.status() == {r: (0, 0, 0, 0) for r in range(n)}
+        assert nv.status() == {(0, r): (0, 0, 0, 0) for r in range(n)}
     xla = _as_stacked(check.run_case(XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case))
     model = check.model_two_layers(case)
     for r in range(n):
@@ -338,7 +345,7 @@ _MULTIPROCESS_SCRIPT = textwrap.dedent(
     case = check.make_case(11, KIMI_K3, 2, tokens, max_tokens)
     want = check.model_two_layers(case)
     with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
-        assert nv._buffers[0].multiprocess
+        assert nv._buffers[0].multiprocess and list(nv.status()) == [(0, rank)]
         fn = jax.jit(jax.shard_map(check.two_layers(nv), mesh=mesh,
                      in_specs=(P("ep"),) * 4 + (P(),), out_specs=P("ep")))
         n, rows = 2, case.rows
@@ -416,7 +423,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent(
         print("NO ERROR", flush=True)
     except Exception as e:
         print("RAISED", type(e).__name__, str(e)[:300].replace(chr(10), " "), flush=True)
-    print("STATUS", nv.status()[0], flush=True)
+    print("STATUS", nv.status()[(0, 0)], flush=True)
     try:
         nv.check()
     except RuntimeError as e:
@@ -449,3 +456,359 @@ def test_grid_bound_is_checked_at_trace_time():
     nv._grid = (10, 500)
     with pytest.raises(ValueError, match="combine kernel would need 500"):
         nv.grids(5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: a process's failed setup (error records in the key-value store)
+
+
+class FakeKV:
+    """jax.distributed's key-value client, in memory: a key is set once (the real store refuses overwrites)."""
+
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        if key in self.store and not allow_overwrite:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.store[key] = bytes(value)
+
+    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+        if key not in self.store:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key} after {timeout_in_ms} ms")
+        return self.store[key]
+
+
+class FakeDevice:
+    platform = "gpu"
+    compute_capability = "9.0"
+
+    def __init__(self, process_index, id_):
+        self.process_index, self.id = process_index, id_
+
+    def __repr__(self):
+        return f"FakeDevice({self.id}, process {self.process_index})"
+
+
+def test_exchange_reads_every_rank():
+    kv = FakeKV()
+    kv.key_value_set_bytes(f"{symmetric.KV_PREFIX}/k/rank1", _record(1).encode())  # the other process's
+    published = set()
+    records = symmetric.exchange_records(kv, "k", {0: _record(0)}, 2, 1.0, published)
+    assert records == {0: _record(0), 1: _record(1)} and published == {0}
+    assert symmetric.decode_record(kv.store[f"{symmetric.KV_PREFIX}/k/rank0"]) == _record(0)
+
+
+def test_exchange_fails_at_once_on_an_error_record():
+    kv = FakeKV()
+    written = symmetric.publish_failure(kv, "k", [1], 3, LookupError("no compiled dispatch kernel"))
+    assert written == [1]
+    with pytest.raises(symmetric.PeerSetupError) as info:
+        symmetric.exchange_records(kv, "k", {0: _record(0)}, 2, 300.0)
+    message = str(info.value)
+    assert "process 3 failed while setting up rank 1 of expert-parallel group 'k'" in message, message
+    assert "LookupError: no compiled dispatch kernel" in message, message
+
+
+def test_error_record_never_replaces_a_record():
+    kv = FakeKV()
+    kv.key_value_set_bytes(f"{symmetric.KV_PREFIX}/k/rank0", _record(0).encode())
+    assert symmetric.publish_failure(kv, "k", [0, 1], 0, "late failure") == [1]
+    assert symmetric.decode_record(kv.store[f"{symmetric.KV_PREFIX}/k/rank0"]) == _record(0)
+    assert symmetric.publish_failure(None, "k", [0], 0, "no client") == []
+
+
+def test_exchange_times_out_naming_the_rank():
+    with pytest.raises(symmetric.SymmetricMemoryError, match="rank 1 of group 'k' did not publish its buffer"):
+        symmetric.exchange_records(FakeKV(), "k", {0: _record(0)}, 2, 0.01)
+
+
+def test_symmetric_buffers_publish_an_error_record_on_failure(monkeypatch):
+    """A process whose setup fails before publishing leaves an error record under its ranks' keys."""
+    kv = FakeKV()
+    monkeypatch.setattr(symmetric, "_distributed_client", lambda: kv)
+
+    def no_driver():
+        raise symmetric.SymmetricMemoryError("cuda-bindings missing (test)")
+
+    monkeypatch.setattr(symmetric, "_driver", no_driver)
+    me = jax.process_index()
+    devices = [FakeDevice(me, 0), FakeDevice(me + 1, 1)]  # rank 0 here, rank 1 in another process
+    with pytest.raises(symmetric.SymmetricMemoryError, match="cuda-bindings missing"):
+        symmetric.SymmetricBuffers(devices, 8, KIMI_K3, key="9/0")
+    assert list(kv.store) == [f"{symmetric.KV_PREFIX}/9/0/rank0"]
+    with pytest.raises(symmetric.PeerSetupError, match=f"process {me} failed .*cuda-bindings missing"):
+        symmetric.decode_record(kv.store[f"{symmetric.KV_PREFIX}/9/0/rank0"], "9/0")
+
+
+def test_backend_publishes_error_records_for_every_group(monkeypatch):
+    """NvlinkBackend failing before its buffers exist (no kernel here) still answers the peers of each group."""
+    from types import SimpleNamespace
+
+    from jax_latent_ep import ffi, nvlink
+
+    kv = FakeKV()
+    monkeypatch.setattr(nvlink, "_distributed_client", lambda: kv)
+
+    def no_kernel(*args):
+        raise LookupError("no compiled dispatch kernel for this test")
+
+    monkeypatch.setattr(ffi, "find_kernel", no_kernel)
+    me = jax.process_index()
+    devices = np.empty((2, 2), object)  # ("dp", "ep"): this process drives rank 0 of both groups
+    for g in range(2):
+        for r in range(2):
+            devices[g, r] = FakeDevice(me + r, 2 * g + r)
+    mesh = SimpleNamespace(shape={"dp": 2, "ep": 2}, axis_names=("dp", "ep"), devices=devices)
+    with pytest.raises(LookupError, match="no compiled dispatch kernel"):
+        nvlink.NvlinkBackend(mesh, "ep", 8, KIMI_K3)
+    keys = sorted(kv.store)
+    assert len(keys) == 2 and keys[0].endswith("/0/rank0") and keys[1].endswith("/1/rank0"), keys
+    for key in keys:
+        with pytest.raises(symmetric.PeerSetupError, match=f"process {me} failed .*LookupError: no compiled"):
+            symmetric.decode_record(kv.store[key])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: status, check, close and release on stand-ins for the GPU state
+
+
+class FakeBuffers:
+    """Stands in for SymmetricBuffers: local ranks with fixed error records; close() is logged."""
+
+    def __init__(self, records, log=None):
+        self.records, self.log = dict(records), log if log is not None else []
+        self.local = [SimpleRank(r) for r in sorted(records)]
+        self.closed = threading.Event()
+
+    def status(self, rank):
+        return self.records[rank]
+
+    def close(self):
+        self.log.append(("free", sorted(self.records)))
+        self.closed.set()
+
+
+class SimpleRank:  # a LocalRank stand-in
+    def __init__(self, rank):
+        self.rank = rank
+
+
+def _stand_in(buffers, groups, registered=(), log=None, monkeypatch=None):
+    from jax_latent_ep import ffi
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    nv = NvlinkBackend.__new__(NvlinkBackend)  # no GPU: only the state status / check / close use
+    nv.instance, nv.axis_name, nv._closed = 424242, "ep", False
+    nv._buffers, nv._group_index, nv._registered = list(buffers), list(groups), list(registered)
+    if monkeypatch is not None:
+        monkeypatch.setattr(ffi, "unregister_rank",
+                            lambda instance, ordinal: log.append(("unregister", instance, ordinal)))
+    nv._track()
+    return nv
+
+
+
+def test_status_keys_by_group_and_rank():
+    """Two EP groups in one process (a 2 x 2 ("dp", "ep") mesh): equal ranks no longer overwrite each other."""
+    nv = _stand_in([FakeBuffers({0: (0, 0, 0, 0), 1: (0, 0, 0, 0)}),
+                    FakeBuffers({0: (0, 0, 0, 0), 1: (2, 1, 0, 7)})], [0, 1])
+    assert nv.status() == {(0, 0): (0, 0, 0, 0), (0, 1): (0, 0, 0, 0), (1, 0): (0, 0, 0, 0), (1, 1): (2, 1, 0, 7)}
+    with pytest.raises(RuntimeError) as info:
+        nv.check()
+    assert str(info.value) == ("jax_latent_ep: combine on rank 1 timed out waiting for rank 0 at layer 7 "
+                               "(group 1, error code 2)")
+
+
+@pytest.mark.parametrize("record, message", [
+    ((1, 0, 1, 3), "dispatch on rank 0 timed out waiting for rank 1 at layer 3 (group 0, error code 1)"),
+    ((2, 1, 0, 4), "combine on rank 1 timed out waiting for rank 0 at layer 4 (group 0, error code 2)"),
+    ((3, 1, 1, 5), "dispatch called twice without a combine on rank 1 at layer 5 (group 0, error code 3)"),
+    ((4, 0, 0, 0), "combine called without its dispatch on rank 0 at layer 0 (group 0, error code 4)"),
+    ((9, 0, 1, 2), "unknown error on rank 0 (peer 1) at layer 2 (group 0, error code 9)"),
+])
+def test_check_names_every_error_code(record, message):
+    rank = record[1]
+    nv = _stand_in([FakeBuffers({rank: record, 1 - rank: (0, 0, 0, 0)})], [0])
+    with pytest.raises(RuntimeError) as info:
+        nv.check()
+    assert str(info.value) == "jax_latent_ep: " + message
+
+
+def test_check_passes_and_reports_every_failed_rank():
+    nv = _stand_in([FakeBuffers({0: (0, 0, 0, 0), 1: (0, 0, 0, 0)})], [0])
+    nv.check()
+    nv = _stand_in([FakeBuffers({0: (3, 0, 0, 2), 1: (1, 1, 0, 2)})], [0])
+    with pytest.raises(RuntimeError, match=r"dispatch called twice .* on rank 0 .*; dispatch on rank 1 timed out"):
+        nv.check()
+
+
+def test_close_unregisters_before_freeing_and_refuses_later_calls(monkeypatch):
+    log = []
+    nv = _stand_in([FakeBuffers({0: (0,) * 4}, log), FakeBuffers({1: (0,) * 4}, log)], [0, 0], registered=[0, 1],
+                   log=log, monkeypatch=monkeypatch)
+    nv.close()
+    assert log == [("unregister", 424242, 0), ("unregister", 424242, 1), ("free", [0]), ("free", [1])]
+    assert nv.status() == {}
+    nv.close()  # idempotent
+    assert len(log) == 4
+    for call in (lambda: nv.dispatch(None, None, None), lambda: nv.combine(None, None)):
+        with pytest.raises(ValueError, match="NvlinkBackend is closed"):
+            call()
+    del nv
+    import gc
+
+    gc.collect()
+    assert len(log) == 4  # no second release by the finalizer
+
+
+def test_dropped_backend_is_released(monkeypatch):
+    """Garbage collection releases a backend not closed: unregistered at once, buffers closed off-thread."""
+    import gc
+
+    log = []
+    bufs = FakeBuffers({0: (0,) * 4}, log)
+    nv = _stand_in([bufs], [0], registered=[3], log=log, monkeypatch=monkeypatch)
+    del nv
+    gc.collect()
+    assert bufs.closed.wait(10), log
+    assert log == [("unregister", 424242, 3), ("free", [0])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU, subprocesses: bad input and call-sequence errors on the nvlink backend
+
+_BAD_INPUT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_latent_ep import ExpertParallel
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.testing import check
+
+    n, t, mt = int(sys.argv[1]), 5, 8
+    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    ep = ExpertParallel(mesh, "ep", max_tokens=mt, shape=KIMI_K3, backend="nvlink", check_ids=True)
+    nv = ep._impl
+    spec = P("ep")
+    case = check.make_case(5, KIMI_K3, n, t, mt)
+    flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
+    x, ids, w = flat(case.x), flat(case.ids), flat(case.weights)
+
+    def layer(x, i, w):
+        recv = ep.dispatch(x, i, w)
+        return ep.combine(recv.x.astype(jnp.bfloat16), i)
+
+    def bad_out(x, i, w):
+        recv = ep.dispatch(x, i, w)
+        return ep.combine(recv.x.astype(jnp.bfloat16)[:-1], i)
+
+    bad_ids = ids.copy()
+    bad_ids[1, 3] = KIMI_K3.experts
+    attempts = [
+        ("dtype", layer, (x.astype(np.float32), ids, w), "x must be bfloat16[5, 3584], got float32[5, 3584]"),
+        ("shape", layer, (x[:, :1792], ids, w), "x must be bfloat16[5, 3584], got bfloat16[5, 1792]"),
+        ("ids shape", layer, (x, ids[:, :8], w), "ids must be int32[5, 16], got int32[5, 8]"),
+        ("too many tokens", layer, (np.concatenate([x, x]), np.concatenate([ids, ids]), np.concatenate([w, w])),
+         "T=10 tokens"),
+        ("out shape", bad_out, (x, ids, w), "out must be bfloat16"),
+        ("ids out of range", layer, (x, bad_ids, w), "ExpertParallel.dispatch: ids[1, 3] = 896 on rank 0"),
+    ]
+    for label, fn, arrays, expect in attempts:
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        try:
+            jax.block_until_ready(f(*[jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]))
+        except Exception as e:
+            text = str(e).replace(chr(10), " ")
+            assert expect in text, (label, text[:2000])
+            print("REFUSED", label, ":", type(e).__name__, text[:200], flush=True)
+        else:
+            raise AssertionError(f"{label}: accepted")
+        try:
+            jax.effects_barrier()  # a failed host callback is also recorded in JAX's runtime tokens
+        except Exception:
+            pass
+        assert all(v == (0, 0, 0, 0) for v in nv.status().values()), (label, nv.status())
+    # No kernel ran: a dispatch without its combine would make this next dispatch fail (error code 3).
+    got = check.run_case(ep, case)
+    want = check.model_two_layers(case)
+    for r in range(n):
+        check.compare_rank(got[r], want, r)
+    nv.check()
+    print("OK", flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_bad_input_refused_before_any_kernel():
+    """Wrong dtype / shape, T > max_tokens, a bad `out`, ids out of range (check_ids) on the nvlink backend:
+    each refused with its message, no error record, and a correct two-layer run afterwards (so no kernel ran)."""
+    n = min(2, len(_gpus()))
+    proc = _run(_BAD_INPUT_SCRIPT, [n], {"XLA_FLAGS": ""}, timeout=300)
+    print(proc.stdout)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("REFUSED") == 6, proc.stdout
+
+
+_SEQUENCE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    mode, n = sys.argv[1], int(sys.argv[2])
+    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    nv = NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=2.0)
+
+    def twice(x, i, w):
+        first = nv.dispatch(x, i, w)
+        x2 = x + (first.weights[0, 0] * 0).astype(x.dtype)  # the second dispatch follows the first
+        return nv.dispatch(x2, i, w).src
+
+    def without(x, i, w):
+        out = jnp.zeros((nv.rows, 3584), jnp.bfloat16) + x[0, 0] * 0
+        return nv.combine(out, i)
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map({"twice": twice, "without": without}[mode], mesh=mesh, in_specs=(spec,) * 3,
+                               out_specs=spec))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+    x = put(jnp.zeros((n * 4, 3584), jnp.bfloat16))
+    ids = put(jnp.tile(jnp.arange(16, dtype=jnp.int32), (n * 4, 1)))
+    w = put(jnp.ones((n * 4, 16), jnp.float32))
+    try:
+        jax.block_until_ready(fn(x, ids, w))
+        print("NO ERROR", flush=True)
+    except Exception as e:
+        print("RAISED", type(e).__name__, str(e)[:300].replace(chr(10), " "), flush=True)
+    print("STATUS", nv.status()[(0, 0)], flush=True)
+    try:
+        nv.check()
+        print("CHECK PASSED", flush=True)
+    except RuntimeError as e:
+        print("CHECK", e, flush=True)
+    os._exit(0)  # the trap killed the CUDA context: no orderly teardown
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, code, words", [
+    ("twice", 3, "dispatch called twice without a combine on rank 0 at layer"),
+    ("without", 4, "combine called without its dispatch on rank 0 at layer"),
+])
+def test_sequence_error_is_reported(mode, code, words):
+    """A jitted program calling dispatch twice in a row (or combine first) fails; check() names the code."""
+    n = min(2, len(_gpus()))
+    proc = _run(_SEQUENCE_SCRIPT, [mode, n], {"XLA_FLAGS": ""}, timeout=120)
+    print(proc.stdout)
+    out = proc.stdout
+    assert "RAISED" in out, out[-3000:] + proc.stderr[-6000:]
+    assert f"STATUS ({code}, 0, 0, " in out, out[-3000:] + proc.stderr[-3000:]
+    assert f"CHECK jax_latent_ep: {words}" in out and f"error code {code})" in out, out
