@@ -233,6 +233,10 @@ def _run_workers(ranks, procs, args, env):
             outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     results = []
     for i, out in enumerate(outs):
+        # Every worker's output is kept beside the CSV (a failure's cause is often in the other process).
+        log = f"{os.path.splitext(args.out)[0]}.N{ranks}p{procs}_{i}.log"
+        with open(log, "w") as f:
+            f.write(out.stdout + "\n--- stderr ---\n" + out.stderr)
         sys.stderr.write(out.stderr[-4000:] if out.returncode else "")
         for line in out.stdout.splitlines():
             if line.startswith("RESULT "):
