@@ -157,11 +157,12 @@ def worker(args):
         x = (rng.standard_normal((n * t, shape.latent))).astype(jnp.bfloat16)
         norm_w = (1 + 0.1 * rng.standard_normal(shape.latent)).astype(jnp.bfloat16)
         shard = NamedSharding(mesh, P("ep"))
-        pool_shard = NamedSharding(mesh, P(None, "ep"))
         repl = NamedSharding(mesh, P())
         x_d = jax.device_put(x, shard)
-        ids_d = jax.device_put(ids, pool_shard)
-        w_d = jax.device_put(weights, pool_shard)
+        # The pool as separate arguments (not slices of one array): a slice per layer would add two copy
+        # kernels per layer to every backend's time.
+        ids_d = tuple(jax.device_put(a, shard) for a in ids)
+        w_d = tuple(jax.device_put(a, shard) for a in weights)
         nw_d = jax.device_put(norm_w, repl)
 
         def program(x, ids, weights, norm_w):
@@ -173,7 +174,7 @@ def worker(args):
             return x
 
         fn = jax.jit(
-            jax.shard_map(program, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P()),
+            jax.shard_map(program, mesh=mesh, in_specs=(P("ep"), (P("ep"),) * pool, (P("ep"),) * pool, P()),
                           out_specs=P("ep"), check_vma=False)
         )
         y = fn(x_d, ids_d, w_d, nw_d)

@@ -43,12 +43,16 @@ for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
 done
 if [ "$mode" != quick ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
   if [ -z "${SKIP_TESTS:-}" ]; then log gpu tests
-  timeout 300 python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py tests/test_api.py tests/test_moe.py 2>&1 | tail -8; fi
+  timeout 300 python3 -m pytest -q -m gpu ${TESTS:-tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py tests/test_api.py tests/test_moe.py} 2>&1 | tail -8; fi
+  log "custom calls per layer (XLA dump, T = 8, 4 layers: expect 4 dispatch + 4 combine)"
+  rm -rf /tmp/d8; XLA_FLAGS="--xla_dump_to=/tmp/d8" timeout 60 python3 benchmarks/bench.py worker --ranks 1 --backends nvlink \
+    --tokens 8 --layers 4 --repeats 1 --inner 1 --max-tokens -1 > /dev/null 2>&1
+  for k in dispatch combine; do echo "$k: $(cat /tmp/d8/*jit_program*after_optimizations.txt | grep -c "custom_call_target=\"jax_latent_ep_$k")"; done
   log nvlink 1000 layers, two processes
   timeout 200 python3 benchmarks/nvlink_layers.py --procs 2 --layers 1000 --csv $W/results.csv 2>&1 | tail -4
   log bench
   timeout 420 python3 benchmarks/bench.py all --backends ${BACKENDS:-nvlink,xla,xla-allgather} --tokens 1,2,5,8,16,32,64,128 \
-    --layers 48 --repeats 10 --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -14
+    --layers ${LAYERS:-32} --repeats 10 --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -14
 fi
 log done
 } 2>&1 | tee $OUT/summary.txt

@@ -209,12 +209,23 @@ def dispatch_call(x, ids, weights, *, instance: int, rows: int, grid: int, num_s
         jax.ShapeDtypeStruct((rows,), jnp.int32),
     )
     call = jax.ffi.ffi_call(DISPATCH_TARGET, out_types, has_side_effect=True)
+    x, ids, weights = _opaque(x, ids, weights)
     return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid))
+
+
+def _opaque(*operands):
+    """The operands behind an optimization barrier (no copy, no kernel): XLA's dynamic-slice fusion pass must
+    not see `slice -> custom-call` through them. It wraps such a custom call into a fusion of its own and, the
+    call having side effects, keeps the original too: the kernel then ran twice per call (measured with jaxlib
+    0.11.2 on H200 whenever the ids / weights of a layer were slices of a larger array; the kernels' sequence
+    guard reports it as "dispatch called twice")."""
+    return jax.lax.optimization_barrier(operands)
 
 
 def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float, apply_norm: bool):
     """The per-rank combine custom call: bf16 `[T, L]`."""
     out_type = jax.ShapeDtypeStruct((ids.shape[0], out.shape[1]), jnp.bfloat16)
     call = jax.ffi.ffi_call(COMBINE_TARGET, out_type, has_side_effect=True)
+    out, ids, norm_weight = _opaque(out, ids, norm_weight)
     return call(out, ids, norm_weight, instance=np.int64(instance), grid=np.int64(grid),
                 eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0))
