@@ -9,6 +9,10 @@ Modes (`python -m jax_latent_ep.testing.harness --help`):
             around each replay, median over the replays of (elapsed / layers).
   timeout   rank 0 alone of N = 2 (rank 1 never launches): the dispatch must trap and fill the host status
             record {code, rank, peer, layer} (run last: the trap kills the context).
+  stress    `--layers` (e.g. 100000) consecutive layers, one rank per GPU (`--stress-virtual`: on one GPU): input
+            sets uploaded once, random sets / T / apply_norm per layer and rank, one rank held back by a host
+            busy-wait in half the layers, batches of `--stress-batch` layers launched back to back into their
+            own output slots, then one sync and a vectorized check of the batch (same rules as below).
 
 Each checked layer uses fresh random BF16 tokens, fresh routing and a random T <= max_tokens per rank; the
 expert stage runs on the host (numpy) from the received rows; receive rows (x, sf of valid rows; ids,
@@ -19,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
-from jax_latent_ep.layout import CTRL_ERROR, EpLayout
+from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, EpLayout
 from jax_latent_ep.testing import model
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
@@ -284,24 +290,169 @@ class System:
             check(self.cu.cuCtxSetCurrent(r.ctx))
             check(self.cu.cuStreamSynchronize(r.stream))
 
-    def launch_dispatch(self, r: Rank, tokens, timeout_ns=None):
+    def launch_dispatch(self, r: Rank, tokens, timeout_ns=None, **pointers):
+        """Launches rank `r`'s dispatch of `tokens` tokens on its stream. `pointers` (raw device addresses, by
+        parameter name: x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src) replace the rank's
+        own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
         grid = _grid(tokens, self.layout.rows, self.cap)
+        args = dict(
+            x=r.x.ptr, ids=r.ids.ptr, weights=r.weights.ptr, recv_x=r.recv_x.ptr, recv_sf=r.recv_sf.ptr,
+            recv_ids=r.recv_ids.ptr, recv_weights=r.recv_weights.ptr, recv_src=r.recv_src.ptr,
+        )
+        _override(args, pointers)
         r.dispatch.launch(
-            r.stream, grid, x=r.x.ptr, ids=r.ids.ptr, weights=r.weights.ptr, peers=r.peers.ptr,
-            recv_x=r.recv_x.ptr, recv_sf=r.recv_sf.ptr, recv_ids=r.recv_ids.ptr, recv_weights=r.recv_weights.ptr,
-            recv_src=r.recv_src.ptr, status=self.status, timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns,
-            rank=r.rank, tokens=tokens, max_tokens=self.max_tokens,
+            r.stream, grid, peers=r.peers.ptr, status=self.status,
+            timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns,
+            rank=r.rank, tokens=tokens, max_tokens=self.max_tokens, **args,
         )
 
-    def launch_combine(self, r: Rank, tokens, apply_norm, eps=1e-6):
+    def launch_combine(self, r: Rank, tokens, apply_norm, eps=1e-6, **pointers):
+        """Launches rank `r`'s combine of `tokens` tokens on its stream. `pointers` (raw device addresses, by
+        parameter name: out, ids, norm_weight, result) replace the rank's own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
         grid = _grid(tokens, self.layout.rows, self.cap)
+        args = dict(out=r.out.ptr, ids=r.ids.ptr, norm_weight=r.norm.ptr, result=r.result.ptr)
+        _override(args, pointers)
         r.combine.launch(
-            r.stream, grid, out=r.out.ptr, ids=r.ids.ptr, norm_weight=r.norm.ptr, result=r.result.ptr,
-            peers=r.peers.ptr, status=self.status, timeout_ns=self.timeout_ns, eps=eps, rank=r.rank,
-            tokens=tokens, max_tokens=self.max_tokens, apply_norm=apply_norm,
+            r.stream, grid, peers=r.peers.ptr, status=self.status, timeout_ns=self.timeout_ns, eps=eps,
+            rank=r.rank, tokens=tokens, max_tokens=self.max_tokens, apply_norm=apply_norm, **args,
         )
+
+
+def _override(args, pointers):
+    """`args.update(pointers)` for known pointer names only (a typo must not pass silently)."""
+    unknown = set(pointers) - set(args)
+    if unknown:
+        raise ValueError(f"unknown pointer arguments {sorted(unknown)}; expected some of {sorted(args)}")
+    args.update({k: int(v) for k, v in pointers.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expected outputs and their comparison (shared by run_layers and stress)
+
+
+class Rows(NamedTuple):
+    """Receive rows of one rank, or stacked over leading axes `...`: x uint8 [..., R, L] (MXFP8 bytes), sf uint8
+    [..., R, SF], ids int32 [..., R, K], weights uint32 [..., R, K] (FP32 bits), src int32 [..., R]."""
+
+    x: np.ndarray
+    sf: np.ndarray
+    ids: np.ndarray
+    weights: np.ndarray
+    src: np.ndarray
+
+
+def expected_receive(lay: EpLayout, d, state, quant):
+    """The receive rows rank `d` must hold after a layer with `state[s] = (tokens, x, ids, weights)` of every
+    source rank `s` and `quant[s] = mxfp8_reference(x)`: `(Rows, valid [R] bool)`. Empty rows hold the
+    contract's constants (ids `invalid_expert(d)`, weights 0, src -1) and zero x / sf (unspecified: compare
+    them only where `valid`)."""
+    shape = lay.shape
+    local, S = shape.num_local_experts(lay.ranks), lay.stride
+    exp_ids = np.full((lay.rows, shape.topk), lay.invalid_expert(d), np.int32)
+    exp_w = np.zeros((lay.rows, shape.topk), np.uint32)
+    exp_src = np.full((lay.rows,), -1, np.int32)
+    valid = np.zeros(lay.rows, bool)
+    exp_x = np.zeros((lay.rows, shape.latent), np.uint8)
+    exp_sf = np.zeros((lay.rows, shape.num_sf), np.uint8)
+    for s, (tokens, x, ids, weights) in enumerate(state):
+        hit = (ids // local == d).any(axis=1)
+        t = np.nonzero(hit)[0]
+        rows = s * S + t
+        valid[rows] = True
+        exp_ids[rows] = ids[t]
+        exp_w[rows] = weights[t].view(np.uint32)
+        exp_src[rows] = (s << 16) | t
+        exp_x[rows] = quant[s][0][t]
+        exp_sf[rows] = quant[s][1][t]
+    return Rows(exp_x, exp_sf, exp_ids, exp_w, exp_src), valid
+
+
+def _row_differs(a, b):
+    """bool [..., R]: the rows of two same-shape arrays [..., R, W] that differ anywhere (8 bytes at a time)."""
+    if a.shape == b.shape and a.dtype == b.dtype and (a.shape[-1] * a.itemsize) % 8 == 0:
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        return (a.view(np.uint64) != b.view(np.uint64)).any(axis=-1)
+    return (a != b).any(axis=-1)
+
+
+def receive_mismatches(got: Rows, exp: Rows, valid):
+    """Mismatching elements of received rows, an int array over the leading axes of `valid` [..., R]: ids,
+    weights (bits) and src of every row and sf of valid rows bit-exact; x of valid rows bit-exact but for NaN
+    (a NaN byte, 0x7F or 0xFF, equals any other). x / sf of empty rows are unspecified: not compared."""
+    lead = valid.shape[:-1]
+    bad = ((got.ids != exp.ids).sum(axis=(-2, -1)) + (got.weights != exp.weights).sum(axis=(-2, -1))
+           + (got.src != exp.src).sum(axis=-1) + ((got.sf != exp.sf) & valid[..., None]).sum(axis=(-2, -1)))
+    bad = np.array(bad, np.int64).reshape(-1)
+    rows, width = valid.shape[-1], got.x.shape[-1]
+    gx, ex = got.x.reshape(-1, rows, width), exp.x.reshape(-1, rows, width)
+    which = np.nonzero(_row_differs(gx, ex) & valid.reshape(-1, rows))
+    if which[0].size:
+        g, e = gx[which], ex[which]
+        nan_both = ((g & 0x7F) == 0x7F) & ((e & 0x7F) == 0x7F)
+        np.add.at(bad, which[0], ((g != e) & ~nan_both).sum(axis=1))
+    return bad.reshape(lead)
+
+
+def host_expert(rows: Rows, valid, d, local, garbage):
+    """The expert stage of rank `d` on the host: `out = bf16(dequant(row) * sum of the row's local weights)`
+    in valid rows, `garbage` (one BF16 value, or one per row) in the others; bf16 [R, L]."""
+    weights = rows.weights.view(np.float32)
+    wsum = np.where(rows.ids // local == d, weights, np.float32(0)).sum(axis=1, dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = (dequant(rows.x, rows.sf) * wsum[:, None]).astype(BF16)
+    garbage = np.asarray(garbage, BF16)
+    fill = np.broadcast_to(garbage.reshape(-1, 1) if garbage.ndim else garbage, out.shape)
+    out[~valid] = fill[~valid]
+    return out
+
+
+def expected_result(outs, dests, s, stride_rows, tokens, norm, apply_norm):
+    """Rank `s`'s combine output as BF16 bits (uint16 [tokens, L]) from every rank's expert output `outs[d]`
+    (bf16 [R, L]) and the destination rank of each of its tokens' experts, `dests` [tokens, K]: the FP32 sum
+    over the token's destination ranks in ascending order, rounded once (the routed latent), or, if
+    `apply_norm`, RMSNorm of it (eps 1e-6, weight `norm`) in FP32, rounded once."""
+    latent = outs[0].shape[-1]
+    acc = np.zeros((tokens, latent), np.float32)
+    own = slice(s * stride_rows, s * stride_rows + tokens)  # the rows of rank s's tokens
+    for d in range(len(outs)):
+        sel = (dests == d).any(axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            acc = np.where(sel[:, None], acc + outs[d][own].astype(np.float32), acc)
+    routed = acc.astype(BF16)
+    if not apply_norm:
+        return routed.view(np.uint16)
+    v = routed.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ss = (v.astype(np.float64) ** 2).sum(axis=1).astype(np.float32)
+        rstd = (1.0 / np.sqrt(np.float64(ss / np.float32(latent) + np.float32(1e-6)))).astype(np.float32)
+        y = ((v * rstd[:, None]).astype(np.float32) * norm.astype(np.float32)).astype(np.float32)
+    return bf16_bits(y)
+
+
+def result_mismatches(got, exp, apply_norm, rows=None):
+    """`(bad, ulp1)` over the leading axes of the BF16 bits `got`, `exp` [..., T, L]: elements off by more than
+    1 ulp where `apply_norm` (normed) or by any ulp where not (routed), and the normed elements at exactly 1
+    ulp; NaN equals NaN. `rows` (bool [..., T]) limits the comparison to those tokens."""
+    lead, (tokens, latent) = got.shape[:-2], got.shape[-2:]
+    count = int(np.prod(lead, dtype=np.int64))
+    g, e = got.reshape(count, tokens, latent), exp.reshape(count, tokens, latent)
+    normed = np.broadcast_to(np.asarray(apply_norm) != 0, lead).reshape(count)
+    differs = _row_differs(g, e)
+    if rows is not None:
+        differs &= np.broadcast_to(rows, (*lead, tokens)).reshape(count, tokens)
+    bad, ulp1 = np.zeros(count, np.int64), np.zeros(count, np.int64)
+    which = np.nonzero(differs)
+    if which[0].size:
+        g, e = g[which], e[which]  # [rows, L], then the differing elements only
+        row, column = np.nonzero(g != e)
+        dist = ulp_distance_bf16(g[row, column], e[row, column])
+        owner = which[0][row]
+        limit = normed[owner]
+        np.add.at(bad, owner, dist > limit.astype(np.int32))
+        np.add.at(ulp1, owner, (dist == 1) & limit)
+    return bad.reshape(lead), ulp1.reshape(lead)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -373,47 +524,24 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
         received = []
         for d, r in enumerate(system.ranks):
             check(system.cu.cuCtxSetCurrent(r.ctx))
-            got_x = r.recv_x.download(np.uint8, (lay.rows, latent))
-            got_sf = r.recv_sf.download(np.uint8, (lay.rows, nsf))
-            got_ids = r.recv_ids.download(np.int32, (lay.rows, topk))
-            got_w = r.recv_weights.download(np.uint32, (lay.rows, topk))
-            got_src = r.recv_src.download(np.int32, (lay.rows,))
-            exp_ids = np.full((lay.rows, topk), lay.invalid_expert(d), np.int32)
-            exp_w = np.zeros((lay.rows, topk), np.uint32)
-            exp_src = np.full((lay.rows,), -1, np.int32)
-            valid = np.zeros(lay.rows, bool)
-            exp_x = np.zeros((lay.rows, latent), np.uint8)
-            exp_sf = np.zeros((lay.rows, nsf), np.uint8)
-            for s, (tokens, x, ids, weights) in enumerate(state):
-                hit = (dests[s] == d).any(axis=1)
-                t = np.nonzero(hit)[0]
-                rows = s * S + t
-                valid[rows] = True
-                exp_ids[rows] = ids[t]
-                exp_w[rows] = weights[t].view(np.uint32)
-                exp_src[rows] = (s << 16) | t
-                exp_x[rows] = quant[s][0][t]
-                exp_sf[rows] = quant[s][1][t]
-            bad = 0
-            bad += int((got_ids != exp_ids).sum())
-            bad += int((got_w != exp_w).sum())
-            bad += int((got_src != exp_src).sum())
-            gx, ex = got_x[valid], exp_x[valid]
-            nan_both = ((gx & 0x7F) == 0x7F) & ((ex & 0x7F) == 0x7F)
-            bad += int(((gx != ex) & ~nan_both).sum())
-            bad += int((got_sf[valid] != exp_sf[valid]).sum())
+            got = Rows(
+                r.recv_x.download(np.uint8, (lay.rows, latent)),
+                r.recv_sf.download(np.uint8, (lay.rows, nsf)),
+                r.recv_ids.download(np.int32, (lay.rows, topk)),
+                r.recv_weights.download(np.uint32, (lay.rows, topk)),
+                r.recv_src.download(np.int32, (lay.rows,)),
+            )
+            exp, valid = expected_receive(lay, d, state, quant)
+            bad = int(receive_mismatches(got, exp, valid))
             if bad:
                 details.append(f"layer {layer} rank {d}: {bad} receive mismatches")
             mismatches += bad
-            received.append((got_x, got_sf, got_ids, got_w.view(np.float32), got_src, valid))
+            received.append((got, valid))
         # Expert stage on the host: out = bf16(dequant(row) * sum of the row's local weights); garbage elsewhere.
         outs = []
         for d, r in enumerate(system.ranks):
-            got_x, got_sf, got_ids, got_w, got_src, valid = received[d]
-            wsum = np.where(got_ids // local == d, got_w, np.float32(0)).sum(axis=1, dtype=np.float32)
-            with np.errstate(invalid="ignore", over="ignore"):
-                out = (dequant(got_x, got_sf) * wsum[:, None]).astype(BF16)
-            out[~valid] = BF16(np.nan) if layer % 2 else BF16(1e30)
+            got, valid = received[d]
+            out = host_expert(got, valid, d, local, BF16(np.nan) if layer % 2 else BF16(1e30))
             outs.append(out)
             check(system.cu.cuCtxSetCurrent(r.ctx))
             r.out.upload(out)
@@ -424,24 +552,9 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
             tokens, x, ids, weights = state[s]
             check(system.cu.cuCtxSetCurrent(r.ctx))
             got = r.result.download(np.uint16, (tokens, latent))
-            acc = np.zeros((tokens, latent), np.float32)
-            for d in range(n):
-                sel = (dests[s] == d).any(axis=1)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    acc = np.where(sel[:, None], acc + outs[d][s * S : s * S + tokens].astype(np.float32), acc)
-            routed = acc.astype(BF16)
-            if apply_norm:
-                v = routed.astype(np.float32)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    ss = (v.astype(np.float64) ** 2).sum(axis=1).astype(np.float32)
-                    rstd = (1.0 / np.sqrt(np.float64(ss / np.float32(latent) + np.float32(1e-6)))).astype(np.float32)
-                    y = ((v * rstd[:, None]).astype(np.float32) * norm.astype(np.float32)).astype(np.float32)
-                dist = ulp_distance_bf16(got, bf16_bits(y))
-                bad = int((dist > 1).sum())
-                ulp1 += int((dist == 1).sum())
-            else:
-                dist = ulp_distance_bf16(got, routed.view(np.uint16))
-                bad = int((dist != 0).sum())
+            exp = expected_result(outs, dests[s], s, S, tokens, norm, apply_norm)
+            bad, one = (int(v) for v in result_mismatches(got, exp, apply_norm))
+            ulp1 += one
             if bad:
                 details.append(f"layer {layer} rank {s}: {bad} combine mismatches (norm={apply_norm})")
             mismatches += bad
@@ -537,11 +650,7 @@ def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3"):
     """Rank 0 of N = 2 dispatches alone with a 2 ms timeout: it must trap and report {1, 0, 1, 0}."""
     system = System(shape_name, 2, 8, "virtual", artifacts)
     cu = system.cu
-    host = check(cu.cuMemHostAlloc(16, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
-    status_host = (ctypes.c_int32 * 4).from_address(int(host))
-    for i in range(4):
-        status_host[i] = 0
-    system.status = int(check(cu.cuMemHostGetDevicePointer(host, 0)))
+    system.status, status_host = _host_status(cu)
     r = system.ranks[0]
     rng = np.random.default_rng(0)
     r.x.upload(make_tokens(rng, 4, system.shape, False))
@@ -556,6 +665,340 @@ def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3"):
     print(f"  timeout: stream sync -> {err!r} after {elapsed * 1e3:.1f} ms, status record {record}", flush=True)
     ok = err != cu.CUresult.CUDA_SUCCESS and record == [1, 0, 1, 0]
     return ok, record, str(err)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stress
+
+#: Largest number of input-set combinations a stress layer may draw from (one expert-output array each): beyond
+#: it, every rank of a layer reads the same set index.
+STRESS_MAX_COMBOS = 64
+
+
+def make_pool_routing(rng, tokens, shape, ranks, one_rank_fraction):
+    """`make_routing`, then about `one_rank_fraction` of the tokens re-routed to K distinct experts of one random
+    rank (such a token leaves its receive row empty on every other rank)."""
+    ids, weights = make_routing(rng, tokens, shape)
+    local = shape.num_local_experts(ranks)
+    if ranks > 1 and local >= shape.topk:
+        for t in np.nonzero(rng.random(tokens) < one_rank_fraction)[0]:
+            ids[t] = int(rng.integers(ranks)) * local + rng.choice(local, size=shape.topk, replace=False)
+    return ids, weights
+
+
+class StressPool:
+    """Host side of the stress run: `pool` input sets per rank (`max_tokens` tokens each, from run_layers'
+    generators: every 4th set with a NaN and an Inf block, every 4th with subnormal and zero blocks, every 2nd
+    with half its tokens routed to one rank only), the set combinations a layer draws from (`combos` [C, N]:
+    rank s reads set `combos[c, s]`) and every expected output, computed once with run_layers' model code.
+
+    A layer's expectations split into per-source blocks: rank d's receive rows from source s (rows s * S ..
+    s * S + S - 1) depend only on s's (set, T), and rank s's combine output only on its own (set, apply_norm)
+    (token t's routed latent does not depend on T). So they are computed once per set for T = max_tokens and
+    cut to each layer's T (rows t >= T empty, result rows t >= T not compared): T is free in 1..max_tokens and
+    nothing is cached per layer. Rank d's expert output (the combine's `out` input) mixes the sources' sets:
+    one array per combo, garbage (NaN or 1e30, alternating by row) in its empty rows."""
+
+    def __init__(self, rng, shape, lay: EpLayout, pool, norm, max_combos=STRESS_MAX_COMBOS):
+        n, tmax, S = lay.ranks, lay.tokens, lay.stride
+        latent, topk = shape.latent, shape.topk
+        local = shape.num_local_experts(n)
+        self.shape, self.layout, self.pool, self.norm = shape, lay, pool, norm
+        self.x = np.empty((n, pool, tmax, latent), BF16)
+        self.ids = np.empty((n, pool, tmax, topk), np.int32)
+        self.weights = np.empty((n, pool, tmax, topk), np.float32)
+        for s in range(n):
+            for p in range(pool):
+                special = "nonfinite" if p % 4 == 3 else p % 4 == 0
+                self.x[s, p] = make_tokens(rng, tmax, shape, special)
+                self.ids[s, p], self.weights[s, p] = make_pool_routing(rng, tmax, shape, n, 0.5 if p % 2 else 0.0)
+        if pool**n <= max_combos:
+            combos = list(itertools.product(range(pool), repeat=n))
+        else:
+            combos = [(p,) * n for p in range(pool)]
+        self.combos = np.array(combos, np.int64).reshape(-1, n)
+        # [destination d, source s, set p, S]: the receive rows from s on d for T = max_tokens.
+        self.rx = np.zeros((n, n, pool, S, latent), np.uint8)
+        self.rsf = np.zeros((n, n, pool, S, shape.num_sf), np.uint8)
+        self.rids = np.zeros((n, n, pool, S, topk), np.int32)
+        self.rw = np.zeros((n, n, pool, S, topk), np.uint32)
+        self.rsrc = np.zeros((n, n, pool, S), np.int32)
+        self.hit = np.zeros((n, n, pool, S), bool)
+        self.outs = np.empty((pool, n, lay.rows, latent), BF16)  # [set p of every source, d]: expert outputs
+        self.result = np.empty((n, pool, 2, tmax, latent), np.uint16)  # [s, p, apply_norm]: combine outputs
+        garbage = np.array([np.nan, 1e30], np.float32).astype(BF16)
+        for p in range(pool):
+            state = [(tmax, self.x[s, p], self.ids[s, p], self.weights[s, p]) for s in range(n)]
+            quant = [mxfp8_reference(self.x[s, p]) for s in range(n)]
+            for d in range(n):
+                exp, valid = expected_receive(lay, d, state, quant)
+                self.rx[d, :, p] = exp.x.reshape(n, S, latent)
+                self.rsf[d, :, p] = exp.sf.reshape(n, S, shape.num_sf)
+                self.rids[d, :, p] = exp.ids.reshape(n, S, topk)
+                self.rw[d, :, p] = exp.weights.reshape(n, S, topk)
+                self.rsrc[d, :, p] = exp.src.reshape(n, S)
+                self.hit[d, :, p] = valid.reshape(n, S)
+                self.outs[p, d] = host_expert(exp, valid, d, local, garbage[(np.arange(lay.rows) + p + d) % 2])
+            for s in range(n):
+                for apply_norm in (0, 1):
+                    self.result[s, p, apply_norm] = expected_result(
+                        self.outs[p], self.ids[s, p] // local, s, S, tmax, norm, apply_norm)
+
+    def combo_outs(self, d):
+        """bf16 [C, R, L]: rank d's expert outputs for every combo (rows of source s from set `combos[c, s]`)."""
+        n, S = self.layout.ranks, self.layout.stride
+        blocks = self.outs.reshape(self.pool, n, n, S, -1)[self.combos, d, np.arange(n)[None, :]]  # [C, N, S, L]
+        return np.ascontiguousarray(blocks.reshape(len(self.combos), self.layout.rows, -1))
+
+    def receive(self, d, combo, tokens):
+        """Rank d's expected receive rows after layers of combos `combo` [B] and token counts `tokens` [B, N]:
+        `(Rows [B, R, ...], valid [B, R])`."""
+        lay = self.layout
+        n, S = lay.ranks, lay.stride
+        sets = self.combos[combo]  # [B, N]
+        src = np.arange(n)[None, :]
+        valid = self.hit[d][src, sets] & (np.arange(S) < np.asarray(tokens)[:, :, None])  # [B, N, S]
+        rows = Rows(
+            self.rx[d][src, sets],
+            self.rsf[d][src, sets],
+            np.where(valid[..., None], self.rids[d][src, sets], np.int32(lay.invalid_expert(d))),
+            np.where(valid[..., None], self.rw[d][src, sets], np.uint32(0)),
+            np.where(valid, self.rsrc[d][src, sets], np.int32(-1)),
+        )
+        batch = len(combo)
+        return Rows(*(a.reshape(batch, lay.rows, *a.shape[3:]) for a in rows)), valid.reshape(batch, lay.rows)
+
+    def combined(self, s, combo, apply_norm, tokens):
+        """Rank s's expected combine outputs (BF16 bits [B, max_tokens, L]) after layers of combos `combo` [B],
+        `apply_norm` [B] and its token counts `tokens` [B], and the rows to compare (bool [B, max_tokens])."""
+        exp = self.result[s, self.combos[combo, s], np.asarray(apply_norm)]
+        return exp, np.arange(self.layout.tokens) < np.asarray(tokens)[:, None]
+
+
+class Schedule(NamedTuple):
+    """The random choices of the stress layers, one row per layer."""
+
+    combo: np.ndarray  # [layers]: a row of StressPool.combos (rank s reads set combos[c, s])
+    tokens: np.ndarray  # [layers, N]: T of every rank, 1..max_tokens
+    apply_norm: np.ndarray  # [layers]: 0 routed, 1 normed (every rank)
+    delayed: np.ndarray  # [layers]: the rank whose launches are held back, -1 for none
+    delay_ns: np.ndarray  # [layers]: how long (0 where none)
+    delay_combine: np.ndarray  # [layers]: 1: the delay comes between its dispatch and its combine; 0: before both
+    order: np.ndarray  # [layers, N]: launch order of the ranks, the delayed one last
+
+
+def stress_schedule(rng, layers, ranks, combos, max_tokens, delay_prob=0.5, max_delay_us=200.0):
+    """Draws a `Schedule`: uniform combos and apply_norm; T uniform in 1..max_tokens, a quarter of the draws
+    forced to 1 or max_tokens; with probability `delay_prob` a layer holds one random rank back by 0 ..
+    `max_delay_us` microseconds, that rank launching after the others."""
+    combo = rng.integers(combos, size=layers)
+    tokens = rng.integers(1, max_tokens + 1, size=(layers, ranks))
+    edge = rng.random((layers, ranks)) < 0.25
+    tokens = np.where(edge, np.where(rng.random((layers, ranks)) < 0.5, 1, max_tokens), tokens)
+    apply_norm = rng.integers(2, size=layers)
+    delay = (rng.random(layers) < delay_prob) & (max_delay_us > 0)
+    delayed = np.where(delay, rng.integers(ranks, size=layers), -1)
+    delay_ns = np.where(delay, rng.integers(0, int(max_delay_us * 1000) + 1, size=layers), 0)
+    delay_combine = np.where(delay, rng.integers(2, size=layers), 0)
+    order = rng.permuted(np.tile(np.arange(ranks), (layers, 1)), axis=1)
+    last = np.argsort(order == delayed[:, None], axis=1, kind="stable")  # the delayed rank moves to the end
+    order = np.take_along_axis(order, last, axis=1)
+    return Schedule(combo, tokens, apply_norm, delayed, delay_ns, delay_combine, order)
+
+
+class StressBuffers:
+    """Device side of the stress run, per rank: its input sets and the expert outputs of every combo (uploaded
+    once), and `batch` slots of every output (each layer of a batch writes its own slot)."""
+
+    INPUTS = ("x", "ids", "weights", "out")
+    OUTPUTS = ("recv_x", "recv_sf", "recv_ids", "recv_weights", "recv_src", "result")
+
+    def __init__(self, system: System, pool: StressPool, batch):
+        cu, lay, shape = system.cu, system.layout, system.shape
+        tmax, rows, latent, topk = lay.tokens, lay.rows, shape.latent, shape.topk
+        self.batch = batch
+        # Bytes of one input set / combo / output slot.
+        self.sizes = {
+            "x": tmax * latent * 2, "ids": tmax * topk * 4, "weights": tmax * topk * 4, "out": rows * latent * 2,
+            "recv_x": rows * latent, "recv_sf": rows * shape.num_sf, "recv_ids": rows * topk * 4,
+            "recv_weights": rows * topk * 4, "recv_src": rows * 4, "result": tmax * latent * 2,
+        }
+        self.arrays = []
+        for d, r in enumerate(system.ranks):
+            check(cu.cuCtxSetCurrent(r.ctx))
+            arrays = {}
+            for name, host in zip(self.INPUTS, (pool.x[d], pool.ids[d], pool.weights[d], pool.combo_outs(d))):
+                assert host.nbytes == len(host) * self.sizes[name], (name, host.shape)
+                arrays[name] = DeviceArray(host.nbytes)
+                arrays[name].upload(host)
+            for name in self.OUTPUTS:
+                arrays[name] = DeviceArray(batch * self.sizes[name])
+            r.norm.upload(pool.norm)
+            self.arrays.append(arrays)
+        for r in system.ranks:  # a pageable upload may return before its DMA lands: settle before any launch
+            check(cu.cuCtxSetCurrent(r.ctx))
+            check(cu.cuCtxSynchronize())
+
+    def ptr(self, rank, name, index):
+        """Device address of input set / combo / output slot `index` of array `name` of `rank`."""
+        return self.arrays[rank][name].ptr + index * self.sizes[name]
+
+    def download(self, system: System, rank, count):
+        """`(Rows [count, R, ...], result bits [count, max_tokens, L])` of the first `count` slots of `rank`."""
+        lay, shape = system.layout, system.shape
+        check(system.cu.cuCtxSetCurrent(system.ranks[rank].ctx))
+        a = self.arrays[rank]
+        got = Rows(
+            a["recv_x"].download(np.uint8, (count, lay.rows, shape.latent)),
+            a["recv_sf"].download(np.uint8, (count, lay.rows, shape.num_sf)),
+            a["recv_ids"].download(np.int32, (count, lay.rows, shape.topk)),
+            a["recv_weights"].download(np.uint32, (count, lay.rows, shape.topk)),
+            a["recv_src"].download(np.int32, (count, lay.rows)),
+        )
+        return got, a["result"].download(np.uint16, (count, lay.tokens, shape.latent))
+
+
+def _spin(ns):
+    """Busy-waits `ns` nanoseconds on the host (sleeps are far too coarse for microseconds)."""
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def _launch_stress_layer(system: System, bufs: StressBuffers, sets, combo, slot, tokens, apply_norm, delayed,
+                         delay_ns, delay_combine, order):
+    """Launches one stress layer (dispatch + combine of every rank, in `order`) into output slot `slot`,
+    busy-waiting `delay_ns` before rank `delayed`'s dispatch (or, if `delay_combine`, its combine)."""
+    for s in order:
+        r = system.ranks[s]
+        if s == delayed and not delay_combine:
+            _spin(delay_ns)
+        system.launch_dispatch(
+            r, tokens[s], x=bufs.ptr(s, "x", sets[s]), ids=bufs.ptr(s, "ids", sets[s]),
+            weights=bufs.ptr(s, "weights", sets[s]), recv_x=bufs.ptr(s, "recv_x", slot),
+            recv_sf=bufs.ptr(s, "recv_sf", slot), recv_ids=bufs.ptr(s, "recv_ids", slot),
+            recv_weights=bufs.ptr(s, "recv_weights", slot), recv_src=bufs.ptr(s, "recv_src", slot),
+        )
+        if s == delayed and delay_combine:
+            _spin(delay_ns)
+        system.launch_combine(
+            r, tokens[s], apply_norm, out=bufs.ptr(s, "out", combo), ids=bufs.ptr(s, "ids", sets[s]),
+            result=bufs.ptr(s, "result", slot),
+        )
+
+
+def _check_stress_batch(system: System, bufs: StressBuffers, pool: StressPool, sched: Schedule, start, count):
+    """Compares the `count` layers of a batch from layer `start` with the pool's expectations: `(receive
+    mismatches [count, N], combine mismatches [count, N], normed elements at 1 ulp)`."""
+    n = system.n
+    part = slice(start, start + count)
+    combo, tokens, apply_norm = sched.combo[part], sched.tokens[part], sched.apply_norm[part]
+    bad_receive = np.zeros((count, n), np.int64)
+    bad_combine = np.zeros((count, n), np.int64)
+    ulp1 = 0
+    for d in range(n):
+        got, result = bufs.download(system, d, count)
+        exp, valid = pool.receive(d, combo, tokens)
+        bad_receive[:, d] = receive_mismatches(got, exp, valid)
+        exp_result, rows = pool.combined(d, combo, apply_norm, tokens[:, d])
+        bad, one = result_mismatches(result, exp_result, apply_norm, rows)
+        bad_combine[:, d] = bad
+        ulp1 += int(one.sum())
+    return bad_receive, bad_combine, ulp1
+
+
+def _describe_stress_layer(pool: StressPool, sched: Schedule, layer):
+    """The choices of one layer, for a mismatch report."""
+    text = (f"T {sched.tokens[layer].tolist()}, sets {pool.combos[sched.combo[layer]].tolist()}, "
+            f"norm {int(sched.apply_norm[layer])}, order {sched.order[layer].tolist()}")
+    if sched.delayed[layer] >= 0:
+        where = "combine" if sched.delay_combine[layer] else "dispatch"
+        text += f", rank {int(sched.delayed[layer])} delayed {sched.delay_ns[layer] / 1000:.0f} us before its {where}"
+    return text
+
+
+def _host_status(cu):
+    """A zeroed, mapped, portable host record of 4 int32 for the kernels' `status` argument (`fail` writes
+    {code, rank, peer, layer} there before it traps): `(device address, ctypes view)`."""
+    host = check(cu.cuMemHostAlloc(16, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
+    record = (ctypes.c_int32 * 4).from_address(int(host))
+    for i in range(4):
+        record[i] = 0
+    return int(check(cu.cuMemHostGetDevicePointer(host, 0))), record
+
+
+def stress(system: System, layers, seed=0, pool_size=8, batch=64, delay_prob=0.5, max_delay_us=200.0,
+           log_every=10_000, max_details=20):
+    """Runs `layers` consecutive dispatch + combine layers with random choices (`stress_schedule`) on input sets
+    uploaded once (`StressPool`, `StressBuffers`): `batch` layers are launched back to back, each into its own
+    output slots, then the ranks are synchronized once and the batch is compared (run_layers' rules: receive rows
+    and routed bit-exact, normed within 1 ulp). A layer may hold one rank's launches back by a host busy-wait.
+    Stops early after `max_details` mismatching (layer, rank) reports or on a CUDA error (a kernel trap: the
+    host status record says which rank, peer and layer). Returns `(layers, mismatches, info)`."""
+    started = time.perf_counter()
+    cu, n = system.cu, system.n
+    rng = np.random.default_rng(seed)
+    norm = (1.0 + 0.25 * rng.standard_normal(system.shape.latent)).astype(BF16)
+    pool = StressPool(rng, system.shape, system.layout, pool_size, norm)
+    sched = stress_schedule(rng, layers, n, len(pool.combos), system.max_tokens, delay_prob, max_delay_us)
+    bufs = StressBuffers(system, pool, batch)
+    record = None
+    if system.status == 0:
+        try:
+            system.status, record = _host_status(cu)
+        except RuntimeError as error:
+            print(f"  note: no host status record ({error}): a trap will not say which rank / peer / layer")
+    epochs = [int(r.ctrl_words()[CTRL_LAYER]) for r in system.ranks]  # layers completed before this run
+    info = {"details": [], "ulp1": 0, "delayed": 0, "error": None, "status": None, "ctrl": [],
+            "combos": len(pool.combos), "setup_s": time.perf_counter() - started}
+    print(f"  stress setup: {pool_size} input sets per rank, {len(pool.combos)} combos, batches of {batch}, "
+          f"{info['setup_s']:.1f} s", flush=True)
+    mismatches, done, logged = 0, 0, 0
+    started = time.perf_counter()
+    try:
+        for start in range(0, layers, batch):
+            count = min(batch, layers - start)
+            part = slice(start, start + count)
+            sets = pool.combos[sched.combo[part]].tolist()
+            rows = zip(sets, sched.combo[part].tolist(), sched.tokens[part].tolist(), sched.apply_norm[part].tolist(),
+                       sched.delayed[part].tolist(), sched.delay_ns[part].tolist(), sched.delay_combine[part].tolist(),
+                       sched.order[part].tolist())
+            for slot, row in enumerate(rows):
+                _launch_stress_layer(system, bufs, row[0], row[1], slot, *row[2:])
+            system.sync()
+            bad_receive, bad_combine, ulp1 = _check_stress_batch(system, bufs, pool, sched, start, count)
+            done = start + count
+            info["ulp1"] += ulp1
+            mismatches += int(bad_receive.sum() + bad_combine.sum())
+            for i, d in zip(*np.nonzero(bad_receive + bad_combine)):
+                info["details"].append(
+                    f"layer {start + i} rank {d}: {bad_receive[i, d]} receive, {bad_combine[i, d]} combine mismatches "
+                    f"({_describe_stress_layer(pool, sched, start + i)})")
+            if log_every and done // log_every > logged:
+                logged = done // log_every
+                rate = done / (time.perf_counter() - started)
+                print(f"  layer {done}/{layers}: mismatches {mismatches}, 1-ulp normed {info['ulp1']}, delayed "
+                      f"{int((sched.delayed[:done] >= 0).sum())} ({rate:.0f} layers/s)", flush=True)
+            if len(info["details"]) > max_details:
+                break
+    except RuntimeError as error:  # a CUDA error: the kernels trapped (timeout, sequence error) or a launch failed
+        info["error"] = f"in the batch of layers {start}..{start + count - 1}: {error}"
+        if record is not None:
+            info["status"] = [int(record[i]) for i in range(4)]
+    info["seconds"] = time.perf_counter() - started
+    info["delayed"] = int((sched.delayed[:done] >= 0).sum())
+    if info["error"] is None:
+        for r in system.ranks:
+            words = r.ctrl_words()
+            info["ctrl"].append(words.tolist())
+            if words[CTRL_ERROR]:
+                info["details"].append(f"rank {r.rank} ctrl error words {words.tolist()}")
+                mismatches += 1
+            if words[CTRL_LAYER] != epochs[r.rank] + done:
+                info["details"].append(f"rank {r.rank} completed {words[CTRL_LAYER] - epochs[r.rank]} layers, "
+                                       f"expected {done}")
+                mismatches += 1
+    return done, mismatches, info
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -581,9 +1024,37 @@ def _device_name():
     return name.split(b"\0")[0].decode().replace(",", " ")
 
 
+def _stress_cli(args, n, device, date):
+    """`--mode stress` for N = n: runs, prints, appends the CSV rows; returns `(failed, error)`."""
+    mode = "virtual" if args.stress_virtual else "devices"
+    system = System(args.shape, n, args.max_tokens, mode, args.artifacts)
+    system.timeout_ns = args.timeout_ns
+    where = "1 GPU (virtual ranks)" if mode == "virtual" else f"{n} GPUs"
+    print(f"stress: {args.shape} N={n} on {where}, max_tokens {system.max_tokens}, {args.layers} layers", flush=True)
+    layers, mismatches, info = stress(
+        system, args.layers, seed=args.seed + n, pool_size=args.stress_pool, batch=args.stress_batch,
+        delay_prob=args.stress_delay_prob, max_delay_us=args.stress_delay_us, log_every=args.stress_log_every,
+    )
+    for line in info["details"][:20]:
+        print("   ", line)
+    if info["error"]:
+        print(f"  ERROR {info['error']}; host status record {{code, rank, peer, layer}} = {info['status']}", flush=True)
+    print(f"  {info['ulp1']} normed elements at 1 ulp; ctrl {info['ctrl']}")
+    print(f"stress: {layers} layers, {mismatches} mismatches, {info['delayed']} delayed launches, "
+          f"{info['seconds']:.1f} s", flush=True)
+    backend_device = f"1x {device} ({n} virtual ranks)" if mode == "virtual" else f"{n}x {device}"
+    _csv_rows(args.csv, [
+        (date, backend_device, args.commit, "stress", n, system.max_tokens, metric, value)
+        for metric, value in (("layers", layers), ("mismatches", mismatches), ("delayed_layers", info["delayed"]),
+                              ("seconds", f"{info['seconds']:.1f}"))
+    ])
+    failed = mismatches != 0 or layers != args.layers or info["error"] is not None
+    return failed, info["error"] is not None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.testing.harness", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("virtual", "devices", "latency", "timeout"), default="virtual")
+    parser.add_argument("--mode", choices=("virtual", "devices", "latency", "timeout", "stress"), default="virtual")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="kimi_k3")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--layers", type=int, default=200)
@@ -594,6 +1065,13 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--seed", type=int, default=0)
+    group = parser.add_argument_group("stress mode")
+    group.add_argument("--stress-virtual", action="store_true", help="all ranks on one GPU (default: one per GPU)")
+    group.add_argument("--stress-pool", type=int, default=8, help="input sets per rank, uploaded once")
+    group.add_argument("--stress-batch", type=int, default=64, help="layers launched between two syncs")
+    group.add_argument("--stress-delay-prob", type=float, default=0.5, help="fraction of layers with a rank held back")
+    group.add_argument("--stress-delay-us", type=float, default=200.0, help="longest hold-back (host busy-wait)")
+    group.add_argument("--stress-log-every", type=int, default=10_000, help="progress line every k layers")
     args = parser.parse_args(argv)
     date = time.strftime("%Y-%m-%d", time.gmtime())
     failed = False
@@ -603,6 +1081,12 @@ def main(argv=None):
         return 0 if ok else 1
     device = _device_name()
     for n in args.ranks:
+        if args.mode == "stress":
+            bad, error = _stress_cli(args, n, device, date)
+            failed |= bad
+            if error:
+                break  # a trapped context is unusable
+            continue
         if args.mode == "latency":
             system = System(args.shape, n, args.max_tokens, "devices", args.artifacts)
             system.timeout_ns = args.timeout_ns
