@@ -1,173 +1,145 @@
-"""A model checker of the dispatch / combine synchronisation (pure Python, no JAX).
+"""A model checker of the v3 dispatch / combine protocol (LL words with layer epochs); pure Python, no JAX."""
 
-The two kernels of `jax_latent_ep.kernels` (`dispatch`, `combine`) are written here as an explicit state machine
-over `N` ranks, each running `layers` consecutive layers (dispatch, combine, dispatch, ...) in stream order, the
-ranks independent of each other. `explore` enumerates every reachable state (depth first, with a visited set);
-`random_runs` follows random schedules. Both check, on every transition:
-
-* ``flag_raised_while_set``: a flag is raised (set to 1) while it still holds the previous raise;
-* ``flag_rearmed_unseen``: a flag is re-armed (set to 0) before every waiting CTA of its reader saw it;
-* ``stale_flag``: a waiter observes a flag raised for another layer;
-* ``overwrite_unread``: a store lands on a receive row that still holds data (not yet read and re-armed),
-  a re-arm lands on a row holding another layer's data, or a partial lands on a combine slot not yet read;
-* ``read_before_write``: a receive row or a combine slot is read before this layer's value landed in it;
-* ``stale_read``: an empty receive row (no token reached it this layer) still holds data when read;
-* ``deadlock``: no step is possible and some rank has not finished;
-* ``not_rearmed``: at the end some flag or receive row is not back to its armed state.
-
-Memory model (weak enough for a missing fence to matter):
-
-* Data stores (receive rows, their re-arm, combine partials) of a CTA's *storing thread* do not land at once:
-  they wait in a pending set and land either at that thread's own system fence (which lands all of its
-  pending stores) or at any earlier moment. A fence by another thread (the lane-0 arrival thread) does not land
-  them, and neither does the end of the kernel: a store not fenced may land after the arrival was counted,
-  after the flag was raised, after the kernel finished.
-* Flags and arrival counters are single words written by the arrival thread (lane 0 of warp 0) after its own
-  fence; they are visible at once (each flag store is its own step, so the raises reach the ranks in any
-  interleaving with everything else).
-* Reads (flag polls, receive rows, combine slots) see the landed memory; the readers' acquire fences after
-  `wait_flags` are implicit.
-
-Each CTA has two threads: ``S``, a storing thread (it stands for every thread that writes rows / partials), and
-``A``, lane 0 of warp 0 (arrivals, flags, polls, then the reads that follow the wait). Steps:
-
-dispatch, CTA ``c`` of rank ``r``, layer ``l`` (grid ``Gd >= T``):
-  S: issue the stores of token ``c`` (if ``c < T``) into row ``r*T + c`` of every destination rank;
-     system fence (lands them); CTA barrier.
-  A: after the barrier, fence + arrive on CTRL_DISPATCH_DONE; the ``Gd``-th arrival resets the counter and
-     raises flag ``r`` on ranks 0..N-1 (one step each); every CTA waits for the N dispatch flags, arrives on
-     CTRL_DISPATCH_SEEN, then reads (copies out) its receive rows ``c, c + Gd, ...``; the ``Gd``-th SEEN
-     arrival then re-arms the N dispatch flags of this rank (one step; as the kernels' `finish_seen` does at
-     their end; ``rearm_at_end=False``: before its reads, as in the seed).
-combine, CTA ``c`` (grid ``Gc >= 1``):
-  S: reads the source word of each of its receive rows ``c, c + Gc, ...`` and, if it holds a token, issues the
-     partial to the source's combine slot ``[token, r]`` and the row's re-arm; system fence; barrier.
-  A: fence + arrive on CTRL_COMBINE_DONE; the ``Gc``-th raises combine flag ``r`` on every rank (one step
-     each); the CTAs ``c < min(Gc, T)`` wait for the N combine flags, arrive on CTRL_COMBINE_SEEN, read the
-     combine slots of their tokens ``c, c + Gc, ...`` (the slot of every destination rank of the token); the
-     last SEEN arrival then re-arms the combine flags (before its reads with ``rearm_at_end=False``).
-
-Receive rows are modelled for tokens ``t < T`` only (rows ``t >= T`` of the real ``stride(T)`` block are never
-written). The routing (which ranks a token reaches, per layer) is a parameter (`default_route`,
-`random_route`).
-
-Reductions (steps merged or left out; each keeps the violations reachable):
-
-* Issuing stores into the pending set and starting the next kernel are invisible steps: they are taken
-  eagerly and alone (a singleton ample set: the step is independent of every other step).
-* A pending store to location ``L`` lands only where it can make a difference: just before an enabled
-  read of ``L``, while another pending store to ``L`` exists, at its thread's fence, or once every rank
-  finished. Any schedule can be reordered into one of these, because landing a store commutes with every step
-  that does not touch ``L``.
-* A wait is one step, enabled once all N flags are set (spinning on a 0 changes nothing). The lanes' polls
-  really happen one by one, but a flag observed set stays set until it is re-armed, and re-arming it before
-  every waiter passed its wait is itself reported (``flag_rearmed_unseen``), so up to the first violation the
-  two are the same. The SEEN arrival that follows is merged into the wait step, and with per-thread fences the
-  storing thread's fence, the CTA barrier and lane 0's DONE arrival are one step: arrivals touch only their
-  rank's counter, so they commute with everything but that counter's other arrivals.
-* The N local flag re-arms of the last waiter are one step (nobody polls them any more).
-* ``atomic_reads=True`` (the default): a CTA's reads of its receive rows / combine slots are one step (a
-  snapshot); stores landing among them are explored before or after the whole snapshot. ``atomic_reads=False``
-  makes every row / token its own step (more states; the tests run both).
-
-Flag stores and counters landing at once is an assumption: a flag's re-arm is a local store that is performed
-before its kernel ends, and the next raise of that flag is causally after a later kernel of the same rank.
-
-Broken variants (switches of `Config`), each caught by `explore` and by `random_runs`:
-
-* ``fence_per_thread=False``: only the arrival thread fences, after the CTA barrier (in the kernels named by
-  ``unfenced_kernels``); the storing thread's rows, re-arms and partials may land after the flag:
-  ``read_before_write`` (then ``overwrite_unread``, ``stale_read``).
-* ``rearm_by_writer=True``: the last waiter re-arms the flags it *wrote* (its own flag on every rank) instead
-  of those it read: ``flag_rearmed_unseen`` (without that check: ``deadlock``).
-* ``stream_order=False``: a rank may start its next dispatch as soon as its combine started (before it
-  finished): ``overwrite_unread`` (then ``flag_raised_while_set``, ``stale_read``).
-* ``seen_counter=False``: every dispatch / combine waiter re-arms the flags after its own wait (no SEEN
-  counter): ``flag_rearmed_unseen`` as soon as a grid has two waiters.
-"""
+# The model (docs/protocol.md says why the protocol is safe and what the checker found):
+#
+# N ranks, each running its call sequence (`Config.calls`; default: dispatch, combine for every layer) in stream
+# order: a kernel starts once the previous kernel of its rank finished. Each kernel is a grid of CTAs that
+# interleave arbitrarily; a CTA is a program of steps (`Model.programs`):
+#
+#   dispatch CTA c   guard      read EPOCH_D / EPOCH_C (`Config.guard` says which CTA reads / writes what)
+#                    store      (c < S) wait until ready[d] >= e - 1 for every d, then issue the LL stores of
+#                               rows j = c, c + Gd, ... < S: data words + header {src, e} to every d in D(j),
+#                               header {-1, e} to the others (and to every d for j >= T)
+#                    copy q     (q = c, c + Gd, ... < N S) poll hdr[q] (and, if it is not empty, the row's data
+#                               words) until they carry e; write mirror[q]
+#   combine CTA c    guard      read EPOCH_D / EPOCH_C; CTA 0 stores ready[r] = e to every rank, EPOCH_D = e
+#                    send q     (q = c, c + Gc, ...) read mirror[q]; if valid, issue the partial's LL words to
+#                               rank q // S, slot [q % S][r]
+#                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
+#
+# Memory. Every store to a peer-written word (LL words, ready lines) is issued into a pending set and lands
+# later, at any moment, in any order with the other pending stores, except that the stores of one rank to one
+# word land in the order they were issued (coherence; one writer per word). An LL store lands whole (both
+# halves) unless `ll_atomic=False`, where payload and epoch are two stores. Control words and mirror[] are
+# local: visible at once. Reads see the landed memory; a poll is one step, enabled once the polled words carry
+# the reader's epoch (a poll that fails changes nothing).
+#
+# Reductions (each keeps every violation and deadlock reachable; docs/protocol.md):
+# * A pending store lands only where that can matter: while some CTA's next step reads its word, while another
+#   store to the same word is pending, or, once nothing else can move, the least one (so that every run ends
+#   with nothing pending). Landing commutes with every step that does not touch its word.
+# * Steps that touch only the CTA and the pending set are taken alone as soon as they are enabled ("eager"):
+#   the ready wait + issue of a dispatch CTA (ready only grows), a combine CTA's send (mirror is written only by
+#   the previous kernel), the guards whose words no sibling writes, and (`stream_order=False`) starting the next
+#   kernel. Calls made in the wrong sequence, the `guard="all"` variant with a grid > 1 and `resident` grids take
+#   every step as an ordinary (interleaved) one.
+# * `atomic_reads=True` (default): a copy-out of a row (header + data) and a reduce of a token (every slot of
+#   every destination) are one snapshot step, as the kernels poll them (all words loaded, then checked);
+#   `atomic_reads=False` makes every word its own poll.
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from typing import Callable
 
-FLAG_RAISED_WHILE_SET = "flag_raised_while_set"
-FLAG_REARMED_UNSEEN = "flag_rearmed_unseen"
-STALE_FLAG = "stale_flag"
-OVERWRITE_UNREAD = "overwrite_unread"
-READ_BEFORE_WRITE = "read_before_write"
-STALE_READ = "stale_read"
-DEADLOCK = "deadlock"
-NOT_REARMED = "not_rearmed"
+# Violation kinds (property numbers as in docs/protocol.md).
+STALE_READ = "stale_read"  # (1, 3) a reader accepted a word written in an earlier layer (or never written)
+WRONG_LAYER_READ = "wrong_layer_read"  # (1) a reader accepted a word written in a later layer than its own
+TORN_READ = "torn_read"  # (1) a reader accepted an LL word whose payload and epoch came from different stores
+OVERWRITE_UNREAD = "overwrite_unread"  # (2) a store landed on a word (or mirror[]) its reader had not read yet
+DEADLOCK = "deadlock"  # (4) nothing can move, some rank has not finished (and none failed)
+BAD_FINAL_STATE = "bad_final_state"  # (4) a finished run with a word never read, or epochs not at the last layer
+SPURIOUS_GUARD = "spurious_guard"  # (5) a call made in the right sequence recorded a sequence error
+GUARD_MISSED = "guard_missed"  # (5) a call made in the wrong sequence finished without its error (or a wrong one)
+GUARD_LEAK = "guard_leak"  # (5) a call made in the wrong sequence wrote something (a store or a control word)
 KINDS = (
-    FLAG_RAISED_WHILE_SET,
-    FLAG_REARMED_UNSEEN,
-    STALE_FLAG,
-    OVERWRITE_UNREAD,
-    READ_BEFORE_WRITE,
     STALE_READ,
+    WRONG_LAYER_READ,
+    TORN_READ,
+    OVERWRITE_UNREAD,
     DEADLOCK,
-    NOT_REARMED,
+    BAD_FINAL_STATE,
+    SPURIOUS_GUARD,
+    GUARD_MISSED,
+    GUARD_LEAK,
 )
 
-# Thread program counters.
-S_FENCE = 100  # storing thread: about to fence (dispatch: pc 0 issues; combine: pc j < rows reads row j)
-S_DONE = 999  # storing thread: at the CTA barrier (finished)
-A_ARRIVE = 0  # arrival thread: waiting for the barrier, then arrives on the DONE counter
-A_RAISE = 100  # + d: raise this rank's flag on rank d
-A_WAIT = 200  # waiting for every flag, then arrives on the SEEN counter
-A_REARM = 400  # (+ d with rearm_by_writer) re-arm
-A_READ = 500  # + j: the j-th read after the wait (copy-out row / reduce token)
-A_LAST = 700  # + j: the same, by the last waiter, which re-arms after its reads (`rearm_at_end`)
-A_DONE = 999
+# Error codes of the record {code, rank, peer, layer} (jax_latent_ep.layout.ERROR_*).
+ERROR_DISPATCH_TIMEOUT = 1
+ERROR_COMBINE_TIMEOUT = 2
+ERROR_DISPATCH_TWICE = 3
+ERROR_COMBINE_WITHOUT_DISPATCH = 4
 
-# Pending store kinds.
-P_ROW = 0  # a receive row's data (value: layer + 1)
-P_REARM = 1  # a receive row's re-arm after combine (value: layer + 1 of the data it clears)
-P_SLOT = 2  # a combine partial (value: layer + 1)
+#: `Config.guard` values. "all": every CTA reads both epoch words and checks, CTA 0 writes (the v3 brief);
+#: "cta0": CTA 0 alone reads both, checks and writes, the others read only the word their kernel never writes
+#: (the kernels as written); "counter": every CTA reads both and checks, then arrives on a local counter whose
+#: last arrival writes; "none": no check (CTA 0 writes).
+GUARDS = ("all", "cta0", "counter", "none")
 
-# Counters of a rank (offsets inside its block).
-C_TDONE, C_DSEEN, C_CDONE, C_CSEEN = 1, 2, 3, 4
+# Words of a rank's block in the state.
+_K, _NEXT, _ED, _EC, _ERR, _CNT_D, _CNT_C = range(7)
+_HEAD = 7
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One model: `ranks` N, `tokens` T per rank, grids, `layers`, routing and variant switches.
+    """One model: `ranks` N, `tokens` T per rank, `stride` S >= T receive rows per source, `words` W LL words
+    per row and per partial, grids, the calls of every rank, the routing, and the variant switches.
 
-    `route[l][s][t]` is the bitmask of the ranks that token `t` of rank `s` reaches in layer `l`; `None` picks
-    `default_route`.
+    `route[l][s][t]`: the bitmask D(t) of the ranks token `t` of rank `s` reaches in layer `l` (nonempty);
+    `None` picks `default_route`; `"any"` lets the model choose every D(t) at each dispatch (all 2^N - 1 sets).
+    `calls`: one string of "D" / "C" per rank (default `"DC" * layers`); a call out of sequence records its
+    error and stops the rank (the kernels trap), so nothing after it runs.
     """
 
     ranks: int
     tokens: int = 1
+    stride: int | None = None  # default: tokens
+    words: int = 2
     dispatch_grid: int | None = None  # default: tokens
     combine_grid: int = 1
     layers: int = 3
-    route: tuple | None = None
-    fence_per_thread: bool = True
-    unfenced_kernels: tuple = ("dispatch", "combine")  # where `fence_per_thread=False` drops the fence
-    rearm_by_writer: bool = False
-    stream_order: bool = True
-    seen_counter: bool = True
-    atomic_reads: bool = True  # a CTA's reads of its rows / slots after a wait are one step
-    rearm_at_end: bool = True  # the last waiter re-arms after its own reads (the kernels); False: before them
+    route: tuple | str | None = None
+    calls: tuple | None = None
+    guard: str = "cta0"
+    # broken variants (docs/protocol.md)
+    wait_ready: bool = True  # False: (a) dispatch stores without waiting for the ready lines
+    ready_in: str = "combine"  # "dispatch": (b) ready[r] = e stored at the start of dispatch e
+    send_source: str = "mirror"  # "header": (c) the combine reads the row's source word from hdr[q]
+    advance_epoch: bool = True  # False: (d) every layer writes and expects epoch 1
+    ll_atomic: bool = True  # False: (e) an LL word is two 4-byte stores (payload, epoch) landing in any order
+    stream_order: bool = True  # False: (f) the next dispatch may start once the combine started
+    # exploration
+    atomic_reads: bool = True
+    resident: int | None = None  # at most this many CTAs of a kernel run at once (None: the whole grid)
 
     def __post_init__(self):
+        t = self.tokens
+        if self.stride is None:
+            object.__setattr__(self, "stride", t)
         if self.dispatch_grid is None:
-            object.__setattr__(self, "dispatch_grid", self.tokens)
+            object.__setattr__(self, "dispatch_grid", t)
+        if self.calls is None:
+            object.__setattr__(self, "calls", ("DC" * self.layers,) * self.ranks)
         if self.route is None:
-            object.__setattr__(self, "route", default_route(self.ranks, self.tokens, self.layers))
-        assert self.ranks >= 1 and self.tokens >= 1 and self.layers >= 1
-        assert self.dispatch_grid >= self.tokens and self.combine_grid >= 1
-        assert len(self.route) == self.layers
+            object.__setattr__(self, "route", default_route(self.ranks, t, self.layers))
+        assert self.ranks >= 1 and t >= 1 and self.layers >= 1 and self.words >= 1
+        assert self.stride >= t and self.dispatch_grid >= t and self.combine_grid >= 1
+        assert self.guard in GUARDS and self.ready_in in ("combine", "dispatch")
+        assert self.send_source in ("mirror", "header")
+        assert len(self.calls) == self.ranks and all(set(c) <= {"D", "C"} for c in self.calls)
+        if self.route != "any":
+            assert len(self.route) >= self.layers
+            assert all(m for layer in self.route for src in layer for m in src), "D(t) must not be empty"
+        assert self.resident is None or self.resident >= 1
 
 
 def default_route(ranks: int, tokens: int, layers: int) -> tuple:
-    """A deterministic routing that changes from layer to layer, so that a row holds data in one layer and is
-    empty in the next (and the other way round): token `t` of rank `s` reaches rank `d` in layer `l` unless
-    `(l + s + t + d) % 3 == 0`, and always reaches at least one rank."""
+    """A deterministic routing that changes from layer to layer (a row is full in one layer and empty in the
+    next): token `t` of rank `s` reaches rank `d` in layer `l` unless `(l + s + t + d) % 3 == 0`; never empty."""
     route = []
     for l in range(layers):
         per_source = []
@@ -182,11 +154,32 @@ def default_route(ranks: int, tokens: int, layers: int) -> tuple:
 
 
 def random_route(rng: random.Random, ranks: int, tokens: int, layers: int) -> tuple:
-    """Random destination sets (possibly empty) of every token of every rank in every layer."""
+    """Random nonempty destination sets of every token of every rank in every layer."""
     return tuple(
-        tuple(tuple(rng.randrange(1 << ranks) for _ in range(tokens)) for _ in range(ranks))
+        tuple(tuple(rng.randrange(1, 1 << ranks) for _ in range(tokens)) for _ in range(ranks))
         for _ in range(layers)
     )
+
+
+def sequence(calls: str) -> list:
+    """What the guards should decide for one rank's `calls`: per call `(kind, layer, error)` with `error` None
+    (in sequence) or `(code, layer)`; the list stops at the first call out of sequence (the kernels trap)."""
+    out, ed, ec = [], 0, 0
+    for call in calls:
+        if call == "D":
+            if ec == ed:
+                out.append(("D", ed, None))
+                ec = ed + 1
+                continue
+            out.append(("D", ed, (ERROR_DISPATCH_TWICE, ed)))
+        else:
+            if ec == ed + 1:
+                out.append(("C", ed, None))
+                ed = ec
+                continue
+            out.append(("C", ed, (ERROR_COMBINE_WITHOUT_DISPATCH, ed)))
+        break
+    return out
 
 
 class Violation(Exception):
@@ -197,12 +190,14 @@ class Violation(Exception):
 
 @dataclasses.dataclass
 class Result:
-    """What an exploration found: states visited, transitions taken, terminal (finished) states, seconds, and
-    for each violation kind found, the first message and the schedule (step labels) that reaches it."""
+    """What an exploration found: states visited, transitions taken, terminal states where every rank finished,
+    the error records `(rank, code, layer)` of the terminal states where a rank stopped on a sequence error,
+    seconds, and for each violation kind found, the first message and the schedule (step labels) reaching it."""
 
     states: int = 0
     transitions: int = 0
     finished: int = 0
+    errors: set = dataclasses.field(default_factory=set)
     seconds: float = 0.0
     violations: dict = dataclasses.field(default_factory=dict)
     complete: bool = True
@@ -215,250 +210,376 @@ class Result:
         return set(self.violations)
 
 
+# LL word encoding in the state: (payload store's layer + 1) << 8 | (epoch store's layer + 1) << 2 | payload
+# valid bit (headers: a source word, not -1) << 1 | read bit. Layer 0 + 1 = 1; 0: never written (epoch 0).
+def _pl(word: int) -> int:
+    return word >> 8
+
+
+def _el(word: int) -> int:
+    return (word >> 2) & 63
+
+
 class Model:
     """The state machine of one `Config`.
 
-    A state is `(words, pending)`: `words` a flat tuple of ints, `pending` a frozenset of the stores not yet
-    landed, `(owner, kind, rank, index, value)` with `owner = (rank, kernel, cta)`.
-
-    `words` holds, for each rank, a block `[kernel, tdone, dseen, cdone, cseen, started]` then, for the current
-    kernel and for the next one (started early only with `stream_order=False`), `G` CTAs of
-    `(s_pc, a_pc)`; then the dispatch flags `dflag[d * N + s]` (flag of source `s` on rank `d`; 0 or
-    layer + 1), the combine flags `cflag[d * N + s]`, the receive rows `row[d * N * T + s * T + t]` (0 empty,
-    else layer + 1 of the data), and the combine slots `slot[s * T * N + t * N + d]` (0, or
-    `2 * (layer + 1) + read`).
+    A state is `(words, pending)`. `words` is a flat tuple: per rank a block `[k, next_started, EPOCH_D,
+    EPOCH_C, error, counter_d, counter_c]`, then `2 * Gmax` CTA words `pc | (layer + 1) << 8` (current kernel,
+    next kernel), then (`route="any"`) `2 * T` chosen destination masks (by layer parity); then per rank its
+    memory: hdr[N S], data[N S][W], comb[T][N][W] (LL words), ready[N] (epoch values), mirror[N S]
+    (`(layer + 1) << 2 | valid << 1 | read`). `pending`: a frozenset of `(word, half, layer, valid)` (half 0:
+    a whole LL word or a ready line, 1: payload only, 2: epoch only).
     """
 
     def __init__(self, config: Config):
         self.cfg = cfg = config
-        n, t = cfg.ranks, cfg.tokens
-        self.n, self.t = n, t
-        self.kernels = 2 * cfg.layers
+        n, t, s, W = cfg.ranks, cfg.tokens, cfg.stride, cfg.words
+        self.n, self.t, self.s, self.W = n, t, s, W
+        self.ns = n * s
+        self.any_route = cfg.route == "any"
+        self.masks = tuple(range(1, 1 << n))
+        self.plans = [sequence(c) for c in cfg.calls]
         self.gmax = max(cfg.dispatch_grid, cfg.combine_grid)
-        self.cta_words = 2 * self.gmax
-        self.rank_words = 6 + 2 * self.cta_words
-        self.df = n * self.rank_words
-        self.cf = self.df + n * n
-        self.rows = self.cf + n * n
-        self.slots = self.rows + n * n * t
-        self.size = self.slots + t * n * n
-        # rows of each combine CTA / copy-out rows of each dispatch CTA / tokens of each combine CTA
-        nrows = n * t
-        self.drows = [list(range(c, nrows, cfg.dispatch_grid)) for c in range(cfg.dispatch_grid)]
-        self.crows = [list(range(c, nrows, cfg.combine_grid)) for c in range(cfg.combine_grid)]
-        self.ctoks = [list(range(c, t, cfg.combine_grid)) for c in range(cfg.combine_grid)]
-        self.cwaiters = min(cfg.combine_grid, t)
-        self.fenced = tuple(
-            cfg.fence_per_thread or name not in cfg.unfenced_kernels for name in ("dispatch", "combine")
-        )
+        self.rb = _HEAD + 2 * self.gmax + (2 * t if self.any_route else 0)
+        self.mem = n * self.rb
+        self.o_data = self.ns
+        self.o_comb = self.ns + self.ns * W
+        self.o_ready = self.o_comb + t * n * W
+        self.o_mirror = self.o_ready + n
+        self.mb = self.o_mirror + self.ns
+        self.size = self.mem + n * self.mb
+        # what each word is: 0 LL header, 1 LL data, 2 LL comb, 3 ready, 4 mirror; and its rank
+        self.kind_at = [None] * self.size
+        for d in range(n):
+            b = self.mem + d * self.mb
+            for i in range(self.mb):
+                self.kind_at[b + i] = (
+                    0 if i < self.o_data else 1 if i < self.o_comb else 2 if i < self.o_ready else
+                    3 if i < self.o_mirror else 4
+                )
+        self.programs = {kind: [self._program(kind, c) for c in range(self.grid_of(kind))] for kind in "DC"}
+        self.guard_eager = cfg.stream_order and cfg.resident is None
+        self.layers = max(sum(1 for p in plan if p[0] == "D" and p[2] is None) for plan in self.plans)
+        if not self.any_route:
+            assert len(cfg.route) >= self.layers
 
-    # ----------------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------------------
+    # addresses
+    def hdr(self, d, q):
+        return self.mem + d * self.mb + q
+
+    def data(self, d, q, w):
+        return self.mem + d * self.mb + self.o_data + q * self.W + w
+
+    def comb(self, d, t, src, w):
+        return self.mem + d * self.mb + self.o_comb + (t * self.n + src) * self.W + w
+
+    def ready(self, d, src):
+        return self.mem + d * self.mb + self.o_ready + src
+
+    def mirror(self, d, q):
+        return self.mem + d * self.mb + self.o_mirror + q
+
+    def where(self, at: int) -> str:
+        """A word of the state in words."""
+        if at < self.mem:
+            return f"word {at}"
+        d, i = divmod(at - self.mem, self.mb)
+        if i < self.o_data:
+            return f"hdr[{self._row(i)}] on r{d}"
+        if i < self.o_comb:
+            q, w = divmod(i - self.o_data, self.W)
+            return f"data word {w} of row {self._row(q)} on r{d}"
+        if i < self.o_ready:
+            tok, rest = divmod(i - self.o_comb, self.n * self.W)
+            src, w = divmod(rest, self.W)
+            return f"word {w} of comb slot [{tok}][{src}] on r{d}"
+        if i < self.o_mirror:
+            return f"ready[{i - self.o_ready}] on r{d}"
+        return f"mirror[{self._row(i - self.o_mirror)}] on r{d}"
+
+    def _row(self, q):
+        return f"{q} (r{q // self.s} j{q % self.s})"
+
+    def grid_of(self, kind: str) -> int:
+        return self.cfg.dispatch_grid if kind == "D" else self.cfg.combine_grid
+
+    def epoch(self, layer: int) -> int:
+        """The epoch layer `layer` writes and expects (`advance_epoch=False`: always 1)."""
+        return layer + 1 if self.cfg.advance_epoch else 1
+
+    def _program(self, kind: str, c: int) -> tuple:
+        cfg, W = self.cfg, self.W
+        ops = [("guard",)]
+        if kind == "D":
+            if c < self.s:
+                ops.append(("store",))
+            for q in range(c, self.ns, cfg.dispatch_grid):
+                if cfg.atomic_reads:
+                    ops.append(("copy", q))
+                else:
+                    ops.append(("hdr", q))
+                    ops.extend(("data", q, w) for w in range(W))
+        else:
+            ops.extend(("send", q) for q in range(c, self.ns, cfg.combine_grid))
+            for tok in range(c, self.t, cfg.combine_grid):
+                if cfg.atomic_reads:
+                    ops.append(("reduce", tok))
+                else:
+                    ops.extend(("slot", tok, d, w) for d in range(self.n) for w in range(W))
+        return tuple(ops)
+
+    def route(self, w, r: int, layer: int, tok: int) -> int:
+        """D(tok) of rank `r` in `layer` (0 for layer -1: a combine sibling out of sequence at the start)."""
+        if layer < 0:
+            return 0
+        if self.any_route:
+            return w[r * self.rb + _HEAD + 2 * self.gmax + (layer % 2) * self.t + tok]
+        return self.cfg.route[layer][r][tok]
+
+    # ------------------------------------------------------------------------------------------------------
     def initial(self):
         return (tuple([0] * self.size), frozenset())
 
-    def grid(self, kernel: int) -> int:
-        return self.cfg.dispatch_grid if kernel % 2 == 0 else self.cfg.combine_grid
-
-    def cta_base(self, r: int, which: int, c: int) -> int:
-        return r * self.rank_words + 6 + which * self.cta_words + 2 * c
-
-    def expected_row(self, layer: int, d: int, row: int) -> int:
-        s, t = divmod(row, self.t)
-        return layer + 1 if self.cfg.route[layer][s][t] >> d & 1 else 0
-
     def finished(self, w) -> bool:
-        return all(w[r * self.rank_words] == self.kernels for r in range(self.n))
+        """Every rank finished its calls or stopped on an error."""
+        return all(w[r * self.rb + _K] >= len(self.plans[r]) or w[r * self.rb + _ERR] for r in range(self.n))
 
-    # ----------------------------------------------------------------------------------------------------
-    def _land(self, w: list, store):
-        """Lands one pending store into `w` (checks for overwrites)."""
-        _, kind, rank, index, value = store
-        if kind == P_ROW:
-            at = self.rows + rank * self.n * self.t + index
-            if w[at] != 0:
-                raise Violation(
-                    OVERWRITE_UNREAD,
-                    f"layer {value - 1} data lands on row {index} of rank {rank} still holding layer "
-                    f"{w[at] - 1}",
-                )
-            w[at] = value
-        elif kind == P_REARM:
-            at = self.rows + rank * self.n * self.t + index
-            if w[at] not in (0, value):
-                raise Violation(
-                    OVERWRITE_UNREAD,
-                    f"the re-arm of layer {value - 1} lands on row {index} of rank {rank} holding "
-                    f"unread layer {w[at] - 1} data",
-                )
-            w[at] = 0
-        else:
-            at = self.slots + index
-            if w[at] != 0 and not w[at] & 1:
-                raise Violation(
-                    OVERWRITE_UNREAD,
-                    f"layer {value - 1} partial lands on combine slot {index} of rank {rank} whose "
-                    f"layer {w[at] // 2 - 1} partial was never read",
-                )
-            w[at] = 2 * value
+    def cta(self, r: int, which: int, c: int) -> int:
+        return r * self.rb + _HEAD + which * self.gmax + c
 
-    def _location(self, store):
-        _, kind, rank, index, _ = store
-        if kind == P_SLOT:
-            return (1, index)
-        return (0, rank * self.n * self.t + index)
-
-    def _all_seen(self, w, reader: int, kernel_kind: int, layer: int, source: int) -> bool:
-        """Whether every waiting CTA of rank `reader` in its (kind, layer) kernel saw flag `source` (passed its
-        wait: a wait is one step, see the module docstring)."""
-        kernel = 2 * layer + kernel_kind
-        base = reader * self.rank_words
-        k = w[base]
-        if k > kernel:
-            return True
-        if kernel == k:
-            which = 0
-        elif kernel == k + 1 and w[base + 5]:
-            which = 1
-        else:
-            return False
-        waiters = self.cfg.dispatch_grid if kernel_kind == 0 else self.cwaiters
-        for c in range(waiters):
-            cb = self.cta_base(reader, which, c)
-            if w[cb + 1] <= A_WAIT:
-                return False
-        return True
-
-    def _normalize(self, w: list, r: int):
-        """Ends the rank's kernel when all its CTAs finished, starts the next one (stream order)."""
-        base = r * self.rank_words
-        while w[base] < self.kernels:
-            k = w[base]
-            g = self.grid(k)
-            if not all(w[self.cta_base(r, 0, c)] == S_DONE and w[self.cta_base(r, 0, c) + 1] == A_DONE
-                       for c in range(g)):
-                break
-            # shift the next kernel (if started early) into the current slot
-            lo, hi = base + 6, base + 6 + self.cta_words
-            if w[base + 5]:
-                w[lo:hi] = w[hi:hi + self.cta_words]
-            else:
-                w[lo:hi] = [0] * self.cta_words
-            w[hi:hi + self.cta_words] = [0] * self.cta_words
-            w[base + 5] = 0
-            w[base] = k + 1
-
-    # ----------------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------------------
     def successors(self, state):
-        """[(step, next_state or Violation)]: every step enabled in `state` (after the reductions)."""
+        """[(step, next_state or Violation)]: the steps enabled in `state` (after the reductions), applied."""
         return [(step, self._apply(state, step)) for step in self.enabled(state)]
 
     def enabled(self, state):
-        """The steps enabled in `state` (after the reductions), not applied."""
+        """The steps enabled in `state` (after the reductions), not applied. A step that reads peer-written
+        words carries the pending stores that land just before it (`_landings`)."""
         w, pending = state
-        n = self.n
-        cfg = self.cfg
+        cfg, n = self.cfg, self.n
+        by_at = {}
+        for p in pending:
+            by_at.setdefault(p[0], []).append(p)
         out = []
-        reads = set()  # locations with an enabled read
-        local = None  # an invisible step, taken alone
-
         for r in range(n):
-            base = r * self.rank_words
-            k = w[base]
-            if k >= self.kernels:
+            base = r * self.rb
+            k = w[base + _K]
+            plan = self.plans[r]
+            if k >= len(plan) or w[base + _ERR]:
                 continue
-            actives = [(0, k)]
-            if w[base + 5]:
-                actives.append((1, k + 1))
-            elif not cfg.stream_order and k % 2 == 1 and k + 1 < self.kernels:
-                local = ("start", r)
-            for which, kernel in actives:
-                layer, kind = divmod(kernel, 2)
-                g = self.grid(kernel)
-                for c in range(g):
-                    cb = self.cta_base(r, which, c)
-                    s_pc, a_pc = w[cb], w[cb + 1]
-                    # storing thread
-                    if kind == 0:
-                        if s_pc == 0:
-                            local = local or ("issue", r, which, kernel, c)
-                        elif s_pc == S_FENCE:
-                            out.append(("sfence", r, which, kernel, c))
-                    else:
-                        rows = self.crows[c]
-                        if s_pc < len(rows):
-                            for row in rows[s_pc:] if cfg.atomic_reads else rows[s_pc:s_pc + 1]:
-                                reads.add((0, r * n * self.t + row))
-                            out.append(("cread", r, which, kernel, c))
-                        elif s_pc == S_FENCE or (not rows and s_pc == 0):
-                            out.append(("sfence", r, which, kernel, c))
-                    # arrival thread
-                    if a_pc == A_ARRIVE:
-                        if s_pc == S_DONE:
-                            out.append(("arrive", r, which, kernel, c))
-                    elif A_RAISE <= a_pc < A_RAISE + n:
-                        out.append(("raise", r, which, kernel, c, a_pc - A_RAISE))
-                    elif a_pc == A_WAIT:
-                        flags = self.df if kind == 0 else self.cf
-                        if all(w[flags + r * n + s] for s in range(n)):
-                            out.append(("wait", r, which, kernel, c))
-                    elif A_REARM <= a_pc < A_REARM + n:
-                        out.append(("rearm", r, which, kernel, c, a_pc - A_REARM))
-                    elif A_READ <= a_pc < A_DONE:
-                        j = a_pc - (A_LAST if a_pc >= A_LAST else A_READ)
-                        last = None if cfg.atomic_reads else j + 1
-                        if kind == 0:
-                            for row in self.drows[c][j:last]:
-                                reads.add((0, r * n * self.t + row))
-                            out.append(("copy", r, which, kernel, c))
+            if not cfg.stream_order and plan[k][0] == "C" and not w[base + _NEXT] and k + 1 < len(plan):
+                return [("start", r)]
+            for which in (0, 1) if w[base + _NEXT] else (0,):
+                call = k + which
+                kind, _, error = plan[call]
+                good = error is None
+                progs = self.programs[kind]
+                running = None
+                if cfg.resident is not None:
+                    running = 0
+                    for c in range(len(progs)):
+                        pc = w[self.cta(r, which, c)] & 0xFF
+                        if 0 < pc < len(progs[c]):
+                            running += 1
+                for c, prog in enumerate(progs):
+                    word = w[self.cta(r, which, c)]
+                    pc = word & 0xFF
+                    if pc >= len(prog):
+                        continue
+                    op = prog[pc]
+                    name = op[0]
+                    step = (name, r, call, c) + op[1:]
+                    if name == "guard":
+                        if running is not None and running >= cfg.resident:
+                            continue
+                        if good and self.guard_eager and (cfg.guard != "all" or len(progs) == 1):
+                            return [step]
+                        out.append(step)
+                        continue
+                    layer = (word >> 8) - 1
+                    e = self.epoch(layer)
+                    if name == "store":
+                        landed = ()
+                        if cfg.wait_ready:
+                            landed = self._ready_landings(w, by_at, r, e - 1)
+                            if landed is None:
+                                continue
+                        if self.any_route and c < self.t:
+                            steps = [step + (landed, m) for m in self.masks]
                         else:
-                            for tok in self.ctoks[c][j:last]:
-                                for d in range(n):
-                                    if cfg.route[layer][r][tok] >> d & 1:
-                                        reads.add((1, r * self.t * n + tok * n + d))
-                            out.append(("reduce", r, which, kernel, c))
-
-        if local is not None:
-            return [local]
-
-        # landing pending stores where it matters
-        if pending:
-            locs = {}
-            for p in pending:
-                locs.setdefault(self._location(p), []).append(p)
-            done = not out and self.finished(w)
-            first = min(pending) if done else None
-            for loc, stores in locs.items():
-                for p in stores:
-                    if len(stores) > 1 or loc in reads or p == first:
-                        out.append(("land", p))
+                            steps = [step + (landed,)]
+                        if good:
+                            return steps
+                        out.extend(steps)
+                    elif name == "send":
+                        if cfg.send_source == "header":
+                            out.extend(step + (S,) for S in self._closed(by_at.get(self.hdr(r, op[1]), ())))
+                        elif good and cfg.stream_order:
+                            return [step + ((),)]
+                        else:
+                            out.append(step + ((),))
+                    else:
+                        out.extend(step + (S,) for S in self._landings(w, by_at, r, layer, e, op))
+        # a landing that is itself a violation (a store overwriting a value its reader has not read) is taken
+        # at once; every other landing waits for the read that sees it
+        for at, stores in by_at.items():
+            if self.kind_at[at] == 3:
+                continue
+            for S in self._closed(stores):
+                if S and self._overwrites(w[at], S):
+                    out.append(("land", S))
+        if not out and pending:
+            # nothing else can move: the stores nobody reads any more land (one at a time, least first)
+            out.append(("land", (min(p for p in pending if self._may_land(p, pending)),)))
         return out
 
+    @staticmethod
+    def _overwrites(word, stores) -> bool:
+        """Whether landing `stores` (pending at one word, in issue order) overwrites a value never read."""
+        for _, half, layer, valid in sorted(stores, key=lambda p: (p[2], p[1])):
+            pl, el = _pl(word), _el(word)
+            if pl and pl == el and pl != layer + 1 and not word & 1:
+                return True
+            v = word >> 1 & 1
+            if half != 2:
+                pl, v = layer + 1, valid
+            if half != 1:
+                el = layer + 1
+            word = pl << 8 | el << 2 | v << 1
+        return False
+
+    def _ready_landings(self, w, by_at, r, need):
+        """The fewest pending ready stores that bring every ready line of rank `r` to `need`, or None."""
+        landed = []
+        for d in range(self.n):
+            at = self.ready(r, d)
+            if w[at] >= need:
+                continue
+            for p in sorted(by_at.get(at, ()), key=lambda p: p[2]):
+                landed.append(p)
+                if self.epoch(p[2]) >= need:
+                    break
+            else:
+                return None
+        return tuple(sorted(landed))
+
+    def _closed(self, stores) -> list:
+        """Every set of `stores` (pending at one word) that can have landed: closed under issue order."""
+        if not stores:
+            return [()]
+        out = []
+        for size in range(len(stores) + 1):
+            for sub in itertools.combinations(sorted(stores), size):
+                if all(o in sub for p in sub for o in stores if self._before(o, p)):
+                    out.append(sub)
+        return out
+
+    @staticmethod
+    def _before(o, p) -> bool:
+        """Store `o` lands before store `p` (same word, earlier layer, overlapping halves)."""
+        return o[0] == p[0] and o[2] < p[2] and (o[1] == 0 or p[1] == 0 or o[1] == p[1])
+
+    def _after(self, word, stores):
+        """The word once `stores` (pending at it) have landed (no checks)."""
+        for _, half, layer, valid in sorted(stores, key=lambda p: (p[2], p[1])):
+            pl, el, v = _pl(word), _el(word), word >> 1 & 1
+            if half != 2:
+                pl, v = layer + 1, valid
+            if half != 1:
+                el = layer + 1
+            word = pl << 8 | el << 2 | v << 1
+        return word
+
+    def _options(self, w, by_at, at, e) -> list:
+        """The sets of pending stores at word `at` whose landing leaves it carrying epoch `e`."""
+        stores = by_at.get(at)
+        if not stores:
+            return [()] if self._epoch_of(w[at]) == e else []
+        return [S for S in self._closed(stores) if self._epoch_of(self._after(w[at], S)) == e]
+
+    def _landings(self, w, by_at, r, layer, e, op) -> list:
+        """The poll `op` of rank `r` can succeed after each returned set of pending stores lands (a union of one
+        set per polled word: a prefix in issue order of the stores pending there)."""
+        name = op[0]
+        if name == "copy":
+            q = op[1]
+            h_at = self.hdr(r, q)
+            out = []
+            for hs in self._options(w, by_at, h_at, e):
+                if not self._after(w[h_at], hs) >> 1 & 1:
+                    out.append(hs)  # an empty row: its data words are not read
+                    continue
+                per_word = [self._options(w, by_at, self.data(r, q, i), e) for i in range(self.W)]
+                out.extend(tuple(sorted(hs + sum(combo, ()))) for combo in itertools.product(*per_word))
+            return out
+        per_word = [self._options(w, by_at, at, e) for at in self._locs(w, r, layer, op)]
+        return [tuple(sorted(sum(combo, ()))) for combo in itertools.product(*per_word)]
+
+    def _locs(self, w, r, layer, op):
+        name = op[0]
+        if name == "hdr":
+            return [self.hdr(r, op[1])]
+        if name == "data":
+            return [self.data(r, op[1], op[2])]
+        if name == "reduce":
+            tok = op[1]
+            mask = self.route(w, r, layer, tok)
+            return [self.comb(r, tok, d, i) for d in range(self.n) if mask >> d & 1 for i in range(self.W)]
+        if name == "slot":
+            return [self.comb(r, op[1], op[2], op[3])]
+        raise AssertionError(op)  # pragma: no cover
+
+    def _epoch_of(self, word: int) -> int:
+        el = _el(word)
+        return self.epoch(el - 1) if el else 0
+
+    @staticmethod
+    def _may_land(p, pending) -> bool:
+        """Coherence: the stores of one writer to one word land in issue order (layer order)."""
+        return not any(Model._before(o, p) for o in pending)
+
+    # ------------------------------------------------------------------------------------------------------
     def describe(self, step) -> str:
         """A step in words (for the schedules of counterexamples)."""
         op = step[0]
         if op == "land":
-            (r, kernel, c), kind, rank, index, value = step[1]
-            what = ("row", "re-arm of row", "partial into slot")[kind]
-            return f"land r{r} cta{c} L{kernel // 2} {what} {index} on r{rank}"
+            return " then ".join(self._describe_store(p) for p in step[1]) + " lands"
         if op == "start":
-            return f"r{step[1]} starts its next dispatch early"
-        _, r, _, kernel, c = step[:5]
-        words = {
-            "issue": "S issues its row stores",
-            "sfence": "S fences (its stores land), lane 0 arrives on DONE",
-            "cread": "S reads a row's source word, issues partial + re-arm",
-            "arrive": "lane 0 arrives on DONE",
-            "raise": "lane 0 raises a flag",
-            "wait": "lane 0 sees every flag, arrives on SEEN",
-            "rearm": "lane 0 re-arms flags",
-            "copy": "copies out a receive row",
-            "reduce": "reads the partials of a token",
-        }[op]
-        if op == "raise":
-            words = f"lane 0 raises its flag on r{step[5]}"
-        elif op == "rearm" and self.cfg.rearm_by_writer:
-            words = f"lane 0 re-arms its own flag on r{step[5]}"
-        return f"r{r} L{kernel // 2} {'dispatch' if kernel % 2 == 0 else 'combine'} cta{c}: {words}"
+            return f"r{step[1]} starts its next dispatch before its combine finished"
+        _, r, call, c = step[:4]
+        kind, layer, error = self.plans[r][call]
+        name = "dispatch" if kind == "D" else "combine"
+        tag = f"r{r} L{layer} {name}{' (out of sequence)' if error else ''} cta{c}"
+        if op == "guard":
+            words = "reads the epoch words"
+        elif op == "store":
+            words = "sees every ready line, issues its row stores" if self.cfg.wait_ready else "issues its row stores"
+            if len(step) > 5:
+                dests = [d for d in range(self.n) if step[5] >> d & 1]
+                words += f" (token {c} to ranks {dests})"
+        elif op == "copy":
+            words = f"copies out row {self._row(step[4])}"
+        elif op == "hdr":
+            words = f"polls hdr[{self._row(step[4])}]"
+        elif op == "data":
+            words = f"polls data word {step[5]} of row {self._row(step[4])}"
+        elif op == "send":
+            words = f"sends row {self._row(step[4])} ({'mirror' if self.cfg.send_source == 'mirror' else 'hdr'})"
+        elif op == "reduce":
+            words = f"reduces token {step[4]}"
+        else:
+            words = f"polls word {step[6]} of comb slot [{step[4]}][{step[5]}]"
+        nargs = {"store": 0, "copy": 1, "hdr": 1, "data": 2, "send": 1, "reduce": 1, "slot": 3}.get(op)
+        if nargs is not None and len(step) > 4 + nargs and step[4 + nargs]:
+            words += " after " + ", ".join(self._describe_store(p) for p in step[4 + nargs]) + " landed"
+        return f"{tag}: {words}"
+
+    def _describe_store(self, p) -> str:
+        at, half, layer, valid = p
+        what = ("", " (payload half)", " (epoch half)")[half]
+        value = (" {src}" if valid else " {-1}") if self.kind_at[at] == 0 else ""
+        return f"the L{layer} store{value}{what} into {self.where(at)}"
 
     def _apply(self, state, step):
         try:
@@ -466,187 +587,277 @@ class Model:
         except Violation as v:
             return Violation(v.kind, f"{self.describe(step)}: {v.message}")
 
+    # ------------------------------------------------------------------------------------------------------
     def _step(self, state, step):
         w0, pending = state
         w = list(w0)
-        n, cfg = self.n, self.cfg
+        cfg, n = self.cfg, self.n
         op = step[0]
         if op == "land":
-            p = step[1]
-            self._land(w, p)
-            return (tuple(w), pending - {p})
+            for p in sorted(step[1], key=lambda p: (p[2], p[1])):
+                self._land(w, p)
+            return (tuple(w), pending - set(step[1]))
         if op == "start":
             r = step[1]
-            w[r * self.rank_words + 5] = 1
+            w[r * self.rb + _NEXT] = 1
             return (tuple(w), pending)
-        _, r, which, kernel, c = step[:5]
-        layer, kind = divmod(kernel, 2)
-        base = r * self.rank_words
-        cb = self.cta_base(r, which, c)
-        owner = (r, kernel, c)
-        g = self.grid(kernel)
-        T = self.t
-        if op == "issue":
-            new = set()
-            if c < T:
-                mask = cfg.route[layer][r][c]
+        _, r, k, c = step[:4]
+        base = r * self.rb
+        which = k - w[base + _K]
+        kind, plan_layer, error = self.plans[r][k]
+        at = self.cta(r, which, c)
+        word = w[at]
+        pc = word & 0xFF
+        layer = (word >> 8) - 1
+        nargs = len(self.programs[kind][c][pc]) - 1
+        extra = step[4 + nargs:]
+        for p in sorted(extra[0], key=lambda p: (p[2], p[1])) if extra else ():  # landing just before this step
+            self._land(w, p)
+            pending = pending - {p}
+        mask = extra[1] if len(extra) > 1 else None  # route="any": D(c) chosen by this store step
+        new = []
+        if op == "guard":
+            layer = self._guard(w, r, c, kind, plan_layer, error, new)
+            if layer is None:  # the rank stopped on a sequence error (trap)
+                return (tuple(w), pending | frozenset(new))
+        elif op == "store":
+            for j in range(c, self.s, cfg.dispatch_grid):  # j = c is the only token (Gd >= T)
+                q = r * self.s + j
+                dests = 0
+                if j < self.t:
+                    if mask is not None:
+                        dests = mask
+                        w[base + _HEAD + 2 * self.gmax + (layer % 2) * self.t + j] = dests
+                    else:
+                        dests = self.route(w, r, layer, j)
                 for d in range(n):
-                    if mask >> d & 1:
-                        new.add((owner, P_ROW, d, r * T + c, layer + 1))
-            pending = pending | new
-            w[cb] = S_FENCE if self.fenced[kind] else S_DONE
-        elif op == "sfence":
-            mine = sorted(p for p in pending if p[0] == owner)
-            for p in mine:
-                self._land(w, p)
-            pending = pending - set(mine)
-            w[cb] = S_DONE
-            op = "arrive"  # the barrier and lane 0's arrival follow at once (they touch only a local counter)
-        elif op == "cread":
-            rows = self.crows[c]
-            while True:
-                row = rows[w[cb]]
-                value = w[self.rows + r * n * T + row]
-                self._check_row(layer, r, row, value)
-                if value:
-                    s, t = divmod(row, T)
-                    pending = pending | {
-                        (owner, P_SLOT, s, s * T * n + t * n + r, layer + 1),
-                        (owner, P_REARM, r, row, value),
-                    }
-                w[cb] += 1
-                if w[cb] == len(rows):
-                    w[cb] = S_FENCE if self.fenced[kind] else S_DONE
-                    break
-                if not cfg.atomic_reads:
-                    break
-        if op == "arrive":
-            counter = base + (C_TDONE if kind == 0 else C_CDONE)
-            w[counter] += 1
-            if w[counter] == g:
-                w[counter] = 0
-                w[cb + 1] = A_RAISE
+                    if dests >> d & 1:
+                        for i in range(self.W):
+                            new.extend(self._ll_stores(self.data(d, q, i), layer, 0))
+                        new.extend(self._ll_stores(self.hdr(d, q), layer, 1))
+                    else:
+                        new.extend(self._ll_stores(self.hdr(d, q), layer, 0))
+        elif op in ("copy", "hdr", "data"):
+            q = step[4]
+            if op == "data":
+                self._accept(w, self.data(r, q, step[5]), layer, "reader of")
+                if step[5] == self.W - 1:
+                    self._write_mirror(w, r, q, layer, 1)
             else:
-                w[cb + 1] = self._after_raise(kind, c)
-        elif op == "raise":
-            d = w[cb + 1] - A_RAISE
-            at = (self.df if kind == 0 else self.cf) + d * n + r
-            if w[at]:
-                raise Violation(
-                    FLAG_RAISED_WHILE_SET,
-                    f"layer {layer} raises the {'dispatch' if kind == 0 else 'combine'} flag of r{r} on "
-                    f"r{d} still holding layer {w[at] - 1}",
-                )
-            w[at] = layer + 1
-            w[cb + 1] = A_RAISE + d + 1 if d + 1 < n else self._after_raise(kind, c)
-        elif op == "wait":
-            flags = self.df if kind == 0 else self.cf
-            for s in range(n):
-                if w[flags + r * n + s] != layer + 1:
+                h = w[self.hdr(r, q)]
+                self._accept(w, self.hdr(r, q), layer, "copy-out of")
+                valid = h >> 1 & 1
+                if op == "copy":
+                    if valid:
+                        for i in range(self.W):
+                            self._accept(w, self.data(r, q, i), layer, "copy-out of")
+                    self._write_mirror(w, r, q, layer, valid)
+                elif not valid:
+                    self._write_mirror(w, r, q, layer, 0)
+                    pc += self.W  # skip the data polls of an empty row
+        elif op == "send":
+            q = step[4]
+            if cfg.send_source == "mirror":
+                m_at = self.mirror(r, q)
+                m = w[m_at]
+                m_layer = (m >> 2) - 1
+                if m_layer != layer:
+                    kind_ = STALE_READ if m_layer < layer else WRONG_LAYER_READ
                     raise Violation(
-                        STALE_FLAG,
-                        f"a layer {layer} waiter sees the layer {w[flags + r * n + s] - 1} flag of r{s}",
+                        kind_,
+                        f"mirror[{self._row(q)}] on r{r} holds layer {m_layer} (the combine is in layer {layer})",
                     )
-            counter = base + (C_DSEEN if kind == 0 else C_CSEEN)
-            total = g if kind == 0 else self.cwaiters
-            w[counter] += 1
-            if w[counter] == total or not cfg.seen_counter:
-                w[counter] = 0
-                if cfg.rearm_at_end:
-                    w[cb + 1] = A_LAST if self._reads(kind, c) else A_REARM
-                else:
-                    w[cb + 1] = A_REARM
+                w[m_at] = m | 1
+                valid = m >> 1 & 1
             else:
-                w[cb + 1] = self._first_read(kind, c)
-        elif op == "rearm":
-            flags = self.df if kind == 0 else self.cf
-            if cfg.rearm_by_writer:
-                # the flag this rank wrote on rank d (one remote store per step)
-                d = w[cb + 1] - A_REARM
-                self._rearm(w, flags + d * n + r, d, kind, layer, r)
-                w[cb + 1] = A_REARM + d + 1 if d + 1 < n else self._after_rearm(kind, c)
-            else:
-                for s in range(n):
-                    self._rearm(w, flags + r * n + s, r, kind, layer, s)
-                w[cb + 1] = self._after_rearm(kind, c)
-        elif op == "copy":
-            rows = self.drows[c]
-            while True:
-                first = A_LAST if w[cb + 1] >= A_LAST else A_READ
-                j = w[cb + 1] - first
-                row = rows[j]
-                self._check_row(layer, r, row, w[self.rows + r * n * T + row])
-                w[cb + 1] = first + j + 1 if j + 1 < len(rows) else A_REARM if first == A_LAST else A_DONE
-                if j + 1 == len(rows) or not cfg.atomic_reads:
-                    break
+                h_at = self.hdr(r, q)
+                h = w[h_at]
+                self._check(h, layer, f"the combine's read of {self.where(h_at)}")
+                valid = h >> 1 & 1
+            if valid:
+                src, j = divmod(q, self.s)
+                for i in range(self.W):
+                    new.extend(self._ll_stores(self.comb(src, j, r, i), layer, 0))
         elif op == "reduce":
-            toks = self.ctoks[c]
-            while True:
-                first = A_LAST if w[cb + 1] >= A_LAST else A_READ
-                j = w[cb + 1] - first
-                tok = toks[j]
-                for d in range(n):
-                    if cfg.route[layer][r][tok] >> d & 1:
-                        at = self.slots + r * T * n + tok * n + d
-                        if w[at] // 2 != layer + 1:
-                            raise Violation(
-                                READ_BEFORE_WRITE,
-                                f"the layer {layer} partial of r{d} for token {tok} of r{r} is read before it "
-                                f"landed (the slot holds {f'layer {w[at] // 2 - 1}' if w[at] else 'nothing yet'})",
-                            )
-                        w[at] |= 1
-                w[cb + 1] = first + j + 1 if j + 1 < len(toks) else A_REARM if first == A_LAST else A_DONE
-                if j + 1 == len(toks) or not cfg.atomic_reads:
-                    break
-        elif op not in ("issue", "cread"):  # pragma: no cover
+            tok = step[4]
+            for at_ in self._locs(w, r, layer, ("reduce", tok)):
+                self._accept(w, at_, layer, "reduce of")
+        elif op == "slot":
+            self._accept(w, self.comb(r, step[4], step[5], step[6]), layer, "reduce of")
+        else:  # pragma: no cover
             raise AssertionError(op)
-        if w[cb] == S_DONE and w[cb + 1] == A_DONE:
+        if new and error is not None:
+            raise Violation(GUARD_LEAK, f"the call out of sequence stores into {self.where(new[0][0])}")
+        pc += 1
+        # skip the slot polls of ranks outside the token's destination set
+        prog = self.programs[kind][c]
+        while pc < len(prog) and prog[pc][0] == "slot":
+            if self.route(w, r, layer, prog[pc][1]) >> prog[pc][2] & 1:
+                break
+            pc += 1
+        w[at] = pc | (layer + 1) << 8
+        if pc >= len(prog):
             self._normalize(w, r)
-        return (tuple(w), pending)
+        return (tuple(w), pending | frozenset(new))
 
-    def _after_raise(self, kind, c):
-        if kind == 0 or c < self.cwaiters:
-            return A_WAIT
-        return A_DONE
+    def _ll_stores(self, at, layer, valid):
+        if self.cfg.ll_atomic:
+            return [(at, 0, layer, valid)]
+        return [(at, 1, layer, valid), (at, 2, layer, valid)]
 
-    def _reads(self, kind, c):
-        return self.drows[c] if kind == 0 else self.ctoks[c]
-
-    def _first_read(self, kind, c):
-        return A_READ if self._reads(kind, c) else A_DONE
-
-    def _after_rearm(self, kind, c):
-        return A_DONE if self.cfg.rearm_at_end else self._first_read(kind, c)
-
-    def _rearm(self, w, at, reader, kind, layer, source):
-        if w[at] and not self._all_seen(w, reader, kind, w[at] - 1, source):
-            raise Violation(
-                FLAG_REARMED_UNSEEN,
-                f"the {'dispatch' if kind == 0 else 'combine'} flag of r{source} on r{reader} "
-                f"(layer {w[at] - 1}) is re-armed before every waiter of r{reader} saw it",
-            )
-        w[at] = 0
-
-    def _check_row(self, layer, d, row, value):
-        expected = self.expected_row(layer, d, row)
-        if value != expected:
-            if expected:
+    def _guard(self, w, r, c, kind, plan_layer, error, new):
+        """The sequence guard of one CTA (`Config.guard`). Returns the layer the CTA runs, or None when it
+        recorded an error (the rank stops)."""
+        cfg = self.cfg
+        base = r * self.rb
+        mode = cfg.guard
+        ed, ec = w[base + _ED], w[base + _EC]
+        grid = self.grid_of(kind)
+        if kind == "D":
+            layer = ed
+            ok = ec == ed
+            code = ERROR_DISPATCH_TWICE
+            checks = mode in ("all", "counter") or (mode == "cta0" and c == 0)
+        else:
+            # "cta0": the CTAs but 0 take the layer from EPOCH_C alone (EPOCH_D is written by CTA 0)
+            layer = ec - 1 if mode in ("cta0", "none") and c else ed
+            ok = ec == ed + 1
+            code = ERROR_COMBINE_WITHOUT_DISPATCH
+            checks = mode in ("all", "counter") or (mode == "cta0" and c == 0)
+        if checks and not ok:
+            record = (code, ed)
+            w[base + _ERR] = code << 8 | ed
+            if error is None:
                 raise Violation(
-                    READ_BEFORE_WRITE,
-                    f"row {row} of r{d} is read in layer {layer} before its data landed "
-                    f"(holds {'empty' if not value else f'layer {value - 1}'})",
+                    SPURIOUS_GUARD,
+                    f"r{r} records error {code} ({'dispatch twice' if code == 3 else 'combine without dispatch'}) "
+                    f"in a call made in sequence: EPOCH_D = {ed}, EPOCH_C = {ec}",
                 )
-            raise Violation(
-                STALE_READ, f"empty row {row} of r{d} still holds layer {value - 1} data in layer {layer}"
-            )
+            if record != error:
+                raise Violation(GUARD_MISSED, f"r{r} records {record}, expected {error}")
+            return None
+        writes = []
+        if kind == "D":
+            if (mode == "counter" and self._arrive(w, base + _CNT_D, grid)) or (mode != "counter" and c == 0):
+                w[base + _EC] = layer + 1
+                writes.append("EPOCH_C")
+            if cfg.ready_in == "dispatch" and c == 0:
+                new.extend((self.ready(d, r), 0, layer, 0) for d in range(self.n))
+        else:
+            if c == 0 and cfg.ready_in == "combine":
+                new.extend((self.ready(d, r), 0, layer, 0) for d in range(self.n))
+            if (mode == "counter" and self._arrive(w, base + _CNT_C, grid)) or (mode != "counter" and c == 0):
+                w[base + _ED] = layer + 1
+                writes.append("EPOCH_D")
+        if error is not None and writes:
+            raise Violation(GUARD_LEAK, f"the call out of sequence writes {writes[0]} on r{r}")
+        return layer
 
-    def final_check(self, state):
-        """Violation at a finished state with nothing pending (flags and rows back to 0), else None."""
+    @staticmethod
+    def _arrive(w, at, grid) -> bool:
+        w[at] += 1
+        if w[at] == grid:
+            w[at] = 0
+            return True
+        return False
+
+    def _check(self, word, layer, what):
+        pl, el = _pl(word), _el(word)
+        if pl != el:
+            raise Violation(
+                TORN_READ,
+                f"{what} accepts a torn LL word: payload of layer {pl - 1}, epoch of layer {el - 1}",
+            )
+        if pl - 1 < layer:
+            raise Violation(
+                STALE_READ,
+                f"{what} accepts {'a never written word' if not pl else f'a layer {pl - 1} word'} in layer {layer}",
+            )
+        if pl - 1 > layer:
+            raise Violation(WRONG_LAYER_READ, f"{what} accepts a layer {pl - 1} word in layer {layer}")
+
+    def _accept(self, w, at, layer, who):
+        self._check(w[at], layer, f"the {who} {self.where(at)}")
+        w[at] |= 1
+
+    def _write_mirror(self, w, r, q, layer, valid):
+        at = self.mirror(r, q)
+        old = w[at]
+        if old and not old & 1:
+            raise Violation(
+                OVERWRITE_UNREAD,
+                f"layer {layer} copy-out writes mirror[{self._row(q)}] on r{r} before the layer {(old >> 2) - 1} "
+                f"combine read it",
+            )
+        w[at] = (layer + 1) << 2 | valid << 1
+
+    def _land(self, w, p):
+        at, half, layer, valid = p
+        kind = self.kind_at[at]
+        if kind == 3:
+            w[at] = self.epoch(layer)
+            return
+        old = w[at]
+        pl, el = _pl(old), _el(old)
+        if pl and pl == el and pl != layer + 1 and not old & 1:
+            raise Violation(
+                OVERWRITE_UNREAD,
+                f"a layer {layer} store lands on {self.where(at)} whose layer {pl - 1} value was never read",
+            )
+        if half != 2:
+            pl = layer + 1
+            v = valid
+        else:
+            v = old >> 1 & 1
+        if half != 1:
+            el = layer + 1
+        w[at] = pl << 8 | el << 2 | v << 1
+
+    def _normalize(self, w, r):
+        """Ends the rank's current kernel once all its CTAs finished; the next one (if started early) moves in."""
+        base = r * self.rb
+        plan = self.plans[r]
+        while w[base + _K] < len(plan):
+            k = w[base + _K]
+            kind, layer, error = plan[k]
+            progs = self.programs[kind]
+            if not all((w[self.cta(r, 0, c)] & 0xFF) >= len(progs[c]) for c in range(len(progs))):
+                return
+            if error is not None and not w[base + _ERR]:
+                raise Violation(GUARD_MISSED, f"r{r}'s call out of sequence (layer {layer}) finished without error")
+            lo = base + _HEAD
+            g = self.gmax
+            if w[base + _NEXT]:
+                w[lo:lo + g] = w[lo + g:lo + 2 * g]
+            else:
+                w[lo:lo + g] = [0] * g
+            w[lo + g:lo + 2 * g] = [0] * g
+            w[base + _NEXT] = 0
+            w[base + _K] = k + 1
+
+    # ------------------------------------------------------------------------------------------------------
+    def terminal_check(self, state):
+        """At a state where nothing can move: None if every rank finished and the buffers are in their final
+        state, or some rank stopped on a sequence error (its peers would time out); else the Violation."""
         w, _ = state
-        for at in range(self.df, self.slots):
-            if w[at]:
-                what = "flag" if at < self.rows else "receive row"
-                return Violation(NOT_REARMED, f"a {what} (word {at}) is not re-armed at the end")
+        n = self.n
+        if any(w[r * self.rb + _ERR] for r in range(n)):
+            return None
+        if not self.finished(w):
+            stuck = [r for r in range(n) if w[r * self.rb + _K] < len(self.plans[r])]
+            return Violation(DEADLOCK, f"nothing can move and r{stuck} have not finished")
+        last = self.layers
+        for r in range(n):
+            base = r * self.rb
+            if (w[base + _ED], w[base + _EC]) != (last, last):
+                return Violation(BAD_FINAL_STATE, f"r{r} ends with EPOCH_D, EPOCH_C = {w[base + _ED]}, {w[base + _EC]}")
+        for at in range(self.mem, self.size):
+            kind, word = self.kind_at[at], w[at]
+            if kind == 3:
+                if word != self.epoch(last - 1):
+                    return Violation(BAD_FINAL_STATE, f"{self.where(at)} ends at {word}")
+            elif word and not word & 1:
+                return Violation(BAD_FINAL_STATE, f"{self.where(at)} was written and never read")
         return None
 
 
@@ -655,48 +866,54 @@ def explore(
     *,
     stop_at: Callable[[Result], bool] | None = None,
     max_states: int | None = None,
-    model_class: type = None,
+    model_class: type | None = None,
 ) -> Result:
     """Every reachable state of `config` (depth first, visited set). Stops early when `stop_at(result)` is true
     or after `max_states` states (then `complete` is False). Records the first schedule of each violation.
-    `model_class`: a subclass of `Model` to explore instead (the tests weaken checks with it)."""
+    `model_class`: a subclass of `Model` to explore instead."""
     model = (model_class or Model)(config)
     result = Result()
     start = time.perf_counter()
     init = model.initial()
     seen = {init}
-    path = []  # steps along the current DFS path
+    path = []  # the steps along the current DFS path
     stack = [(init, None)]
+
+    def schedule(*extra):
+        return [model.describe(x) for x in path + list(extra)]
+
     while stack:
         state, it = stack[-1]
         if it is None:
-            succ = model.successors(state)
-            if not succ:
-                if state[1]:  # pragma: no cover (pending stores always have a landing step then)
-                    raise AssertionError("stuck with pending stores")
-                if model.finished(state[0]):
-                    result.finished += 1
-                    v = model.final_check(state)
-                else:
-                    v = Violation(DEADLOCK, "no step is possible and some rank has not finished")
-                if v is not None and v.kind not in result.violations:
-                    result.violations[v.kind] = (v.message, [model.describe(x) for x in path])
-            it = iter(succ)
+            steps = model.enabled(state)
+            if not steps:
+                v = model.terminal_check(state)
+                if v is None:
+                    w = state[0]
+                    errs = [(r, w[r * model.rb + _ERR] >> 8, w[r * model.rb + _ERR] & 0xFF) for r in range(model.n)
+                            if w[r * model.rb + _ERR]]
+                    if errs:
+                        result.errors.update(errs)
+                    else:
+                        result.finished += 1
+                elif v.kind not in result.violations:
+                    result.violations[v.kind] = (v.message, schedule())
+            it = iter(steps)
             stack[-1] = (state, it)
             if stop_at is not None and result.violations and stop_at(result):
                 result.complete = False
                 break
-        nxt = next(it, None)
-        if nxt is None:
+        step = next(it, None)
+        if step is None:
             stack.pop()
             if path:
                 path.pop()
             continue
-        label, child = nxt
+        child = model._apply(state, step)
         result.transitions += 1
         if isinstance(child, Violation):
             if child.kind not in result.violations:
-                result.violations[child.kind] = (child.message, [model.describe(x) for x in path + [label]])
+                result.violations[child.kind] = (child.message, schedule(step))
             continue
         if child in seen:
             continue
@@ -705,15 +922,15 @@ def explore(
             result.complete = False
             break
         stack.append((child, None))
-        path.append(label)
+        path.append(step)
     result.states = len(seen)
     result.seconds = time.perf_counter() - start
     return result
 
 
 def random_runs(config: Config, runs: int, seed: int = 0) -> Result:
-    """`runs` random schedules of `config` from the initial state to a finished, deadlocked or violating state;
-    `states` counts the steps taken in all."""
+    """`runs` random schedules of `config` from the initial state to a terminal or violating state (a uniformly
+    random enabled step at each state); `states` counts the steps taken in all."""
     model = Model(config)
     rng = random.Random(seed)
     result = Result(complete=False)
@@ -723,17 +940,22 @@ def random_runs(config: Config, runs: int, seed: int = 0) -> Result:
         while True:
             steps = model.enabled(state)
             if not steps:
-                v = model.final_check(state) if model.finished(state[0]) else Violation(
-                    DEADLOCK, "no step is possible and some rank has not finished")
-                if model.finished(state[0]):
+                v = model.terminal_check(state)
+                w = state[0]
+                errs = [(r, w[r * model.rb + _ERR] >> 8, w[r * model.rb + _ERR] & 0xFF) for r in range(model.n)
+                        if w[r * model.rb + _ERR]]
+                if v is not None:
+                    if v.kind not in result.violations:
+                        result.violations[v.kind] = (v.message, [model.describe(x) for x in path])
+                elif errs:
+                    result.errors.update(errs)
+                else:
                     result.finished += 1
-                if v is not None and v.kind not in result.violations:
-                    result.violations[v.kind] = (v.message, [model.describe(x) for x in path])
                 break
-            label = steps[rng.randrange(len(steps))]
-            child = model._apply(state, label)
+            step = steps[rng.randrange(len(steps))]
+            child = model._apply(state, step)
             result.transitions += 1
-            path.append(label)
+            path.append(step)
             if isinstance(child, Violation):
                 if child.kind not in result.violations:
                     result.violations[child.kind] = (child.message, [model.describe(x) for x in path])
