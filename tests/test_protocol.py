@@ -1,9 +1,11 @@
-"""Model checking of the dispatch / combine synchronisation (`jax_latent_ep.testing.protocol`).
+"""Model checking of the v3 dispatch / combine protocol (`jax_latent_ep.testing.protocol`).
 
 The kernels' steps over N ranks and three consecutive layers are explored exhaustively for N = 2 and N = 3
-(small T and grids: see `EXHAUSTIVE`), and along random schedules with random routings for N up to 8. The
-correct protocol must show no violation and always finish; each broken variant must be caught with its own
-violation kind. The model is pure Python, loaded from its file (the `jax_latent_ep` package is not imported).
+(small T, S and grids: see `EXHAUSTIVE`; and N = 4, T = 1), for every routing at N = 2, T = 1, and along random
+schedules with random routings for N up to 8. The correct protocol must show no violation and always reach the one final
+state; each broken variant must be caught with its own kind of violation; the sequence guards must record
+their error and write nothing. The model is pure Python, loaded from its file (`jax_latent_ep` is not
+imported).
 """
 
 import importlib.util
@@ -30,79 +32,91 @@ def _load():
 
 P = _load()
 
-# (ranks, tokens, dispatch grid, combine grid): every reachable state over three layers (counts and times in
-# docs/protocol.md). N = 3 stops at T = 2 and grids of 2 (~0.1 M states); larger N = 3 configurations and
-# N >= 4 are left to the random schedules.
+# (ranks N, tokens T, stride S, dispatch grid Gd, combine grid Gc): every reachable state over three layers
+# (counts and times in docs/protocol.md). Larger N = 3 and N = 4 configurations, and N >= 5, are left to random
+# schedules.
 EXHAUSTIVE = [
-    (2, 1, 1, 1),
-    (2, 1, 1, 2),
-    (2, 1, 2, 3),  # a dispatch CTA with no token, combine CTAs with no row / no token
-    (2, 2, 2, 1),
-    (2, 2, 2, 2),
-    (3, 1, 1, 1),
-    (3, 1, 1, 2),
-    (3, 2, 2, 1),
-    (3, 2, 2, 2),
+    (2, 1, 1, 1, 1),
+    (2, 1, 1, 1, 2),
+    (2, 1, 2, 1, 1),  # a padding row j >= T: an empty header every layer
+    (2, 1, 2, 3, 2),  # a dispatch CTA with no row to store, combine CTAs with no token
+    (2, 2, 2, 2, 1),
+    (2, 2, 2, 2, 2),
+    (2, 2, 3, 3, 3),
+    (3, 1, 1, 1, 1),
+    (3, 1, 1, 2, 1),
+    (3, 1, 1, 2, 2),
+    (3, 1, 2, 1, 1),
+    (3, 2, 2, 2, 2),
+    (4, 1, 1, 1, 1),
 ]
-# The same with every read of a row or slot its own step (`atomic_reads=False`): the finer interleavings.
-FINE = [(2, 1, 1, 1), (2, 1, 1, 2), (2, 2, 2, 1), (2, 2, 2, 2), (3, 1, 1, 1)]
-
+# The same with every polled word its own step (`atomic_reads=False`).
+FINE = [(2, 1, 1, 1, 1), (2, 1, 2, 2, 2), (2, 2, 2, 2, 1), (2, 2, 2, 2, 2), (3, 1, 1, 1, 1), (3, 1, 1, 1, 2)]
 
 # Random schedules per configuration (three random configurations per N); raise it for a longer search.
 RANDOM_RUNS = int(os.environ.get("JAX_LATENT_EP_PROTOCOL_RUNS", "5"))
 
 
-def _config(ranks, tokens, dgrid, cgrid, **variant):
-    return P.Config(ranks=ranks, tokens=tokens, dispatch_grid=dgrid, combine_grid=cgrid, **variant)
+def _config(ranks, tokens, stride, dgrid, cgrid, **variant):
+    return P.Config(
+        ranks=ranks, tokens=tokens, stride=stride, dispatch_grid=dgrid, combine_grid=cgrid, **variant
+    )
 
 
 def _describe(result):
-    lines = [f"{result.states} states"]
+    lines = [f"{result.states} states, errors {sorted(result.errors)}"]
     for kind, (message, path) in result.violations.items():
         lines.append(f"{kind}: {message}")
-        lines.extend(f"    {step}" for step in path[-12:])
+        lines.extend(f"    {step}" for step in path[-16:])
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("ranks,tokens,dgrid,cgrid", EXHAUSTIVE)
-def test_exhaustive_correct_protocol(ranks, tokens, dgrid, cgrid):
-    result = P.explore(_config(ranks, tokens, dgrid, cgrid))
+# ----------------------------------------------------------------------------------------------------------
+# The correct protocol.
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", EXHAUSTIVE)
+def test_exhaustive_correct_protocol(ranks, tokens, stride, dgrid, cgrid):
+    result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid))
     assert result.complete
     assert result.ok, _describe(result)
-    # every schedule ends in the one final state: every flag and row re-armed, nothing pending
-    assert result.finished == 1
+    # every schedule ends in the one final state: every word read, epochs and ready lines at the last layer
+    assert result.finished == 1 and not result.errors
     assert result.states > 100
 
 
-@pytest.mark.parametrize("ranks,tokens,dgrid,cgrid", FINE)
-def test_exhaustive_correct_protocol_fine_reads(ranks, tokens, dgrid, cgrid):
-    result = P.explore(_config(ranks, tokens, dgrid, cgrid, atomic_reads=False))
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", FINE)
+def test_exhaustive_correct_protocol_fine_reads(ranks, tokens, stride, dgrid, cgrid):
+    result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, atomic_reads=False))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
-@pytest.mark.parametrize("ranks,tokens,dgrid,cgrid", FINE + [(3, 1, 1, 2), (3, 2, 2, 1)])
-def test_exhaustive_correct_protocol_rearm_before_reads(ranks, tokens, dgrid, cgrid):
-    """The seed's order: the last waiter re-arms the flags before its own reads (the kernels: after them)."""
-    result = P.explore(_config(ranks, tokens, dgrid, cgrid, rearm_at_end=False))
+@pytest.mark.parametrize("dgrid,cgrid", [(1, 1), (1, 2), (2, 2)])
+def test_exhaustive_every_route(dgrid, cgrid):
+    """N = 2, T = 1: the model picks each token's destination set at each dispatch (all 3^6 routings of three
+    layers), so rows and slots go full / empty / full in every order."""
+    result = P.explore(P.Config(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any"))
+    assert result.complete and result.ok, _describe(result)
+    assert result.finished > 1 and not result.errors  # final states differ by the last layer's routes
+
+
+@pytest.mark.parametrize("words", [1, 3])
+def test_exhaustive_words_per_row(words):
+    result = P.explore(_config(2, 2, 2, 2, 2, words=words))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_exhaustive_every_route_two_layers(ranks):
-    """Routes of one token per rank that change from layer to layer (layers 0 and 2 alike, layer 1 another):
-    the token reaches every rank, no rank, only its own rank, only the next rank."""
-    full, none = (1 << ranks) - 1, 0
-    patterns = [
-        lambda s: full,
-        lambda s: none,
-        lambda s: 1 << s,
-        lambda s: 1 << (s + 1) % ranks,
-    ]
-    for first in patterns:
-        for second in patterns:
-            route = tuple(tuple((p(s),) for s in range(ranks)) for p in (first, second, first))
-            result = P.explore(P.Config(ranks=ranks, route=route))
-            assert result.complete and result.ok and result.finished == 1, _describe(result)
+def test_exhaustive_five_layers():
+    result = P.explore(_config(2, 1, 2, 2, 1, layers=5))
+    assert result.complete and result.ok and result.finished == 1, _describe(result)
+
+
+@pytest.mark.parametrize("guard", ["counter", "none"])
+def test_exhaustive_other_guards_in_sequence(guard):
+    """In sequence, the counter guard (the fix proposed for `guard="all"`) and no guard at all change nothing."""
+    for shape in [(2, 2, 2, 2, 2), (3, 1, 1, 2, 2)]:
+        result = P.explore(_config(*shape, guard=guard))
+        assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5, 6, 7, 8])
@@ -110,10 +124,12 @@ def test_random_schedules_correct_protocol(ranks):
     rng = random.Random(ranks)
     runs = 0
     for case in range(3):
-        tokens = rng.randint(1, 3)
+        tokens = rng.randint(1, 3 if ranks <= 5 else 2)
+        stride = tokens + rng.randint(0, 1)
         config = P.Config(
             ranks=ranks,
             tokens=tokens,
+            stride=stride,
             dispatch_grid=tokens + rng.randint(0, 1),
             combine_grid=rng.randint(1, 3),
             route=P.random_route(rng, ranks, tokens, 3),
@@ -126,55 +142,57 @@ def test_random_schedules_correct_protocol(ranks):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Broken variants: each must be caught, with its own kind of violation.
+# Broken variants: each must be caught, with its own kind of violation. N = 2 with the routing "any" finds
+# every one of them (a rank whose token stays home needs nothing from its peer and can run a layer ahead);
+# N = 3 with the default routing finds them too.
 
 BROKEN = {
-    # one fence by lane 0 after the CTA barrier, instead of one per storing thread: rows land after the flag
-    "fence_after_barrier": (dict(fence_per_thread=False), P.READ_BEFORE_WRITE),
-    # the same in combine only: a partial is read before it landed
-    "fence_after_barrier_combine": (
-        dict(fence_per_thread=False, unfenced_kernels=("combine",)),
-        P.READ_BEFORE_WRITE,
-    ),
-    # each flag re-armed by the rank that raised it (after its own wait), not by its reader
-    "rearm_by_writer": (dict(rearm_by_writer=True), P.FLAG_REARMED_UNSEEN),
-    # the next layer's dispatch starts as soon as the combine started, not after it finished
-    "dispatch_before_combine_finished": (dict(stream_order=False), P.OVERWRITE_UNREAD),
-    # every dispatch waiter re-arms after its own wait (no CTRL_DISPATCH_SEEN): needs two dispatch CTAs
-    "no_seen_counter": (dict(seen_counter=False), P.FLAG_REARMED_UNSEEN),
+    # (a) dispatch stores without waiting for the ready lines: a row is overwritten before its copy-out
+    "no_ready_wait": (dict(wait_ready=False), P.OVERWRITE_UNREAD),
+    # (b) ready[r] = e stored at the start of dispatch e (before its copy-out) instead of in combine e
+    "ready_in_dispatch": (dict(ready_in="dispatch"), P.OVERWRITE_UNREAD),
+    # (c) the combine takes the source word from the peer-written header: the peer's next dispatch may have
+    # replaced it (ready[r] = e is stored at the start of combine e)
+    "send_from_header": (dict(send_source="header"), P.WRONG_LAYER_READ),
+    # (d) the epoch is not advanced between layers: the last layer's words pass the poll
+    "fixed_epoch": (dict(advance_epoch=False), P.STALE_READ),
+    # (e) an LL word stored as payload, then epoch (two 4-byte stores landing in either order)
+    "split_ll_word": (dict(ll_atomic=False), P.TORN_READ),
+    # (f) the next dispatch starts before this rank's combine finished (no stream order)
+    "no_stream_order": (dict(stream_order=False), P.OVERWRITE_UNREAD),
 }
+CATCHING = [dict(ranks=2, tokens=1, route="any"), dict(ranks=3, tokens=1, dispatch_grid=2)]
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
-@pytest.mark.parametrize("ranks,tokens,dgrid,cgrid", [(2, 1, 2, 1), (3, 1, 2, 1), (2, 2, 2, 2)])
-def test_exhaustive_catches_broken_variant(name, ranks, tokens, dgrid, cgrid):
+@pytest.mark.parametrize("shape", range(len(CATCHING)))
+def test_exhaustive_catches_broken_variant(name, shape):
     variant, kind = BROKEN[name]
-    result = P.explore(_config(ranks, tokens, dgrid, cgrid, **variant), stop_at=lambda r: kind in r.violations)
+    result = P.explore(P.Config(**CATCHING[shape], **variant), stop_at=lambda r: kind in r.violations)
     assert kind in result.violations, _describe(result)
     message, path = result.violations[kind]
-    assert path and message.startswith(path[-1]) or kind == P.DEADLOCK
-    if name == "fence_after_barrier_combine":
-        assert "partial" in message
-    elif name == "fence_after_barrier":
-        assert "row" in message
+    assert path and message.startswith(path[-1])
 
 
 def test_broken_variants_all_kinds_small():
-    """The full state space of N = 2 for each broken variant: every kind of violation each one leads to."""
+    """The full N = 2, T = 1 state space (every routing, two layers) of each broken variant: every kind of
+    violation it leads to (docs/protocol.md)."""
     found = {}
     for name, (variant, _) in BROKEN.items():
-        result = P.explore(_config(2, 1, 2, 1, **variant))
+        result = P.explore(P.Config(ranks=2, route="any", layers=2, **variant))
         assert result.complete
         found[name] = result.kinds()
-    assert found["fence_after_barrier"] >= {P.READ_BEFORE_WRITE, P.OVERWRITE_UNREAD, P.STALE_READ}
-    # combine's re-arm of a row landing late: the next layer's row lands on it first, or a reader sees it
-    assert found["fence_after_barrier_combine"] >= {P.READ_BEFORE_WRITE, P.OVERWRITE_UNREAD}
-    assert found["rearm_by_writer"] == {P.FLAG_REARMED_UNSEEN}
-    assert found["dispatch_before_combine_finished"] >= {P.OVERWRITE_UNREAD, P.FLAG_RAISED_WHILE_SET}
-    assert found["no_seen_counter"] == {P.FLAG_REARMED_UNSEEN}
+    assert found["no_ready_wait"] == {P.OVERWRITE_UNREAD}
+    assert found["ready_in_dispatch"] == {P.OVERWRITE_UNREAD}
+    assert found["send_from_header"] == {P.WRONG_LAYER_READ}
+    assert found["fixed_epoch"] == {P.STALE_READ, P.OVERWRITE_UNREAD}
+    assert found["split_ll_word"] == {P.TORN_READ}
+    # the next dispatch's guard reads EPOCH_D before the combine wrote it; its copy-out overwrites mirror[]
+    # before the combine read it; the peers' partials land on slots not yet reduced
+    assert found["no_stream_order"] >= {P.OVERWRITE_UNREAD, P.SPURIOUS_GUARD}
 
 
-@pytest.mark.parametrize("ranks", [4, 6, 8])
+@pytest.mark.parametrize("ranks", [4, 8])
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_random_schedules_catch_broken_variant(name, ranks):
     variant, kind = BROKEN[name]
@@ -183,44 +201,110 @@ def test_random_schedules_catch_broken_variant(name, ranks):
         ranks=ranks, tokens=2, dispatch_grid=2, combine_grid=2, route=P.random_route(rng, ranks, 2, 3), **variant
     )
     found = set()
-    for seed in range(40):
+    for seed in range(60):
         found |= P.random_runs(config, runs=1, seed=seed).kinds()
         if kind in found:
             break
     assert kind in found, found
 
 
-def test_rearm_by_writer_deadlocks_without_its_check():
-    """With the re-arm check off (a reader that never saw the flag), the writer's re-arm shows as a deadlock."""
-
-    class Unchecked(P.Model):
-        def _all_seen(self, *args):
-            return True
-
-    result = P.explore(_config(2, 1, 1, 1, rearm_by_writer=True), model_class=Unchecked)
-    assert P.DEADLOCK in result.violations, _describe(result)
-
-
-def test_missing_fence_needs_the_weak_model():
-    """The fence bug is invisible when stores land at once: the same schedule space with every store landing
-    as it is issued finds nothing (so the pending stores are what catches it)."""
-
-    class Eager(P.Model):
-        def _step(self, state, step):
-            w, pending = super()._step(state, step)
-            w = list(w)
-            for p in sorted(pending):
-                self._land(w, p)
-            return (tuple(w), frozenset())
-
-    result = P.explore(_config(2, 1, 1, 1, fence_per_thread=False), model_class=Eager)
-    assert result.complete and result.ok, _describe(result)
-
-
 def test_counterexample_is_a_schedule():
-    variant, kind = BROKEN["fence_after_barrier"]
-    result = P.explore(_config(2, 1, 1, 1, **variant), stop_at=lambda r: kind in r.violations)
+    variant, kind = BROKEN["split_ll_word"]
+    result = P.explore(P.Config(ranks=2, **variant), stop_at=lambda r: kind in r.violations)
     message, path = result.violations[kind]
     assert all(isinstance(step, str) for step in path)
     assert any("issues its row stores" in step for step in path)
-    assert "before its data landed" in message
+    assert "(epoch half)" in path[-1] and "torn" in message
+
+
+def test_reductions_keep_every_violation():
+    """The reductions (landings folded into the reads that see them, eager local steps) against the plain
+    interleaving of every step and every landing (`reduce=False`), on state spaces small enough for the latter
+    (N = 2, T = 1, one LL word per row, two layers routed so that every variant shows): the same kinds of
+    violation, the same error records."""
+    route = (((0b01,), (0b11,)), ((0b10,), (0b01,)))  # layer 0: r0's token stays home; layer 1: crossed
+    cases = [
+        (dict(), set()),
+        (dict(wait_ready=False), {P.OVERWRITE_UNREAD}),
+        (dict(send_source="header"), {P.WRONG_LAYER_READ}),
+        (dict(ll_atomic=False, layers=1, route=(((0b01,), (0b10,)),)), {P.TORN_READ}),
+        (dict(stream_order=False), {P.OVERWRITE_UNREAD, P.SPURIOUS_GUARD}),
+        (dict(guard="all", dispatch_grid=2), {P.SPURIOUS_GUARD}),
+        (dict(calls=("DCC", "DC"), layers=1, combine_grid=2), {P.GUARD_LEAK}),
+    ]
+    for variant, kinds in cases:
+        base = dict(ranks=2, layers=2, words=1, route=route)
+        base.update(variant)
+        reduced = P.explore(P.Config(**base))
+        plain = P.explore(P.Config(**base, reduce=False))
+        assert plain.complete and reduced.states < plain.states
+        assert reduced.kinds() == plain.kinds() == kinds, (variant, _describe(reduced), _describe(plain))
+        assert reduced.errors == plain.errors
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sequence guards: a call out of sequence records {code, rank, peer, layer} and stops its rank (the kernels
+# trap); it must write nothing (no store, no ready line, no epoch word). Its peers then wait for it until their
+# own timeouts: not a deadlock of the protocol.
+
+SEQUENCES = {
+    "dispatch_twice": (("DD", "DC"), (0, P.ERROR_DISPATCH_TWICE, 0)),
+    "dispatch_twice_layer_1": (("DCDD", "DCDC"), (0, P.ERROR_DISPATCH_TWICE, 1)),
+    "combine_first": (("C", "DC"), (0, P.ERROR_COMBINE_WITHOUT_DISPATCH, 0)),
+    "combine_twice": (("DCC", "DCDC"), (0, P.ERROR_COMBINE_WITHOUT_DISPATCH, 1)),
+    "both_ranks": (("DCDD", "DCC"), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCES))
+@pytest.mark.parametrize("guard,dgrid,cgrid", [("counter", 2, 2), ("counter", 1, 1), ("all", 1, 1), ("cta0", 1, 1)])
+def test_guard_records_error_and_writes_nothing(name, guard, dgrid, cgrid):
+    calls, record = SEQUENCES[name]
+    config = P.Config(ranks=2, calls=calls, layers=2, guard=guard, dispatch_grid=dgrid, combine_grid=cgrid)
+    result = P.explore(config)
+    assert result.complete and result.ok, _describe(result)
+    assert result.finished == 0  # every run ends with the error recorded
+    expected = {record} if record else {(0, P.ERROR_DISPATCH_TWICE, 1), (1, P.ERROR_COMBINE_WITHOUT_DISPATCH, 1)}
+    if record is None:
+        # one of the two ranks stops first: its peer then waits (before reaching its own bad call) or not
+        assert result.errors and result.errors <= expected, result.errors
+    else:
+        assert result.errors == expected
+
+
+def test_guard_all_races_its_own_write():
+    """The guard as specified (every CTA reads EPOCH_D and EPOCH_C, CTA 0 writes one of them) fires in a
+    correct sequence as soon as a grid has two CTAs: a CTA that reads after CTA 0's write sees the next state."""
+    for shape, kind_word in [((2, 1, 1, 2, 1), "dispatch twice"), ((2, 1, 1, 1, 2), "combine without dispatch")]:
+        result = P.explore(_config(*shape, guard="all"), stop_at=lambda r: P.SPURIOUS_GUARD in r.violations)
+        message, path = result.violations[P.SPURIOUS_GUARD]
+        assert kind_word in message, message
+        assert "reads the epoch words" in path[-1]
+
+
+@pytest.mark.parametrize("name", ["dispatch_twice", "combine_twice"])
+def test_guard_cta0_leaks_stores(name):
+    """The guard as the kernels write it (CTA 0 alone checks, the other CTAs take the layer from the word their
+    kernel never writes): a call out of sequence with a grid of two stores before CTA 0 traps."""
+    calls, _ = SEQUENCES[name]
+    result = P.explore(P.Config(ranks=2, calls=calls, layers=2, guard="cta0", dispatch_grid=2, combine_grid=2))
+    assert P.GUARD_LEAK in result.violations, _describe(result)
+    assert result.kinds() == {P.GUARD_LEAK}
+
+
+def test_no_guard_is_caught():
+    for name in ["dispatch_twice", "combine_first", "combine_twice"]:
+        calls, _ = SEQUENCES[name]
+        result = P.explore(P.Config(ranks=2, calls=calls, layers=2, guard="none"))
+        assert P.GUARD_LEAK in result.violations, (name, _describe(result))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Co-residency: a CTA's copy-out waits for rows that other CTAs (of this rank or of a peer) store, so the
+# whole grid must be resident at once (`NvlinkBackend.max_grids`).
+
+
+def test_grid_larger_than_residency_deadlocks():
+    result = P.explore(_config(2, 2, 2, 3, 1, resident=1))
+    assert P.DEADLOCK in result.violations, _describe(result)
+    assert P.explore(_config(2, 2, 2, 3, 1, resident=2)).ok

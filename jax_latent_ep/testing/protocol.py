@@ -1,6 +1,6 @@
 """A model checker of the v3 dispatch / combine protocol (LL words with layer epochs); pure Python, no JAX."""
 
-# The model (docs/protocol.md says why the protocol is safe and what the checker found):
+# The model (docs/protocol.md has the protocol, the safety argument and what the checker found).
 #
 # N ranks, each running its call sequence (`Config.calls`; default: dispatch, combine for every layer) in stream
 # order: a kernel starts once the previous kernel of its rank finished. Each kernel is a grid of CTAs that
@@ -17,25 +17,28 @@
 #                               rank q // S, slot [q % S][r]
 #                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
 #
-# Memory. Every store to a peer-written word (LL words, ready lines) is issued into a pending set and lands
-# later, at any moment, in any order with the other pending stores, except that the stores of one rank to one
-# word land in the order they were issued (coherence; one writer per word). An LL store lands whole (both
-# halves) unless `ll_atomic=False`, where payload and epoch are two stores. Control words and mirror[] are
-# local: visible at once. Reads see the landed memory; a poll is one step, enabled once the polled words carry
-# the reader's epoch (a poll that fails changes nothing).
+# Memory. Every store into a peer-written word (LL words, ready lines) is issued into a pending set and lands
+# later, at any moment, in any order with the other pending stores, except that the stores of one rank into
+# one word land in the order they were issued (coherence; every word has one writer). An LL store lands whole
+# unless `ll_atomic=False` (payload and epoch: two stores). Control words and mirror[] are local and visible at
+# once. Reads see the landed memory; a poll is one step, enabled once the polled words carry the reader's
+# epoch (a poll that fails changes nothing). A call out of sequence records its error and stops its rank.
 #
-# Reductions (each keeps every violation and deadlock reachable; docs/protocol.md):
-# * A pending store lands only where that can matter: while some CTA's next step reads its word, while another
-#   store to the same word is pending, or, once nothing else can move, the least one (so that every run ends
-#   with nothing pending). Landing commutes with every step that does not touch its word.
-# * Steps that touch only the CTA and the pending set are taken alone as soon as they are enabled ("eager"):
-#   the ready wait + issue of a dispatch CTA (ready only grows), a combine CTA's send (mirror is written only by
-#   the previous kernel), the guards whose words no sibling writes, and (`stream_order=False`) starting the next
-#   kernel. Calls made in the wrong sequence, the `guard="all"` variant with a grid > 1 and `resident` grids take
-#   every step as an ordinary (interleaved) one.
-# * `atomic_reads=True` (default): a copy-out of a row (header + data) and a reduce of a token (every slot of
-#   every destination) are one snapshot step, as the kernels poll them (all words loaded, then checked);
-#   `atomic_reads=False` makes every word its own poll.
+# Reductions (`reduce=False` turns them off; the tests compare both on small state spaces):
+# * Landing a store commutes with every step that does not touch its word, so a landing is deferred to the
+#   read that sees it: a poll step carries the set of pending stores that land just before it (per polled
+#   word, a prefix in issue order of the stores pending there, such that the poll succeeds). Two landings are
+#   steps of their own, taken at once: one that is a violation (it overwrites a value nobody read), and one
+#   that turns off a poll that could succeed now. Once nothing else can move, the rest land one at a time.
+# * Steps that touch only their CTA, the pending set and words no concurrent step writes are taken alone as
+#   soon as they are enabled: a dispatch CTA's ready wait + stores (ready lines only grow), a combine CTA's
+#   send (mirror[] is written by the previous kernel), a guard whose words no sibling writes, and
+#   (`stream_order=False`) the early start of the next dispatch. A call out of sequence interleaves every step;
+#   guards interleave with `guard="all"` and a grid > 1, with `resident` grids and with `stream_order=False`,
+#   and sends with `stream_order=False`.
+# * `atomic_reads=True` (default): a copy-out of a row (header + data words) and a reduce of a token (every
+#   slot of every destination) are one snapshot poll, as the kernels poll them (all loads, then the check);
+#   `atomic_reads=False` polls every word on its own.
 
 from __future__ import annotations
 
@@ -73,10 +76,11 @@ ERROR_COMBINE_TIMEOUT = 2
 ERROR_DISPATCH_TWICE = 3
 ERROR_COMBINE_WITHOUT_DISPATCH = 4
 
-#: `Config.guard` values. "all": every CTA reads both epoch words and checks, CTA 0 writes (the v3 brief);
-#: "cta0": CTA 0 alone reads both, checks and writes, the others read only the word their kernel never writes
-#: (the kernels as written); "counter": every CTA reads both and checks, then arrives on a local counter whose
-#: last arrival writes; "none": no check (CTA 0 writes).
+#: `Config.guard` values. "all": every CTA reads both epoch words and checks, CTA 0 writes (as specified for
+#: v3: races its own write); "cta0": CTA 0 alone reads both, checks and writes, the others read only the word
+#: their kernel never writes (the kernels as written: an out-of-sequence call's other CTAs still store);
+#: "counter": every CTA reads both and checks, then arrives on a local counter whose last arrival writes (the
+#: proposed fix); "none": no check (CTA 0 writes).
 GUARDS = ("all", "cta0", "counter", "none")
 
 # Words of a rank's block in the state.
@@ -113,8 +117,9 @@ class Config:
     ll_atomic: bool = True  # False: (e) an LL word is two 4-byte stores (payload, epoch) landing in any order
     stream_order: bool = True  # False: (f) the next dispatch may start once the combine started
     # exploration
-    atomic_reads: bool = True
+    atomic_reads: bool = True  # False: every polled word is its own step
     resident: int | None = None  # at most this many CTAs of a kernel run at once (None: the whole grid)
+    reduce: bool = True  # False: no reductions (every landing its own step, no eager step): for cross-checks
 
     def __post_init__(self):
         t = self.tokens
@@ -248,7 +253,7 @@ class Model:
         self.o_mirror = self.o_ready + n
         self.mb = self.o_mirror + self.ns
         self.size = self.mem + n * self.mb
-        # what each word is: 0 LL header, 1 LL data, 2 LL comb, 3 ready, 4 mirror; and its rank
+        # what each word is: 0 LL header, 1 LL data, 2 LL comb, 3 ready, 4 mirror
         self.kind_at = [None] * self.size
         for d in range(n):
             b = self.mem + d * self.mb
@@ -257,11 +262,26 @@ class Model:
                     0 if i < self.o_data else 1 if i < self.o_comb else 2 if i < self.o_ready else
                     3 if i < self.o_mirror else 4
                 )
+        self._closed_cache = {}
+        self._ep = [0] + [self.epoch(layer) for layer in range(63)]  # epoch of a word by its (layer + 1) tag
+        self.data_locs = [[tuple(self.data(r, q, i) for i in range(W)) for q in range(self.ns)] for r in range(n)]
+        # the words a reduce of token `tok` polls, by destination mask
+        self.comb_locs = [
+            [
+                [self._slot_words(r, tok, m) for m in range(1 << n)]
+                for tok in range(t)
+            ]
+            for r in range(n)
+        ]
         self.programs = {kind: [self._program(kind, c) for c in range(self.grid_of(kind))] for kind in "DC"}
-        self.guard_eager = cfg.stream_order and cfg.resident is None
+        self.guard_eager = cfg.stream_order and cfg.resident is None and cfg.reduce
+        self.eager = cfg.reduce
         self.layers = max(sum(1 for p in plan if p[0] == "D" and p[2] is None) for plan in self.plans)
         if not self.any_route:
             assert len(cfg.route) >= self.layers
+
+    def _slot_words(self, r, tok, mask):
+        return tuple(self.comb(r, tok, d, i) for d in range(self.n) if mask >> d & 1 for i in range(self.W))
 
     # ------------------------------------------------------------------------------------------------------
     # addresses
@@ -362,6 +382,7 @@ class Model:
         for p in pending:
             by_at.setdefault(p[0], []).append(p)
         out = []
+        polled = {}  # word -> the epochs its pollers wait for
         for r in range(n):
             base = r * self.rb
             k = w[base + _K]
@@ -402,32 +423,49 @@ class Model:
                     if name == "store":
                         landed = ()
                         if cfg.wait_ready:
-                            landed = self._ready_landings(w, by_at, r, e - 1)
+                            landed = self._ready_landings(w, by_at if self.eager else {}, r, e - 1)
                             if landed is None:
                                 continue
                         if self.any_route and c < self.t:
                             steps = [step + (landed, m) for m in self.masks]
                         else:
                             steps = [step + (landed,)]
-                        if good:
+                        if good and self.eager:
                             return steps
                         out.extend(steps)
                     elif name == "send":
-                        if cfg.send_source == "header":
+                        if cfg.send_source == "header" and self.eager:
                             out.extend(step + (S,) for S in self._closed(by_at.get(self.hdr(r, op[1]), ())))
-                        elif good and cfg.stream_order:
+                        elif good and cfg.stream_order and self.eager and cfg.send_source == "mirror":
                             return [step + ((),)]
                         else:
                             out.append(step + ((),))
-                    else:
+                    elif self.eager:
                         out.extend(step + (S,) for S in self._landings(w, by_at, r, layer, e, op))
-        # a landing that is itself a violation (a store overwriting a value its reader has not read) is taken
-        # at once; every other landing waits for the read that sees it
+                        for at in self._polled(w, r, layer, op):
+                            if at in by_at:
+                                polled.setdefault(at, set()).add(e)
+                    elif self._landings(w, {}, r, layer, e, op):  # the poll succeeds on the landed memory
+                        out.append(step + ((),))
+        if not self.eager:
+            # no reductions: every store that may land (coherence order) is a step of its own
+            out.extend(("land", (p,)) for p in pending if self._may_land(p, pending))
+            return out
+        # A landing that is itself a violation (a store overwriting a value its reader has not read), or that
+        # turns off a poll that could succeed now, is taken at once; every other landing waits for the read
+        # that sees it.
         for at, stores in by_at.items():
             if self.kind_at[at] == 3:
-                continue
+                continue  # a ready line: only ever waited on for a lower bound
+            wanted = polled.get(at, ())
+            now = self._epoch_of(w[at])
+            quiet = len(stores) == 1 and (w[at] & 1 or not w[at] >> 8) and now not in wanted
+            if quiet:
+                continue  # one store onto a value already read (or never written) that nobody polls for
             for S in self._closed(stores):
-                if S and self._overwrites(w[at], S):
+                if not S:
+                    continue
+                if self._overwrites(w[at], S) or (now in wanted and self._epoch_of(self._after(w[at], S)) != now):
                     out.append(("land", S))
         if not out and pending:
             # nothing else can move: the stores nobody reads any more land (one at a time, least first)
@@ -436,8 +474,8 @@ class Model:
 
     @staticmethod
     def _overwrites(word, stores) -> bool:
-        """Whether landing `stores` (pending at one word, in issue order) overwrites a value never read."""
-        for _, half, layer, valid in sorted(stores, key=lambda p: (p[2], p[1])):
+        """Whether landing `stores` (pending at one word, in landing order) overwrites a value never read."""
+        for _, half, layer, valid in stores:
             pl, el = _pl(word), _el(word)
             if pl and pl == el and pl != layer + 1 and not word & 1:
                 return True
@@ -465,14 +503,22 @@ class Model:
         return tuple(sorted(landed))
 
     def _closed(self, stores) -> list:
-        """Every set of `stores` (pending at one word) that can have landed: closed under issue order."""
+        """Every set of `stores` (pending at one word) that can have landed: closed under issue order; each
+        set is sorted in landing order."""
         if not stores:
             return [()]
-        out = []
-        for size in range(len(stores) + 1):
-            for sub in itertools.combinations(sorted(stores), size):
-                if all(o in sub for p in sub for o in stores if self._before(o, p)):
-                    out.append(sub)
+        if len(stores) == 1:
+            return [(), tuple(stores)]
+        key = frozenset(stores)
+        out = self._closed_cache.get(key)
+        if out is None:
+            ordered = sorted(stores, key=lambda p: (p[2], p[1]))
+            out = []
+            for size in range(len(ordered) + 1):
+                for sub in itertools.combinations(ordered, size):
+                    if all(o in sub for p in sub for o in ordered if self._before(o, p)):
+                        out.append(sub)
+            self._closed_cache[key] = out
         return out
 
     @staticmethod
@@ -481,8 +527,8 @@ class Model:
         return o[0] == p[0] and o[2] < p[2] and (o[1] == 0 or p[1] == 0 or o[1] == p[1])
 
     def _after(self, word, stores):
-        """The word once `stores` (pending at it) have landed (no checks)."""
-        for _, half, layer, valid in sorted(stores, key=lambda p: (p[2], p[1])):
+        """The word once `stores` (pending at it, in landing order) have landed (no checks)."""
+        for _, half, layer, valid in stores:
             pl, el, v = _pl(word), _el(word), word >> 1 & 1
             if half != 2:
                 pl, v = layer + 1, valid
@@ -491,30 +537,47 @@ class Model:
             word = pl << 8 | el << 2 | v << 1
         return word
 
-    def _options(self, w, by_at, at, e) -> list:
-        """The sets of pending stores at word `at` whose landing leaves it carrying epoch `e`."""
-        stores = by_at.get(at)
-        if not stores:
-            return [()] if self._epoch_of(w[at]) == e else []
-        return [S for S in self._closed(stores) if self._epoch_of(self._after(w[at], S)) == e]
-
     def _landings(self, w, by_at, r, layer, e, op) -> list:
         """The poll `op` of rank `r` can succeed after each returned set of pending stores lands (a union of one
         set per polled word: a prefix in issue order of the stores pending there)."""
-        name = op[0]
-        if name == "copy":
-            q = op[1]
-            h_at = self.hdr(r, q)
-            out = []
-            for hs in self._options(w, by_at, h_at, e):
-                if not self._after(w[h_at], hs) >> 1 & 1:
-                    out.append(hs)  # an empty row: its data words are not read
-                    continue
-                per_word = [self._options(w, by_at, self.data(r, q, i), e) for i in range(self.W)]
-                out.extend(tuple(sorted(hs + sum(combo, ()))) for combo in itertools.product(*per_word))
-            return out
-        per_word = [self._options(w, by_at, at, e) for at in self._locs(w, r, layer, op)]
+        if op[0] != "copy":
+            return self._product(w, by_at, self._locs(w, r, layer, op), e)
+        q = op[1]
+        h_at = self.hdr(r, q)
+        out = []
+        for hs in self._product(w, by_at, (h_at,), e):
+            if not (self._after(w[h_at], hs) if hs else w[h_at]) >> 1 & 1:
+                out.append(hs)  # an empty row: its data words are not read
+                continue
+            for ds in self._product(w, by_at, self.data_locs[r][q], e):
+                out.append(tuple(sorted(hs + ds)) if hs and ds else hs or ds)
+        return out
+
+    def _product(self, w, by_at, locs, e) -> list:
+        """The sets of pending stores whose landing leaves every word of `locs` carrying epoch `e`."""
+        ep = self._ep
+        per_word = []
+        for at in locs:
+            stores = by_at.get(at)
+            if stores is None:
+                if ep[w[at] >> 2 & 63] != e:
+                    return []
+                continue
+            options = [S for S in self._closed(stores) if ep[(self._after(w[at], S) if S else w[at]) >> 2 & 63] == e]
+            if not options:
+                return []
+            per_word.append(options)
+        if not per_word:
+            return [()]
+        if len(per_word) == 1:
+            return per_word[0]
         return [tuple(sorted(sum(combo, ()))) for combo in itertools.product(*per_word)]
+
+    def _polled(self, w, r, layer, op):
+        """The words the poll `op` reads."""
+        if op[0] == "copy":
+            return (self.hdr(r, op[1]),) + self.data_locs[r][op[1]]
+        return self._locs(w, r, layer, op)
 
     def _locs(self, w, r, layer, op):
         name = op[0]
@@ -524,15 +587,13 @@ class Model:
             return [self.data(r, op[1], op[2])]
         if name == "reduce":
             tok = op[1]
-            mask = self.route(w, r, layer, tok)
-            return [self.comb(r, tok, d, i) for d in range(self.n) if mask >> d & 1 for i in range(self.W)]
+            return self.comb_locs[r][tok][self.route(w, r, layer, tok)]
         if name == "slot":
             return [self.comb(r, op[1], op[2], op[3])]
         raise AssertionError(op)  # pragma: no cover
 
     def _epoch_of(self, word: int) -> int:
-        el = _el(word)
-        return self.epoch(el - 1) if el else 0
+        return self._ep[word >> 2 & 63]
 
     @staticmethod
     def _may_land(p, pending) -> bool:
@@ -642,7 +703,7 @@ class Model:
             if op == "data":
                 self._accept(w, self.data(r, q, step[5]), layer, "reader of")
                 if step[5] == self.W - 1:
-                    self._write_mirror(w, r, q, layer, 1)
+                    self._write_mirror(w, r, q, layer, 1, error)
             else:
                 h = w[self.hdr(r, q)]
                 self._accept(w, self.hdr(r, q), layer, "copy-out of")
@@ -651,9 +712,9 @@ class Model:
                     if valid:
                         for i in range(self.W):
                             self._accept(w, self.data(r, q, i), layer, "copy-out of")
-                    self._write_mirror(w, r, q, layer, valid)
+                    self._write_mirror(w, r, q, layer, valid, error)
                 elif not valid:
-                    self._write_mirror(w, r, q, layer, 0)
+                    self._write_mirror(w, r, q, layer, 0, error)
                     pc += self.W  # skip the data polls of an empty row
         elif op == "send":
             q = step[4]
@@ -672,7 +733,7 @@ class Model:
             else:
                 h_at = self.hdr(r, q)
                 h = w[h_at]
-                self._check(h, layer, f"the combine's read of {self.where(h_at)}")
+                self._check(h, layer, "combine's read of", h_at)
                 valid = h >> 1 & 1
             if valid:
                 src, j = divmod(q, self.s)
@@ -761,8 +822,12 @@ class Model:
             return True
         return False
 
-    def _check(self, word, layer, what):
+    def _check(self, word, layer, who, at):
+        """A reader (`who`, reading word `at`) accepts `word` in `layer`: it must be whole and of that layer."""
         pl, el = _pl(word), _el(word)
+        if pl == el == layer + 1:
+            return
+        what = f"the {who} {self.where(at)}"
         if pl != el:
             raise Violation(
                 TORN_READ,
@@ -777,10 +842,14 @@ class Model:
             raise Violation(WRONG_LAYER_READ, f"{what} accepts a layer {pl - 1} word in layer {layer}")
 
     def _accept(self, w, at, layer, who):
-        self._check(w[at], layer, f"the {who} {self.where(at)}")
+        self._check(w[at], layer, who, at)
         w[at] |= 1
 
-    def _write_mirror(self, w, r, q, layer, valid):
+    def _write_mirror(self, w, r, q, layer, valid, error):
+        if self.cfg.send_source != "mirror":  # variant (c): no mirror
+            return
+        if error is not None:
+            raise Violation(GUARD_LEAK, f"the call out of sequence copies row {self._row(q)} out again (mirror[])")
         at = self.mirror(r, q)
         old = w[at]
         if old and not old & 1:
@@ -827,6 +896,9 @@ class Model:
                 raise Violation(GUARD_MISSED, f"r{r}'s call out of sequence (layer {layer}) finished without error")
             lo = base + _HEAD
             g = self.gmax
+            if self.any_route and kind == "C":  # the layer's chosen routes are not needed any more
+                at = lo + 2 * g + (layer % 2) * self.t
+                w[at:at + self.t] = [0] * self.t
             if w[base + _NEXT]:
                 w[lo:lo + g] = w[lo + g:lo + 2 * g]
             else:
