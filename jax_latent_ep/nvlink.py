@@ -102,6 +102,10 @@ ERROR_MESSAGES = {
 def describe_error(group: int, record) -> str:
     """The message for one nonzero error record `(code, rank, peer, layer)` of expert-parallel group `group`."""
     code, rank, peer, layer = (int(v) for v in record)
+    if code == layout.ERROR_COMBINE_WITHOUT_DISPATCH:
+        # The combine records the last dispatched layer (EPOCH_C - 1, all ones before any dispatch); the
+        # layer it was called in is the next one.
+        layer = (layer + 1) % (1 << 32)
     text = ERROR_MESSAGES.get(code, "unknown error on rank {rank} (peer {peer}) at layer {layer}")
     return f"{text.format(rank=rank, peer=peer, layer=layer)} (group {group}, error code {code})"
 

@@ -624,7 +624,9 @@ def test_status_keys_by_group_and_rank():
     ((1, 0, 1, 3), "dispatch on rank 0 timed out waiting for rank 1 at layer 3 (group 0, error code 1)"),
     ((2, 1, 0, 4), "combine on rank 1 timed out waiting for rank 0 at layer 4 (group 0, error code 2)"),
     ((3, 1, 1, 5), "dispatch called twice without a combine on rank 1 at layer 5 (group 0, error code 3)"),
-    ((4, 0, 0, 0), "combine called without its dispatch on rank 0 at layer 0 (group 0, error code 4)"),
+    # code 4: the kernel records the last dispatched layer; a combine before any dispatch records all ones.
+    ((4, 0, 0, 0xFFFFFFFF), "combine called without its dispatch on rank 0 at layer 0 (group 0, error code 4)"),
+    ((4, 0, 0, 2), "combine called without its dispatch on rank 0 at layer 3 (group 0, error code 4)"),
     ((9, 0, 1, 2), "unknown error on rank 0 (peer 1) at layer 2 (group 0, error code 9)"),
 ])
 def test_check_names_every_error_code(record, message):
