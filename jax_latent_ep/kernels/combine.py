@@ -21,7 +21,6 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
-    POLL_SLEEP_NS,
     DeviceLayout,
     compile_cubin,
     fail,
@@ -40,7 +39,6 @@ from jax_latent_ep.kernels.memory import (
     load_b32,
     load_ll2,
     load_relaxed_sys,
-    nanosleep,
     load_v4,
     lo_f32,
     mul_rn,
@@ -246,8 +244,6 @@ class Combine:
                                 values[2 * j] = add_rn(values[2 * j], lo_f32(words[j]))
                                 values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
                         else:
-                            if POLL_SLEEP_NS:
-                                nanosleep(POLL_SLEEP_NS)
                             polls = polls + Uint32(1)
                             if poll_expired(start, polls, timeout_ns) != Uint32(0):
                                 fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))

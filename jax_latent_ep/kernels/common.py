@@ -4,7 +4,7 @@ peer table, the layer epoch and its sequence guard, bounded polls and the error 
 The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): every word a peer writes is an
 LL word (`memory.store_ll`: payload + the writer's layer epoch in one 8-byte store), so a reader polls the data
 itself until it carries the current epoch; no fences, counters or flags. Layer epochs come from two control
-words of the rank's own buffer (`read_epochs`); a `ready` line per rank tells writers that a rank has copied its
+words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`); a `ready` line per rank tells writers that a rank has copied its
 receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
 error record and traps (`fail`).
 No JAX here.
@@ -21,7 +21,6 @@ from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
     fence_sc_sys,
     globaltimer,
-    load_relaxed_sys,
     load_u64,
     shfl_idx_u64,
     store_relaxed_sys,
@@ -31,9 +30,6 @@ from jax_latent_ep.kernels.memory import (
 LINE = lay.LINE
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
-#: Back-off of a data poll that found a word not yet landed (ns; 0: poll back to back). Many CTAs polling
-#: their rows compete for L2 with the peers' stores they wait for.
-POLL_SLEEP_NS = 0
 
 
 class DeviceLayout:
@@ -74,13 +70,6 @@ def peer_of(table: Int64, target: Int32) -> Int64:
     """The base of rank `target`'s buffer (its local mapping for this rank) from `load_peer_table`'s per-lane
     table: a warp shuffle (every lane of the warp must call it, converged)."""
     return shfl_idx_u64(table, Uint32(target))
-
-
-@cute.jit
-def read_epochs(ctrl: Int64):
-    """`(EPOCH_D, EPOCH_C)` of this rank: two fresh loads, issued together. Only valid after
-    `griddepcontrol.wait` (the kernel that wrote them has completed)."""
-    return load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D), load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
 
 
 @cute.jit

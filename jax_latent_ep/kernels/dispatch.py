@@ -20,7 +20,6 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
-    POLL_SLEEP_NS,
     DeviceLayout,
     compile_cubin,
     fail,
@@ -39,7 +38,6 @@ from jax_latent_ep.kernels.memory import (
     load_ll,
     load_ll2,
     load_relaxed_sys,
-    nanosleep,
     load_v4,
     lo_f32,
     hi_f32,
@@ -397,8 +395,6 @@ class Dispatch:
                                 store_b32(recv_src + row * 4, source)
                                 store_b32(local + buf.mirror + row * 4, source)
                 if pending != Uint32(0):
-                    if POLL_SLEEP_NS:
-                        nanosleep(POLL_SLEEP_NS)
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))

@@ -151,36 +151,24 @@ def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
 
 
-@dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    """`nanosleep.u32 ns`: this warp sleeps for about `ns` nanoseconds (the hardware picks 0 to 2 ns; a poll
-    back-off that leaves L2 bandwidth to the stores being waited for)."""
-    _asm(None, [], f"nanosleep.u32 {int(ns)};", "", loc, ip)
-
 
 # ---------------------------------------------------------------------------------------------------------
-# Synchronization: flags, counters, fences.
+# Control words, the error record and the trap.
 
 
 @dsl_user_op
 def load_relaxed_sys(addr, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `ld.relaxed.sys.global.b32`: a fresh read of a flag (never cached, never hoisted out of a
-    poll loop); it orders nothing else: follow the last poll with `fence_acq_rel_sys` before reading data."""
+    """Always issues one `ld.relaxed.sys.global.b32`: a fresh read of a control word (never cached, never hoisted
+    out of a poll loop); it orders nothing else."""
     return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
 
 
 @dsl_user_op
 def store_relaxed_sys(addr, value, *, loc=None, ip=None) -> None:
-    """Always issues one `st.relaxed.sys.global.b32`: a flag store visible to every GPU and the host; it orders
-    nothing by itself: precede it with `fence_acq_rel_sys` to release earlier stores."""
+    """Always issues one `st.relaxed.sys.global.b32`: a control-word store visible to every GPU and the host; it
+    orders nothing by itself."""
     _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.relaxed.sys.global.b32 [$0], $1;", "l,r", loc, ip)
 
-
-@dsl_user_op
-def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
-    """Always issues one `fence.acq_rel.sys`: this thread's earlier memory operations (local and remote) are
-    ordered before its later ones at system scope (release for stores before it, acquire for loads after it)."""
-    _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -189,51 +177,8 @@ def fence_sc_sys(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.sc.sys;", "~{memory}", loc, ip)
 
 
-@dsl_user_op
-def atomic_add_acq_rel_gpu(addr, value, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `atom.acq_rel.gpu.global.add.u32`; returns the old value. Used for arrival counters of
-    this rank's own CTAs (all on one GPU), after a system fence of the arriving CTA's stores."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [_i64(addr, loc, ip), _u32(value, loc, ip)],
-            "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
-            "=r,l,r",
-            loc,
-            ip,
-        )
-    )
 
 
-@dsl_user_op
-def atomic_inc_release_gpu(addr, limit, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `atom.release.gpu.global.inc.u32` (new = old >= limit ? 0 : old + 1); returns the old
-    value. A release arrival whose result may be consumed much later: no acquire, and (unlike `atom.add`, which
-    ptxas aggregates over the warp with a shuffle of the result right after the atomic) nothing waits for it
-    until it is used. With `limit = total - 1` the `total`-th arrival finds `limit` and resets the counter to 0
-    itself; it must `fence_acq_rel_gpu` before acting on the other arrivals."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [_i64(addr, loc, ip), _u32(limit, loc, ip)],
-            "atom.release.gpu.global.inc.u32 $0, [$1], $2;",
-            "=r,l,r",
-            loc,
-            ip,
-        )
-    )
-
-
-@dsl_user_op
-def red_add_relaxed_gpu(addr, value, *, loc=None, ip=None) -> None:
-    """Always issues one `red.relaxed.gpu.global.add.u32` (no return value: nothing waits for it)."""
-    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r", loc, ip)
-
-
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    """Always issues one `fence.acq_rel.gpu` (GPU scope: orders this thread's operations for the threads of this GPU)."""
-    _asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -257,11 +202,6 @@ def warp_or(value, *, loc=None, ip=None) -> Uint32:
     """Always issues one `redux.sync.or.b32` over the full warp (every lane must call it)."""
     return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "redux.sync.or.b32 $0, $1, 0xffffffff;", "=r,r", loc, ip))
 
-
-@dsl_user_op
-def warp_max_u32(value, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `redux.sync.max.u32` over the full warp (every lane must call it)."""
-    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", loc, ip))
 
 
 @dsl_user_op
@@ -304,18 +244,6 @@ def shfl_idx_u64(value, lane, *, loc=None, ip=None) -> Int64:
     return Int64(_asm(T.i64(), [_i64(value, loc, ip), _u32(lane, loc, ip)], code, "=l,l,r", loc, ip))
 
 
-@dsl_user_op
-def ballot(value, *, loc=None, ip=None) -> Uint32:
-    """`vote.sync.ballot.b32` over the full warp: bit l set iff lane l's `value` is nonzero."""
-    code = "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }"
-    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], code, "=r,r", loc, ip))
-
-
-@dsl_user_op
-def lowest_bit(value, *, loc=None, ip=None) -> Uint32:
-    """Index of the lowest set bit of a nonzero `value` (`brev` + `bfind.shiftamt`); 0xFFFFFFFF for 0."""
-    code = "{ .reg .b32 r; brev.b32 r, $1; bfind.shiftamt.u32 $0, r; }"
-    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], code, "=r,r", loc, ip))
 
 
 @dsl_user_op
