@@ -11,7 +11,7 @@ log() { echo "=== $(date +%T) $*"; }
 W="python3 benchmarks/bench.py worker --backends nvlink --repeats 3"
 log kernels per layer, N=1, ncu
 for t in 1 8; do
-  XLA_FLAGS="$CB" timeout 120 ncu --csv --metrics gpu__time_duration.sum --print-units base \
+  XLA_FLAGS="$CB" timeout 120 ncu --clock-control none --csv --metrics gpu__time_duration.sum --print-units base \
     $W --ranks 1 --tokens $t --layers 4 --max-tokens $t > $OUT/ncu_jit_n1_t$t.csv 2> $OUT/ncu_jit_n1_t$t.err
   echo "T=$t: $(grep -c gpu__time_duration $OUT/ncu_jit_n1_t$t.csv) kernel rows"
 done
@@ -32,7 +32,7 @@ log harness latency, buffer for 8
 python3 -m jax_latent_ep.testing.harness --mode latency --ranks 1 2 --max-tokens 8 --csv $OUT/lat8.csv 2>&1 | tail -8
 log ncu source stalls, N=1
 for k in dispatch combine; do
-  timeout 120 ncu --section SourceCounters --section WarpStateStats --section LaunchStats --section SpeedOfLight \
+  timeout 120 ncu --clock-control none --section SourceCounters --section WarpStateStats --section LaunchStats --section SpeedOfLight \
     -k regex:ep_$k --launch-skip 4 -c 2 -o $OUT/$k -f \
     python3 -m jax_latent_ep.testing.harness --mode virtual --ranks 1 --max-tokens 8 --layers 8 --nonfinite-every 0 > $OUT/ncu_$k.log 2>&1
   ncu -i $OUT/$k.ncu-rep --page source --print-source sass --csv > $OUT/${k}_sass.csv 2>&1

@@ -1,4 +1,7 @@
-# XLA command-buffer diagnostics for the NVLink backend inside jit (N = 1, T = 1, 32 layers).
+#!/usr/bin/env bash
+# XLA command-buffer diagnostics for the NVLink backend inside jit (N = 1, T = 1, 32 layers): per-layer time
+# under several XLA flag sets, XLA's VLOG of command-buffer updates, the thunk sequence. One device call:
+#   OUT=<dir> bash benchmarks/cmdbuf_diag.sh
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 CB="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 W="python3 benchmarks/bench.py worker --ranks 1 --tokens 1 --layers 32 --repeats 10 --max-tokens -1"
