@@ -111,9 +111,9 @@ def test_exhaustive_five_layers():
     assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
-@pytest.mark.parametrize("guard", ["counter", "none"])
+@pytest.mark.parametrize("guard", ["cta0", "none"])
 def test_exhaustive_other_guards_in_sequence(guard):
-    """In sequence, the counter guard (the fix proposed for `guard="all"`) and no guard at all change nothing."""
+    """In sequence, the earlier CTA-0 guard and no guard at all change nothing."""
     for shape in [(2, 2, 2, 2, 2), (3, 1, 1, 2, 2)]:
         result = P.explore(_config(*shape, guard=guard))
         assert result.complete and result.ok and result.finished == 1, _describe(result)
@@ -196,6 +196,10 @@ def test_broken_variants_all_kinds_small():
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_random_schedules_catch_broken_variant(name, ranks):
     variant, kind = BROKEN[name]
+    if name == "no_stream_order":
+        # every CTA of the early dispatch checks the sequence and mostly reports it first (spurious_guard,
+        # which ends the run): without the guard the run goes on to the data race itself
+        variant = dict(variant, guard="none")
     rng = random.Random(ranks)
     config = P.Config(
         ranks=ranks, tokens=2, dispatch_grid=2, combine_grid=2, route=P.random_route(rng, ranks, 2, 3), **variant
@@ -230,7 +234,7 @@ def test_reductions_keep_every_violation():
         (dict(ll_atomic=False, layers=1, route=(((0b01,), (0b10,)),)), {P.TORN_READ}),
         (dict(stream_order=False), {P.OVERWRITE_UNREAD, P.SPURIOUS_GUARD}),
         (dict(guard="all", dispatch_grid=2), {P.SPURIOUS_GUARD}),
-        (dict(calls=("DCC", "DC"), layers=1, combine_grid=2), {P.GUARD_LEAK}),
+        (dict(calls=("DCC", "DC"), layers=1, combine_grid=2, guard="cta0"), {P.GUARD_LEAK}),
     ]
     for variant, kinds in cases:
         base = dict(ranks=2, layers=2, words=1, route=route)

@@ -22,6 +22,7 @@ from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
     DeviceLayout,
+    arrive_in_sequence,
     compile_cubin,
     fail,
     load_peer_table,
@@ -163,7 +164,7 @@ class Combine:
         cute.arch.griddepcontrol_wait()
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
-        # the dispatch; nothing in this kernel writes it).
+        # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
         first_row = Int64(cta)
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
@@ -173,21 +174,15 @@ class Combine:
         second = load_v4(line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
-        if cta == 0 and warp == 0:
-            # Sequence guard: one thread (CTA 0's thread 0) alone reads and writes EPOCH_D, so no thread can
-            # read its own kernel's write: a dispatch must come before. Then lane d tells rank d that this
-            # rank's receive rows are copied out (the dispatch grid completed before griddepcontrol.wait
-            # returned): its next dispatch may overwrite them (after the warp learned lane 0's verdict).
-            bad = Uint32(0)
-            if lane == 0:
-                if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1) != epoch:
-                    bad = Uint32(1)
-                else:
-                    store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D, epoch)
-            if warp_or(bad) != Uint32(0):
-                fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
-            if lane < ranks:
-                store_relaxed_sys(table + buf.ready + Int64(rank) * lay.LINE, epoch)
+        completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)
+        # Sequence guard: every thread fails before its first store unless a dispatch came before (EPOCH_C is
+        # one past EPOCH_D).
+        if completed + Uint32(1) != epoch:
+            fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
+        if cta == 0 and warp == 0 and lane < ranks:
+            # Lane d tells rank d that this rank's receive rows are copied out (the dispatch grid completed
+            # before griddepcontrol.wait returned): its next dispatch may overwrite them.
+            store_relaxed_sys(table + buf.ready + Int64(rank) * lay.LINE, epoch)
         if warp == self.mask_warp:
             # The destination mask of the first own token (routing input: no wait needed), read with the rest.
             if cta < tokens:
@@ -280,6 +275,9 @@ class Combine:
                 store_v4(dest + 16, normed[4:8])
             cute.arch.sync_threads()  # shared_mask / stash are reused by the next token
             t += grid
+
+        # ---- End: the layer is combined; the last CTA hands its epoch to the next dispatch (EPOCH_D).
+        arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, lay.CTRL_EPOCH_D, epoch, grid, tid)
 
     @cute.jit
     def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):

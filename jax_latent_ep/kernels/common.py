@@ -3,8 +3,9 @@ peer table, the layer epoch and its sequence guard, bounded polls and the error 
 
 The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): every word a peer writes is an
 LL word (`memory.store_ll`: payload + the writer's layer epoch in one 8-byte store), so a reader polls the data
-itself until it carries the current epoch; no fences, counters or flags. Layer epochs come from two control
-words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`); a `ready` line per rank tells writers that a rank has copied its
+itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
+control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
+counter per kernel (`arrive_in_sequence`); a `ready` line per rank tells writers that a rank has copied its
 receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
 error record and traps (`fail`).
 No JAX here.
@@ -19,6 +20,7 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
+    atomic_inc_acq_rel_gpu,
     fence_sc_sys,
     globaltimer,
     load_u64,
@@ -90,6 +92,23 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
         if globaltimer() - start > timeout_ns:
             late = Uint32(1)
     return late
+
+
+@cute.jit
+def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], word: cutlass.Constexpr[int], epoch: Uint32,
+                       grid: Int32, tid: Int32):
+    """The end of a kernel's sequence guard (call it at the end, from every thread of every CTA). Every thread
+    has read both epoch words and passed its check before its first store; after a CTA barrier thread 0
+    arrives on the kernel's counter (`layout.CTRL_COUNT_*`, re-armed by the last arrival), and the last CTA of
+    the grid to arrive stores `epoch` into the kernel's epoch word (`layout.CTRL_EPOCH_*`). Guarantees: no CTA
+    of this grid reads an epoch word after the grid wrote it (every read precedes its CTA's arrival, the
+    write follows the last one), and a call out of sequence stores nothing (every thread fails its own check
+    and traps first; no CTA arrives, so the word is not written)."""
+    cute.arch.sync_threads()
+    if tid == 0:
+        last = Uint32(grid - 1)
+        if atomic_inc_acq_rel_gpu(ctrl + 4 * counter, last) == last:
+            store_relaxed_sys(ctrl + 4 * word, epoch)
 
 
 @cute.jit

@@ -21,6 +21,7 @@ from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
     DeviceLayout,
+    arrive_in_sequence,
     compile_cubin,
     fail,
     load_peer_table,
@@ -47,7 +48,6 @@ from jax_latent_ep.kernels.memory import (
     store_b32,
     store_ll,
     store_ll2,
-    store_relaxed_sys,
     store_v4,
     warp_or,
 )
@@ -209,15 +209,13 @@ class Dispatch:
         first = load_v4(x_line)
         second = load_v4(x_line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
-        # This layer's epoch: one past the last combined layer (EPOCH_D is written only by the combine).
+        # This layer's epoch: one past the last combined layer. Sequence guard: every thread reads both epoch
+        # words (neither is written before every CTA has arrived, `arrive_in_sequence`) and fails before its
+        # first store if the last dispatch was not combined (EPOCH_C already carries this epoch).
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
-        if cta == 0 and tid == 0:
-            # Sequence guard: one thread (CTA 0's thread 0) alone reads and writes EPOCH_C, so no thread can
-            # read its own kernel's write: the last dispatch must have been combined. EPOCH_C is then read by
-            # the combine, after this grid.
-            if load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C) == epoch:
-                fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
-            store_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C, epoch)
+        current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
+        if current == epoch:
+            fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
         ready = Uint32(0)
         if warp == 0 and lane < ranks and sends != 0:
             ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
@@ -399,6 +397,9 @@ class Dispatch:
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
             q += grid
+
+        # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
+        arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, lay.CTRL_EPOCH_C, epoch, grid, tid)
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

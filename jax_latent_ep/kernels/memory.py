@@ -151,7 +151,6 @@ def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Control words, the error record and the trap.
 
@@ -170,15 +169,28 @@ def store_relaxed_sys(addr, value, *, loc=None, ip=None) -> None:
     _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.relaxed.sys.global.b32 [$0], $1;", "l,r", loc, ip)
 
 
+@dsl_user_op
+def atomic_inc_acq_rel_gpu(addr, limit, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `atom.acq_rel.gpu.global.inc.u32` (new = old >= limit ? 0 : old + 1) and returns the
+    old value: an arrival counter that re-arms itself. Release: this thread's earlier loads and stores (and,
+    after a CTA barrier, its CTA's) are ordered before the arrival; acquire: the arrival that sees
+    `old == limit` (the last) orders its later stores after every earlier arrival's release."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_i64(addr, loc, ip), _u32(limit, loc, ip)],
+            "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;",
+            "=r,l,r",
+            loc,
+            ip,
+        )
+    )
+
 
 @dsl_user_op
 def fence_sc_sys(*, loc=None, ip=None) -> None:
     """Always issues one `fence.sc.sys` (sequentially consistent, system scope): the strongest fence."""
     _asm(None, [], "fence.sc.sys;", "~{memory}", loc, ip)
-
-
-
-
 
 
 @dsl_user_op

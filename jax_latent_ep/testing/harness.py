@@ -9,6 +9,8 @@ Modes (`python -m jax_latent_ep.testing.harness --help`):
             around each replay, median over the replays of (elapsed / layers).
   timeout   rank 0 alone of N = 2 (rank 1 never launches): the dispatch must trap and fill the host status
             record {code, rank, peer, layer} (run last: the trap kills the context).
+  sequence  N = 2 on 2 GPUs, rank 0 repeats a dispatch / combine out of sequence (`--sequence-case`): it must
+            trap with its error record and leave rank 1's buffer unchanged, byte for byte.
   stress    `--layers` (e.g. 100000) consecutive layers, one rank per GPU (`--stress-virtual`: on one GPU): input
             sets uploaded once, random sets / T / apply_norm per layer and rank, one rank held back by a host
             busy-wait in half the layers, batches of `--stress-batch` layers launched back to back into their
@@ -667,6 +669,60 @@ def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3"):
     return ok, record, str(err)
 
 
+def sequence_test(case, artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3", tokens=8):
+    """A call out of sequence corrupts nothing else: N = 2 on two GPUs (one context each, so rank 1's survives
+    rank 0's trap). Both ranks run layer 0 (`case` "dispatch_twice": the dispatch; "combine_twice": dispatch and
+    combine) on fresh random tokens; rank 1's whole buffer (its receive rows, combine slots, control and ready
+    lines) is then read back. Rank 0 repeats its last call with new random inputs, out of sequence: it must trap
+    with error 3 (4) and leave rank 1's buffer byte for byte as it was. Returns (ok, record, changed bytes)."""
+    system = System(shape_name, 2, tokens, "devices", artifacts)
+    cu = system.cu
+    system.status, status_host = _host_status(cu)
+    system.timeout_ns = 2_000_000_000
+    rng = np.random.default_rng(7)
+    for r in system.ranks:
+        check(cu.cuCtxSetCurrent(r.ctx))
+        r.x.upload(make_tokens(rng, tokens, system.shape, False))
+        ids, weights = make_routing(rng, tokens, system.shape)
+        r.ids.upload(ids)
+        r.weights.upload(weights)
+        r.out.upload(rng.standard_normal((system.layout.rows, system.shape.latent), dtype=np.float32).astype(BF16))
+    for r in system.ranks:
+        system.launch_dispatch(r, tokens)
+    system.sync()
+    if case == "combine_twice":
+        for r in system.ranks:
+            system.launch_combine(r, tokens, apply_norm=1)
+        system.sync()
+    victim, offender = system.ranks[1], system.ranks[0]
+    nbytes = system.layout.peers  # everything a peer may write (the peer table is not theirs)
+
+    def snapshot():
+        check(cu.cuCtxSetCurrent(victim.ctx))
+        out = np.empty(nbytes, np.uint8)
+        check(cu.cuMemcpyDtoH(out.ctypes.data, victim.buffer.ptr, nbytes))
+        return out
+
+    before = snapshot()
+    check(cu.cuCtxSetCurrent(offender.ctx))
+    offender.x.upload(make_tokens(rng, tokens, system.shape, False))
+    offender.out.upload(rng.standard_normal((system.layout.rows, system.shape.latent), dtype=np.float32).astype(BF16))
+    if case == "dispatch_twice":
+        system.launch_dispatch(offender, tokens)
+    else:
+        system.launch_combine(offender, tokens, apply_norm=1)
+    err = cu.cuStreamSynchronize(offender.stream)[0]
+    time.sleep(0.05)  # anything in flight over NVLink has landed
+    after = snapshot()
+    changed = int(np.count_nonzero(before != after))
+    record = [status_host[i] for i in range(4)]
+    code = 3 if case == "dispatch_twice" else 4
+    print(f"  sequence {case}: offender sync -> {err!r}, status record {record}, "
+          f"{changed} of {nbytes} bytes of rank 1's buffer changed", flush=True)
+    ok = err != cu.CUresult.CUDA_SUCCESS and record[:3] == [code, 0, 0] and changed == 0
+    return ok, record, changed
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Stress
 
@@ -1054,7 +1110,7 @@ def _stress_cli(args, n, device, date):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.testing.harness", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("virtual", "devices", "latency", "timeout", "stress"), default="virtual")
+    parser.add_argument("--mode", choices=("virtual", "devices", "latency", "timeout", "sequence", "stress"), default="virtual")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="kimi_k3")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--layers", type=int, default=200)
@@ -1065,6 +1121,7 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sequence-case", choices=("dispatch_twice", "combine_twice"), default="dispatch_twice")
     group = parser.add_argument_group("stress mode")
     group.add_argument("--stress-virtual", action="store_true", help="all ranks on one GPU (default: one per GPU)")
     group.add_argument("--stress-pool", type=int, default=8, help="input sets per rank, uploaded once")
@@ -1078,6 +1135,12 @@ def main(argv=None):
     if args.mode == "timeout":
         ok, record, err = timeout_test(args.artifacts, args.shape)
         print("TIMEOUT TEST", "PASS" if ok else "FAIL")
+        return 0 if ok else 1
+    if args.mode == "sequence":
+        ok, record, changed = sequence_test(args.sequence_case, args.artifacts, args.shape)
+        print("SEQUENCE TEST", args.sequence_case, "PASS" if ok else "FAIL")
+        _csv_rows(args.csv, [(date, f"2x {_device_name()}", args.commit, "stress", 2, 8,
+                              f"{args.sequence_case}_peer_bytes_changed", changed)])
         return 0 if ok else 1
     device = _device_name()
     for n in args.ranks:

@@ -12,7 +12,8 @@
 #                               header {-1, e} to the others (and to every d for j >= T)
 #                    copy q     (q = c, c + Gd, ... < N S) poll hdr[q] (and, if it is not empty, the row's data
 #                               words) until they carry e; write mirror[q]
-#   combine CTA c    guard      read EPOCH_D / EPOCH_C; CTA 0 stores ready[r] = e to every rank, EPOCH_D = e
+#   combine CTA c    guard      read EPOCH_D / EPOCH_C; CTA 0 stores ready[r] = e to every rank; the epoch word
+#                               is written by the last CTA to arrive (guard "counter", the kernels) or CTA 0
 #                    send q     (q = c, c + Gc, ...) read mirror[q]; if valid, issue the partial's LL words to
 #                               rank q // S, slot [q % S][r]
 #                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
@@ -76,11 +77,11 @@ ERROR_COMBINE_TIMEOUT = 2
 ERROR_DISPATCH_TWICE = 3
 ERROR_COMBINE_WITHOUT_DISPATCH = 4
 
-#: `Config.guard` values. "all": every CTA reads both epoch words and checks, CTA 0 writes (as specified for
-#: v3: races its own write); "cta0": CTA 0 alone reads both, checks and writes, the others read only the word
-#: their kernel never writes (the kernels as written: an out-of-sequence call's other CTAs still store);
-#: "counter": every CTA reads both and checks, then arrives on a local counter whose last arrival writes (the
-#: proposed fix); "none": no check (CTA 0 writes).
+#: `Config.guard` values. "counter" (the kernels since `arrive_in_sequence`): every CTA reads both epoch words
+#: and checks, then arrives on a local counter whose last arrival writes; "all": every CTA reads both and
+#: checks, CTA 0 writes (as first specified for v3: races its own write); "cta0": CTA 0 alone reads both, checks
+#: and writes, the others read only the word their kernel never writes (the kernels before the counter: an
+#: out-of-sequence call's other CTAs still store); "none": no check (CTA 0 writes).
 GUARDS = ("all", "cta0", "counter", "none")
 
 # Words of a rank's block in the state.
@@ -108,7 +109,7 @@ class Config:
     layers: int = 3
     route: tuple | str | None = None
     calls: tuple | None = None
-    guard: str = "cta0"
+    guard: str = "counter"
     # broken variants (docs/protocol.md)
     wait_ready: bool = True  # False: (a) dispatch stores without waiting for the ready lines
     ready_in: str = "combine"  # "dispatch": (b) ready[r] = e stored at the start of dispatch e

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call (2 x H200) after a kernel change: the harness's correctness runs, the sequence tests (with
+# the kernels of this tree and, with EXTRA_ARTIFACTS, with an older build, to show what they catch), the
+# timeout path and kernel-only latency; then where a jitted layer's time goes (profiler timeline, XLA's
+# command-buffer log). Summary in $OUT/summary.txt, CSVs and logs in $OUT/all.tar.gz.
+#   GIT_COMMIT=<sha> OUT=<dir> [EXTRA_ARTIFACTS=<dir>] [STAGES="check sequence latency timeline"] bash benchmarks/gpu_guard.sh
+set -u
+OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+C="--commit ${GIT_COMMIT:-unknown}"
+H="python3 -m jax_latent_ep.testing.harness"
+log() { echo "=== $(date +%T) $*"; }
+stages="${STAGES:-check sequence latency timeline}"
+has() { [[ " $stages " == *" $1 "* ]]; }
+{
+if has check; then
+log harness correctness
+( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $W/results.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $W/results.csv $C ) > $W/h0.log 2>&1 &
+p0=$!
+( CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $W/results.csv $C &&
+  CUDA_VISIBLE_DEVICES=1 $H --shape deepseek_v3 --mode virtual --ranks 4 --max-tokens 16 --layers 100 --csv $W/results.csv $C ) > $W/h1.log 2>&1 &
+p1=$!
+wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
+grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
+timeout 120 $H --mode devices --ranks 2 --max-tokens 64 --layers 1000 --csv $W/results.csv $C > $W/h2.log 2>&1
+echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+fi
+if has sequence; then
+for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
+  for case in dispatch_twice combine_twice; do
+    log "sequence $case, kernels $art"
+    timeout 60 $H --mode sequence --sequence-case $case --artifacts $art --csv $W/sequence_$(basename $art).csv $C 2>&1 | grep -E "sequence|SEQUENCE|Error"
+  done
+done
+log timeout test
+timeout 60 $H --mode timeout 2>&1 | tail -2
+fi
+if has latency; then
+log harness latency
+for mt in 8 128; do
+  timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $W/latency_mt$mt.csv $C 2>&1 | grep -E "T="
+done
+fi
+if has timeline; then
+for flags in "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ""; do
+  for n in 1 2; do
+    log "timeline N=$n T=1 (one process), XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" timeout 120 python3 benchmarks/timeline.py --ranks $n --tokens 1 2>&1 | grep -v "^[WI]0000\|^[WI]1130" | tail -36
+  done
+done
+log "XLA command-buffer log, N=1 T=1, SKIP_TEMP"
+XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP" TF_CPP_MIN_LOG_LEVEL=0 \
+  TF_CPP_VMODULE=gpu_executable=5,command_buffer_thunk=3,command_executor=1,traced_command_buffer=6 \
+  timeout 120 python3 benchmarks/timeline.py --ranks 1 --tokens 1 > $W/vlog.txt 2>&1
+grep -o "Buffer allocations changed address.*\|updated_allocs=[0-9]*\|Updated [0-9]* commands in [0-9]* us (skipped [0-9]*\|cache hit\|create new item\|evicting" $W/vlog.txt \
+  | sed 's/in [0-9]* us/in N us/' | sort | uniq -c | sort -rn | head -12
+grep -o "Updated [0-9]* commands in [0-9]* us" $W/vlog.txt | tail -4
+fi
+log done
+} 2>&1 | tee $OUT/summary.txt
+tar czf $OUT/all.tar.gz -C $W . 2>/dev/null
