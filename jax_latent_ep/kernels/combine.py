@@ -23,6 +23,7 @@ from jax_latent_ep.kernels.common import (
     EMPTY,
     DeviceLayout,
     arrive_in_sequence,
+    hand_over_epoch,
     compile_cubin,
     fail,
     load_peer_table,
@@ -164,7 +165,7 @@ class Combine:
         cute.arch.griddepcontrol_wait()
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
-        # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
+        # the dispatch) and EPOCH_D (neither is written before every warp has arrived, `arrive_in_sequence`).
         first_row = Int64(cta)
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
@@ -179,6 +180,8 @@ class Combine:
         # one past EPOCH_D).
         if completed + Uint32(1) != epoch:
             fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
+        arrivals = grid * self.warps
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, arrivals, lane)
         if cta == 0 and warp == 0 and lane < ranks:
             # Lane d tells rank d that this rank's receive rows are copied out (the dispatch grid completed
             # before griddepcontrol.wait returned): its next dispatch may overwrite them.
@@ -277,7 +280,7 @@ class Combine:
             t += grid
 
         # ---- End: the layer is combined; the last CTA hands its epoch to the next dispatch (EPOCH_D).
-        arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, lay.CTRL_EPOCH_D, epoch, grid, tid)
+        hand_over_epoch(ctrl, lay.CTRL_EPOCH_D, epoch, arrived, arrivals, lane)
 
     @cute.jit
     def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):

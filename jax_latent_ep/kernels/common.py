@@ -5,7 +5,7 @@ The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): ev
 LL word (`memory.store_ll`: payload + the writer's layer epoch in one 8-byte store), so a reader polls the data
 itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
 control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
-counter per kernel (`arrive_in_sequence`); a `ready` line per rank tells writers that a rank has copied its
+counter per kernel (`arrive_in_sequence`, `hand_over_epoch`); a `ready` line per rank tells writers that a rank has copied its
 receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
 error record and traps (`fail`).
 No JAX here.
@@ -95,20 +95,30 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
 
 
 @cute.jit
-def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], word: cutlass.Constexpr[int], epoch: Uint32,
-                       grid: Int32, tid: Int32):
-    """The end of a kernel's sequence guard (call it at the end, from every thread of every CTA). Every thread
-    has read both epoch words and passed its check before its first store; after a CTA barrier thread 0
-    arrives on the kernel's counter (`layout.CTRL_COUNT_*`, re-armed by the last arrival), and the last CTA of
-    the grid to arrive stores `epoch` into the kernel's epoch word (`layout.CTRL_EPOCH_*`). Guarantees: no CTA
-    of this grid reads an epoch word after the grid wrote it (every read precedes its CTA's arrival, the
-    write follows the last one), and a call out of sequence stores nothing (every thread fails its own check
-    and traps first; no CTA arrives, so the word is not written)."""
-    cute.arch.sync_threads()
-    if tid == 0:
-        last = Uint32(grid - 1)
-        if atomic_inc_acq_rel_gpu(ctrl + 4 * counter, last) == last:
-            store_relaxed_sys(ctrl + 4 * word, epoch)
+def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], arrivals: Int32, lane: Int32) -> Uint32:
+    """The sequence guard's arrival: call it from every warp of the grid (converged) right after its threads
+    read both epoch words and passed their check (each thread checks before its first store). Lane 0 arrives
+    on the kernel's counter (`layout.CTRL_COUNT_*`, `arrivals` = warps in the grid, re-armed by the last
+    arrival) and gets the old count, which nothing waits for until `hand_over_epoch` (the atomic's round trip
+    overlaps the kernel's work). Returns it (lane 0; 0 on the other lanes)."""
+    cute.arch.sync_warp()  # every lane's reads of the epoch words come before lane 0's arrival
+    old = Uint32(0)
+    if lane == 0:
+        old = atomic_inc_acq_rel_gpu(ctrl + 4 * counter, Uint32(arrivals - 1))
+    return old
+
+
+@cute.jit
+def hand_over_epoch(ctrl: Int64, word: cutlass.Constexpr[int], epoch: Uint32, old: Uint32, arrivals: Int32,
+                    lane: Int32):
+    """The end of the sequence guard (call it last): the warp whose arrival was the grid's last stores `epoch`
+    into the kernel's epoch word (`layout.CTRL_EPOCH_*`). Guarantees: no warp of this grid reads an epoch word
+    after the grid wrote it (every read precedes its warp's arrival; the write follows the last arrival, which
+    acquires them all), and a call out of sequence stores nothing (every thread fails its own check and traps
+    before its first store; the failing warps never arrive, so the word is never written). The next kernel
+    reads the word after its griddepcontrol.wait, when this grid has completed."""
+    if lane == 0 and old == Uint32(arrivals - 1):
+        store_relaxed_sys(ctrl + 4 * word, epoch)
 
 
 @cute.jit

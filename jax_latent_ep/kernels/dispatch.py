@@ -22,6 +22,7 @@ from jax_latent_ep.kernels.common import (
     EMPTY,
     DeviceLayout,
     arrive_in_sequence,
+    hand_over_epoch,
     compile_cubin,
     fail,
     load_peer_table,
@@ -210,15 +211,17 @@ class Dispatch:
         second = load_v4(x_line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
         # This layer's epoch: one past the last combined layer. Sequence guard: every thread reads both epoch
-        # words (neither is written before every CTA has arrived, `arrive_in_sequence`) and fails before its
+        # words (neither is written before every warp has arrived, `arrive_in_sequence`) and fails before its
         # first store if the last dispatch was not combined (EPOCH_C already carries this epoch).
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
         current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
-        if current == epoch:
-            fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
         ready = Uint32(0)
         if warp == 0 and lane < ranks and sends != 0:
             ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
+        if current == epoch:
+            fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
+        arrivals = grid * (self.threads // 32)
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, arrivals, lane)
 
         # ---- Phase 2 (CTAs c < S): wait until every rank has copied out the previous layer's rows (its ready
         # word, stored by its combine, reaches epoch - 1), then store. Invariant after the barrier below: every
@@ -399,7 +402,7 @@ class Dispatch:
             q += grid
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
-        arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, lay.CTRL_EPOCH_C, epoch, grid, tid)
+        hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, arrivals, lane)
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

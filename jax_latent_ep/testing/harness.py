@@ -9,8 +9,9 @@ Modes (`python -m jax_latent_ep.testing.harness --help`):
             around each replay, median over the replays of (elapsed / layers).
   timeout   rank 0 alone of N = 2 (rank 1 never launches): the dispatch must trap and fill the host status
             record {code, rank, peer, layer} (run last: the trap kills the context).
-  sequence  N = 2 on 2 GPUs, rank 0 repeats a dispatch / combine out of sequence (`--sequence-case`): it must
-            trap with its error record and leave rank 1's buffer unchanged, byte for byte.
+  sequence  N = 2 virtual ranks, rank 1's buffer in mapped host memory; rank 0 repeats a dispatch / combine out
+            of sequence (`--sequence-case`): it must trap with its error record and leave rank 1's buffer
+            unchanged, byte for byte (run last: the trap kills the context).
   stress    `--layers` (e.g. 100000) consecutive layers, one rank per GPU (`--stress-virtual`: on one GPU): input
             sets uploaded once, random sets / T / apply_norm per layer and rank, one rank held back by a host
             busy-wait in half the layers, batches of `--stress-batch` layers launched back to back into their
@@ -184,6 +185,39 @@ class DeviceArray:
         return out
 
 
+class HostMappedArray(DeviceArray):
+    """Pinned host memory mapped into every context (`cuMemHostAlloc` DEVICEMAP | PORTABLE): kernels reach it at
+    `ptr` (unified addressing); the CPU reads and writes it directly, also after a GPU context was lost."""
+
+    def __init__(self, nbytes):
+        cu = _cu()
+        self.nbytes = max(int(nbytes), 16)
+        self.host = int(check(cu.cuMemHostAlloc(self.nbytes, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE)))
+        self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0)))
+        ctypes.memset(self.host, 0, self.nbytes)
+
+    def upload(self, array, offset=0):
+        array = np.ascontiguousarray(array)
+        assert offset + array.nbytes <= self.nbytes, (offset, array.nbytes, self.nbytes)
+        ctypes.memmove(self.host + offset, array.ctypes.data, array.nbytes)
+
+    def download(self, dtype, shape, offset=0):
+        out = np.empty(shape, dtype)
+        ctypes.memmove(out.ctypes.data, self.host + offset, out.nbytes)
+        return out
+
+
+class HostMappedView(DeviceArray):
+    """A window of a `HostMappedArray` (no memory of its own)."""
+
+    def __init__(self, array: HostMappedArray, offset, nbytes):
+        self.array, self.offset = array, int(offset)
+        self.ptr, self.nbytes = array.ptr + self.offset, int(nbytes)
+
+    def upload(self, values):
+        self.array.upload(values, self.offset)
+
+
 class DeviceView(DeviceArray):
     """A window `[ptr, ptr + nbytes)` of another allocation (no memory of its own)."""
 
@@ -194,7 +228,7 @@ class DeviceView(DeviceArray):
 class Rank:
     """One rank: its context, stream, symmetric buffer, peer table, inputs and outputs."""
 
-    def __init__(self, rank, ctx, layout: EpLayout, kernels):
+    def __init__(self, rank, ctx, layout: EpLayout, kernels, host_buffer=False):
         cu = _cu()
         self.rank, self.ctx, self.layout = rank, ctx, layout
         check(cu.cuCtxSetCurrent(ctx))
@@ -202,8 +236,12 @@ class Rank:
         self.dispatch, self.combine = kernels
         shape, n, tmax = layout.shape, layout.ranks, layout.tokens
         rows, latent, topk = layout.rows, shape.latent, shape.topk
-        self.buffer = DeviceArray(layout.bytes)
-        self.peers = DeviceView(self.buffer.ptr + layout.peers, 8 * (n + 1))  # the layout's local peer table
+        if host_buffer:  # the symmetric buffer in mapped host memory: readable after the context is lost
+            self.buffer = HostMappedArray(layout.bytes)
+            self.peers = HostMappedView(self.buffer, layout.peers, 8 * (n + 1))
+        else:
+            self.buffer = DeviceArray(layout.bytes)
+            self.peers = DeviceView(self.buffer.ptr + layout.peers, 8 * (n + 1))  # the layout's local peer table
         self.x = DeviceArray(tmax * latent * 2)
         self.ids = DeviceArray(tmax * topk * 4)
         self.weights = DeviceArray(tmax * topk * 4)
@@ -222,8 +260,12 @@ class Rank:
         cu = _cu()
         lay = self.layout
         check(cu.cuCtxSetCurrent(self.ctx))
-        check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.peers))
         check(cu.cuCtxSynchronize())
+        if isinstance(self.buffer, HostMappedArray):
+            ctypes.memset(self.buffer.host, 0, lay.peers)
+        else:
+            check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.peers))
+            check(cu.cuCtxSynchronize())
 
     def ctrl_words(self):
         cu = _cu()
@@ -240,7 +282,7 @@ def _grid(tokens, rows, cap):
 class System:
     """N ranks on one GPU (virtual) or on N GPUs, with their kernels loaded."""
 
-    def __init__(self, shape_name, ranks, max_tokens, mode, artifacts=DEFAULT_ARTIFACTS, arch="sm_90a"):
+    def __init__(self, shape_name, ranks, max_tokens, mode, artifacts=DEFAULT_ARTIFACTS, arch="sm_90a", host_ranks=()):
         cu = _cu()
         check(cu.cuInit(0))
         self.cu = cu
@@ -279,7 +321,8 @@ class System:
             max_tokens = self.cap
         self.max_tokens = max_tokens
         self.layout = EpLayout(ranks, max_tokens, self.shape)
-        self.ranks = [Rank(r, self.ctxs[ordinals[r]], self.layout, kernels[ordinals[r]]) for r in range(ranks)]
+        self.ranks = [Rank(r, self.ctxs[ordinals[r]], self.layout, kernels[ordinals[r]], r in host_ranks)
+                      for r in range(ranks)]
         for r in self.ranks:
             table = np.array([p.buffer.ptr for p in self.ranks] + [r.buffer.ptr], np.int64)
             check(cu.cuCtxSetCurrent(r.ctx))
@@ -670,23 +713,24 @@ def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3"):
 
 
 def sequence_test(case, artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3", tokens=8):
-    """A call out of sequence corrupts nothing else: N = 2 on two GPUs (one context each, so rank 1's survives
-    rank 0's trap). Both ranks run layer 0 (`case` "dispatch_twice": the dispatch; "combine_twice": dispatch and
-    combine) on fresh random tokens; rank 1's whole buffer (its receive rows, combine slots, control and ready
-    lines) is then read back. Rank 0 repeats its last call with new random inputs, out of sequence: it must trap
-    with error 3 (4) and leave rank 1's buffer byte for byte as it was. Returns (ok, record, changed bytes)."""
-    system = System(shape_name, 2, tokens, "devices", artifacts)
+    """A call out of sequence corrupts nothing else: N = 2 virtual ranks on one GPU, rank 1's symmetric buffer in
+    mapped host memory (the CPU reads it after rank 0's trap has lost the context). Both ranks run layer 0
+    (`case` "dispatch_twice": the dispatch; "combine_twice": dispatch and combine) on fresh random inputs; rank
+    1's buffer (receive rows, combine slots, control and ready lines: all a peer may write) is read. Rank 0 then
+    repeats its last call with new random inputs, out of sequence: it must trap with error 3 (4) and leave rank
+    1's buffer byte for byte as it was. Returns (ok, status record, bytes of rank 1's buffer changed)."""
+    system = System(shape_name, 2, tokens, "virtual", artifacts, host_ranks=(1,))
     cu = system.cu
     system.status, status_host = _host_status(cu)
     system.timeout_ns = 2_000_000_000
     rng = np.random.default_rng(7)
+    lay = system.layout
     for r in system.ranks:
-        check(cu.cuCtxSetCurrent(r.ctx))
         r.x.upload(make_tokens(rng, tokens, system.shape, False))
         ids, weights = make_routing(rng, tokens, system.shape)
         r.ids.upload(ids)
         r.weights.upload(weights)
-        r.out.upload(rng.standard_normal((system.layout.rows, system.shape.latent), dtype=np.float32).astype(BF16))
+        r.out.upload(rng.standard_normal((lay.rows, system.shape.latent), dtype=np.float32).astype(BF16))
     for r in system.ranks:
         system.launch_dispatch(r, tokens)
     system.sync()
@@ -694,31 +738,22 @@ def sequence_test(case, artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3", token
         for r in system.ranks:
             system.launch_combine(r, tokens, apply_norm=1)
         system.sync()
-    victim, offender = system.ranks[1], system.ranks[0]
-    nbytes = system.layout.peers  # everything a peer may write (the peer table is not theirs)
-
-    def snapshot():
-        check(cu.cuCtxSetCurrent(victim.ctx))
-        out = np.empty(nbytes, np.uint8)
-        check(cu.cuMemcpyDtoH(out.ctypes.data, victim.buffer.ptr, nbytes))
-        return out
-
-    before = snapshot()
-    check(cu.cuCtxSetCurrent(offender.ctx))
+    offender, victim = system.ranks
+    before = victim.buffer.download(np.uint8, lay.peers)
     offender.x.upload(make_tokens(rng, tokens, system.shape, False))
-    offender.out.upload(rng.standard_normal((system.layout.rows, system.shape.latent), dtype=np.float32).astype(BF16))
+    offender.out.upload(rng.standard_normal((lay.rows, system.shape.latent), dtype=np.float32).astype(BF16))
     if case == "dispatch_twice":
         system.launch_dispatch(offender, tokens)
     else:
         system.launch_combine(offender, tokens, apply_norm=1)
     err = cu.cuStreamSynchronize(offender.stream)[0]
-    time.sleep(0.05)  # anything in flight over NVLink has landed
-    after = snapshot()
+    time.sleep(0.05)  # anything still in flight has landed
+    after = victim.buffer.download(np.uint8, lay.peers)
     changed = int(np.count_nonzero(before != after))
     record = [status_host[i] for i in range(4)]
     code = 3 if case == "dispatch_twice" else 4
     print(f"  sequence {case}: offender sync -> {err!r}, status record {record}, "
-          f"{changed} of {nbytes} bytes of rank 1's buffer changed", flush=True)
+          f"{changed} of {lay.peers} bytes of rank 1's buffer changed", flush=True)
     ok = err != cu.CUresult.CUDA_SUCCESS and record[:3] == [code, 0, 0] and changed == 0
     return ok, record, changed
 
@@ -1139,7 +1174,7 @@ def main(argv=None):
     if args.mode == "sequence":
         ok, record, changed = sequence_test(args.sequence_case, args.artifacts, args.shape)
         print("SEQUENCE TEST", args.sequence_case, "PASS" if ok else "FAIL")
-        _csv_rows(args.csv, [(date, f"2x {_device_name()}", args.commit, "stress", 2, 8,
+        _csv_rows(args.csv, [(date, f"1x {_device_name()} (2 virtual ranks)", args.commit, "stress", 2, 8,
                               f"{args.sequence_case}_peer_bytes_changed", changed)])
         return 0 if ok else 1
     device = _device_name()
