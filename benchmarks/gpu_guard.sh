@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 C="--commit ${GIT_COMMIT:-unknown}"
 H="python3 -m jax_latent_ep.testing.harness"
 log() { echo "=== $(date +%T) $*"; }
-stages="${STAGES:-check sequence latency timeline}"
+stages="${STAGES:-check sequence latency timeline}"  # also: stress
 has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has check; then
@@ -30,11 +30,19 @@ if has sequence; then
 for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
   for case in dispatch_twice combine_twice; do
     log "sequence $case, kernels $art"
-    timeout 60 $H --mode sequence --sequence-case $case --artifacts $art --csv $W/sequence_$(basename $art).csv $C 2>&1 | grep -E "sequence|SEQUENCE|Error"
+    timeout 60 $H --mode sequence --sequence-case $case --artifacts $art --csv $W/sequence_$(basename $art).csv $C 2>&1 | tail -3
   done
 done
 log timeout test
 timeout 60 $H --mode timeout 2>&1 | tail -2
+fi
+if has stress; then
+log stress smoke: 2000 layers
+timeout 40 $H --mode stress --ranks 2 --layers 2000 --max-tokens 16 --stress-log-every 1000 2>&1 | tail -3; smoke=${PIPESTATUS[0]}
+if [ $smoke -eq 0 ]; then
+log stress: 100000 layers, N=2 on two GPUs, one rank delayed at random
+timeout 200 $H --mode stress --ranks 2 --layers 100000 --max-tokens 16 --stress-log-every 20000 --csv $W/stress.csv $C 2>&1 | tail -9
+fi
 fi
 if has latency; then
 log harness latency
