@@ -46,8 +46,11 @@ fi
 fi
 if has latency; then
 log harness latency
-for mt in 8 128; do
-  timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $W/latency_mt$mt.csv $C 2>&1 | grep -E "T="
+for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
+  for mt in 8 128; do
+    echo "-- kernels $art, max_tokens $mt (N = 1, then N = 2)"
+    timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --csv $W/latency_$(basename $art)_mt$mt.csv $C 2>&1 | grep -E "T="
+  done
 done
 fi
 if has timeline; then

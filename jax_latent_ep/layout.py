@@ -15,11 +15,11 @@ ROW_BLOCK = 8
 # Words of the first control line (int32 each), written by this rank only. The two epoch words hand the
 # layer epoch from kernel to kernel. Every thread of a kernel reads both after its griddepcontrol.wait (the
 # previous kernel of the stream has completed) and checks the call's place in the sequence before any store;
-# each kernel writes its word once, from the last warp to arrive on its counter (which re-arms itself), so no
-# thread ever reads a word after its own grid wrote it, and a call out of sequence writes nothing.
+# each kernel writes its word once, at its end, from the CTA that arrived last on its counter (which re-arms
+# itself), so no thread ever reads a word after its own grid wrote it, and a call out of sequence writes nothing.
 CTRL_EPOCH_D = 0  # epoch of the last completed layer (written by combine, read by the next dispatch)
 CTRL_EPOCH_C = 1  # epoch of the current layer (written by dispatch, read by its combine)
-CTRL_COUNT_D = 2  # warps of the running dispatch that have passed the sequence check (0 between kernels)
+CTRL_COUNT_D = 2  # CTAs of the running dispatch that have passed the sequence check (0 between kernels)
 CTRL_COUNT_C = 3  # the same for the combine
 CTRL_LAYER = CTRL_EPOCH_D  # = layers completed on this rank (the layer number in error reports)
 CTRL_ERROR = 5  # 0, or an error code (ERROR_*)

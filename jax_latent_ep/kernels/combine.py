@@ -165,7 +165,7 @@ class Combine:
         cute.arch.griddepcontrol_wait()
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
-        # the dispatch) and EPOCH_D (neither is written before every warp has arrived, `arrive_in_sequence`).
+        # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
         first_row = Int64(cta)
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
@@ -180,8 +180,7 @@ class Combine:
         # one past EPOCH_D).
         if completed + Uint32(1) != epoch:
             fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
-        arrivals = grid * self.warps
-        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, arrivals, lane)
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
         if cta == 0 and warp == 0 and lane < ranks:
             # Lane d tells rank d that this rank's receive rows are copied out (the dispatch grid completed
             # before griddepcontrol.wait returned): its next dispatch may overwrite them.
@@ -280,7 +279,7 @@ class Combine:
             t += grid
 
         # ---- End: the layer is combined; the last CTA hands its epoch to the next dispatch (EPOCH_D).
-        hand_over_epoch(ctrl, lay.CTRL_EPOCH_D, epoch, arrived, arrivals, lane)
+        hand_over_epoch(ctrl, lay.CTRL_EPOCH_D, epoch, arrived, grid, tid)
 
     @cute.jit
     def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):

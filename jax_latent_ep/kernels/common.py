@@ -20,7 +20,7 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
-    atomic_inc_acq_rel_gpu,
+    atomic_inc_relaxed_gpu,
     fence_sc_sys,
     globaltimer,
     load_u64,
@@ -95,29 +95,31 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
 
 
 @cute.jit
-def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], arrivals: Int32, lane: Int32) -> Uint32:
-    """The sequence guard's arrival: call it from every warp of the grid (converged) right after its threads
-    read both epoch words and passed their check (each thread checks before its first store). Lane 0 arrives
-    on the kernel's counter (`layout.CTRL_COUNT_*`, `arrivals` = warps in the grid, re-armed by the last
-    arrival) and gets the old count, which nothing waits for until `hand_over_epoch` (the atomic's round trip
-    overlaps the kernel's work). Returns it (lane 0; 0 on the other lanes)."""
-    cute.arch.sync_warp()  # every lane's reads of the epoch words come before lane 0's arrival
+def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], grid: Int32, tid: Int32) -> Uint32:
+    """The sequence guard's arrival: call it from every thread of every CTA right after the thread read both
+    epoch words and passed its check (each thread checks before its first store). After a CTA barrier (every
+    thread's reads of the epoch words have returned their values: the check used them) thread 0 arrives on
+    the kernel's counter (`layout.CTRL_COUNT_*`, re-armed by the grid's last arrival) and gets the old count,
+    which nothing waits for until `hand_over_epoch`: the atomic's round trip overlaps the kernel's work.
+    Returns it (thread 0; 0 on the others)."""
+    cute.arch.sync_threads()
     old = Uint32(0)
-    if lane == 0:
-        old = atomic_inc_acq_rel_gpu(ctrl + 4 * counter, Uint32(arrivals - 1))
+    if tid == 0:
+        old = atomic_inc_relaxed_gpu(ctrl + 4 * counter, Uint32(grid - 1))
     return old
 
 
 @cute.jit
-def hand_over_epoch(ctrl: Int64, word: cutlass.Constexpr[int], epoch: Uint32, old: Uint32, arrivals: Int32,
-                    lane: Int32):
-    """The end of the sequence guard (call it last): the warp whose arrival was the grid's last stores `epoch`
-    into the kernel's epoch word (`layout.CTRL_EPOCH_*`). Guarantees: no warp of this grid reads an epoch word
-    after the grid wrote it (every read precedes its warp's arrival; the write follows the last arrival, which
-    acquires them all), and a call out of sequence stores nothing (every thread fails its own check and traps
-    before its first store; the failing warps never arrive, so the word is never written). The next kernel
+def hand_over_epoch(ctrl: Int64, word: cutlass.Constexpr[int], epoch: Uint32, old: Uint32, grid: Int32,
+                    tid: Int32):
+    """The end of the sequence guard (call it last): thread 0 of the CTA whose arrival was the grid's last
+    (old count = grid - 1) stores `epoch` into the kernel's epoch word (`layout.CTRL_EPOCH_*`). Guarantees: no
+    thread of this grid reads an epoch word after the grid wrote it (every read returned before its CTA
+    arrived; the store is issued only once the atomic returned the last count, so after every arrival), and a
+    call out of sequence stores nothing (every thread fails its own check and traps before its first store;
+    no failing CTA arrives, so the count never completes and the word is never written). The next kernel
     reads the word after its griddepcontrol.wait, when this grid has completed."""
-    if lane == 0 and old == Uint32(arrivals - 1):
+    if tid == 0 and old == Uint32(grid - 1):
         store_relaxed_sys(ctrl + 4 * word, epoch)
 
 

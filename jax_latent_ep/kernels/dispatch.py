@@ -211,7 +211,7 @@ class Dispatch:
         second = load_v4(x_line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
         # This layer's epoch: one past the last combined layer. Sequence guard: every thread reads both epoch
-        # words (neither is written before every warp has arrived, `arrive_in_sequence`) and fails before its
+        # words (neither is written before every CTA has arrived, `arrive_in_sequence`) and fails before its
         # first store if the last dispatch was not combined (EPOCH_C already carries this epoch).
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
         current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
@@ -220,8 +220,7 @@ class Dispatch:
             ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
         if current == epoch:
             fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
-        arrivals = grid * (self.threads // 32)
-        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, arrivals, lane)
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
 
         # ---- Phase 2 (CTAs c < S): wait until every rank has copied out the previous layer's rows (its ready
         # word, stored by its combine, reaches epoch - 1), then store. Invariant after the barrier below: every
@@ -402,7 +401,7 @@ class Dispatch:
             q += grid
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
-        hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, arrivals, lane)
+        hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, grid, tid)
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

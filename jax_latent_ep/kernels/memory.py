@@ -170,16 +170,16 @@ def store_relaxed_sys(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def atomic_inc_acq_rel_gpu(addr, limit, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `atom.acq_rel.gpu.global.inc.u32` (new = old >= limit ? 0 : old + 1) and returns the
-    old value: an arrival counter that re-arms itself. Release: this thread's earlier loads and stores (and,
-    after a CTA barrier, its CTA's) are ordered before the arrival; acquire: the arrival that sees
-    `old == limit` (the last) orders its later stores after every earlier arrival's release."""
+def atomic_inc_relaxed_gpu(addr, limit, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `atom.relaxed.gpu.global.inc.u32` (new = old >= limit ? 0 : old + 1) and returns the
+    old value: an arrival counter that re-arms itself. No fence: nothing of this thread waits for it until the
+    result is used (unlike `atom.add`, which ptxas may aggregate over the warp with a shuffle of the result
+    right after the atomic, `inc` is issued as is), so its round trip overlaps the work issued after it."""
     return Uint32(
         _asm(
             T.i32(),
             [_i64(addr, loc, ip), _u32(limit, loc, ip)],
-            "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;",
+            "atom.relaxed.gpu.global.inc.u32 $0, [$1], $2;",
             "=r,l,r",
             loc,
             ip,
