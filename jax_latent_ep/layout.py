@@ -19,8 +19,9 @@ ROW_BLOCK = 8
 # itself), so no thread ever reads a word after its own grid wrote it, and a call out of sequence writes nothing.
 CTRL_EPOCH_D = 0  # epoch of the last completed layer (written by combine, read by the next dispatch)
 CTRL_EPOCH_C = 1  # epoch of the current layer (written by dispatch, read by its combine)
-CTRL_COUNT_D = 2  # CTAs of the running dispatch that have passed the sequence check (0 between kernels)
-CTRL_COUNT_C = 3  # the same for the combine
+# The arrival counters live on the second control line (words 32, 33), away from the words every thread reads.
+CTRL_COUNT_D = 32  # CTAs of the running dispatch that have passed the sequence check (0 between kernels)
+CTRL_COUNT_C = 33  # the same for the combine
 CTRL_LAYER = CTRL_EPOCH_D  # = layers completed on this rank (the layer number in error reports)
 CTRL_ERROR = 5  # 0, or an error code (ERROR_*)
 CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a sequence error)
@@ -99,7 +100,7 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
         ("hdr", rows * HDR_PITCH),
         ("mirror", rows * 4),
         ("comb", tokens * (ranks * comb_pitch(shape))),
-        ("ctrl", LINE + NUM_MAX_RANKS * LINE),
+        ("ctrl", 2 * LINE + NUM_MAX_RANKS * LINE),
         ("peers", (NUM_MAX_RANKS + 1) * 8),
     ]
     regions, offset = {}, 0
@@ -124,7 +125,8 @@ class EpLayout:
       mirror   [rows] int32           this rank's own copy of each row's source word (written by the dispatch's
                                       copy-out, read by the combine; no peer writes it)
       comb     [tokens, ranks, 4 L]   BF16 partial of every own token from every destination rank, in LL words
-      ctrl     128 + 32 * 128         control words (CTRL_*), then one `ready` line per rank: ready[s] = the
+      ctrl     2 * 128 + 32 * 128     control words (CTRL_*: epochs and error record, then the arrival counters
+                                      on a line of their own), then one `ready` line per rank: ready[s] = the
                                       epoch of the last layer whose receive rows rank s has copied out
       peers    [N + 1] int64          local only: the base of every rank's buffer as this rank maps it, then
                                       its own (the kernels' `peers` argument points here, so the local base
@@ -227,7 +229,7 @@ class EpLayout:
     @property
     def ready(self) -> int:
         """Byte offset of the ready lines: rank `s`'s at `ready + 128 * s`."""
-        return self.ctrl + LINE
+        return self.ctrl + 2 * LINE
 
     @property
     def peers(self) -> int:

@@ -38,13 +38,13 @@ def test_offsets_for_kimi_by_hand():
             mirror = align(hdr + rows * 16)
             comb = align(mirror + rows * 4)
             ctrl = align(comb + t * n * 3584 * 4)
-            peers = align(ctrl + 128 + 32 * 128)
+            peers = align(ctrl + 2 * 128 + 32 * 128)
             total = align(peers + 33 * 8)
             got = lay.offsets()
             assert (got["x"], got["sf"], got["ids"], got["weights"], got["hdr"]) == (x, sf, ids, weights, hdr)
             assert (got["mirror"], got["comb"], got["ctrl"], got["peers"], got["bytes"]) == (
                 mirror, comb, ctrl, peers, total)
-            assert got["ready"] == ctrl + 128
+            assert got["ready"] == ctrl + 2 * 128
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s.latent}_E{s.experts}_K{s.topk}")
@@ -78,7 +78,7 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
             # Combine slots [t, d] are whole lines (one writer each).
             assert lay.comb % LINE == 0 and lay.comb_pitch % LINE == 0
             # Each ready word owns a line; control words come before them; the peer table is last.
-            assert lay.ready == lay.ctrl + LINE and lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ready
+            assert lay.ready == lay.ctrl + 2 * LINE and lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ctrl + LINE
             assert lay.ready + 32 * LINE <= lay.peers and lay.peers + 33 * 8 <= lay.bytes
 
 

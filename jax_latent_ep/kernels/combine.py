@@ -180,7 +180,6 @@ class Combine:
         # one past EPOCH_D).
         if completed + Uint32(1) != epoch:
             fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
-        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
         if cta == 0 and warp == 0 and lane < ranks:
             # Lane d tells rank d that this rank's receive rows are copied out (the dispatch grid completed
             # before griddepcontrol.wait returned): its next dispatch may overwrite them.
@@ -201,6 +200,9 @@ class Combine:
             line_q = out + (row * latent + column) * 2
             self.send_row(table, buf, source_q, load_v4(line_q), load_v4(line_q + 16), epoch, rank, tid)
             q += grid
+        # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
+        # before the end).
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
 

@@ -45,7 +45,7 @@ class DeviceLayout:
         self.rows = self.stride * ranks
         for name in ("x", "sf", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
             setattr(self, name, regions[name][0])
-        self.ready = self.ctrl + LINE
+        self.ready = self.ctrl + 2 * LINE  # = layout.EpLayout.ready
         self.x_pitch = lay.x_pitch(shape)
         self.sf_pitch = lay.sf_pitch(shape)
         self.meta_pitch = lay.meta_pitch(shape)
@@ -96,12 +96,11 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
 
 @cute.jit
 def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], grid: Int32, tid: Int32) -> Uint32:
-    """The sequence guard's arrival: call it from every thread of every CTA right after the thread read both
-    epoch words and passed its check (each thread checks before its first store). After a CTA barrier (every
-    thread's reads of the epoch words have returned their values: the check used them) thread 0 arrives on
-    the kernel's counter (`layout.CTRL_COUNT_*`, re-armed by the grid's last arrival) and gets the old count,
-    which nothing waits for until `hand_over_epoch`: the atomic's round trip overlaps the kernel's work.
-    Returns it (thread 0; 0 on the others)."""
+    """The sequence guard's arrival: call it from every thread of every CTA, anywhere after the thread read
+    both epoch words and passed its check (each thread checks before its first store). After a CTA barrier
+    (every thread's reads of the epoch words have returned: its check used them) thread 0 arrives on the
+    kernel's counter (`layout.CTRL_COUNT_*`, on a line of its own, re-armed by the grid's last arrival) and
+    gets the old count, which nothing waits for until `hand_over_epoch`. Returns it (thread 0; 0 elsewhere)."""
     cute.arch.sync_threads()
     old = Uint32(0)
     if tid == 0:

@@ -220,7 +220,6 @@ class Dispatch:
             ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
         if current == epoch:
             fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
-        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
 
         # ---- Phase 2 (CTAs c < S): wait until every rank has copied out the previous layer's rows (its ready
         # word, stored by its combine, reaches epoch - 1), then store. Invariant after the barrier below: every
@@ -326,6 +325,9 @@ class Dispatch:
                 store_ll(table + buf.hdr + (Int64(rank) * buf.stride + j) * buf.hdr_pitch, Uint32(EMPTY), epoch)
                 j += grid
 
+        # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
+        # before the end).
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
 
