@@ -8,14 +8,26 @@
 //   * Python (jax_latent_ep/symmetric.py, nvlink.py) allocates the symmetric buffers, the device peer tables
 //     and the host-mapped status pages, then calls `ep_register_rank` (plain C, through ctypes) once per
 //     (instance, device). That call loads the cubins into the device's primary context (once per device and
-//     cubin image, outside any CUDA graph capture) and records everything a launch needs in a registry.
+//     cubin image, outside any CUDA graph capture), keeps a copy of each image for the life of the process
+//     and records everything a launch needs in a registry.
 //   * The handlers look their rank up in that registry by (instance attribute, device ordinal), check the
-//     operand shapes and launch with cuLaunchKernelEx on XLA's stream. No host synchronization, no
-//     allocation on the device, no module loading: they are safe to capture into XLA command buffers, where
-//     their host code runs at capture only (so the registered pointers must outlive the executable).
+//     operand shapes and compute the kernel parameters (`prepare_dispatch` / `prepare_combine`, shared by
+//     every handler). Two ways to the kernel:
+//       - traced targets (`EpDispatch` / `EpCombine`, execute stage only): cuLaunchKernelEx on XLA's stream.
+//         Inside an XLA command buffer XLA captures that launch into a child graph, and re-captures it
+//         whenever a buffer address of the call changes.
+//       - record targets (execute + RECORD stage, registered by `ep_register_record_targets` through the
+//         plugin's XLA_FFI_Api, which jax's registration would drop): in a command buffer the record handler
+//         adds a plain kernel node (XLA loads the kept cubin copy) and later only updates its parameters.
+//         Outside command buffers their execute handler launches on the stream like the traced targets.
+//     No host synchronization, no allocation on the device, no module loading in the handlers: they are safe
+//     in XLA command buffers, where their host code runs at capture / record only (so the registered
+//     pointers must outlive the executable).
 
 #include <dlfcn.h>
 
+#include <atomic>
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -24,12 +36,27 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+// The FFI RECORD stage (jaxlib >= 0.11.2). Without it the record targets are compiled out and
+// ep_register_record_targets reports that.
+#if defined(__has_include)
+#if __has_include("xla/ffi/api/record_api.h")
+#include "xla/ffi/api/record_api.h"
+#define JAX_LATENT_EP_RECORD 1
+#endif
+#endif
+#ifndef JAX_LATENT_EP_RECORD
+#define JAX_LATENT_EP_RECORD 0
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -143,6 +170,8 @@ std::string cu_error(CUresult rc) {
 // One kernel of a registered rank: the function handle in the device's primary context and its launch shape.
 struct Kernel {
   CUfunction fn = nullptr;
+  std::string name;                    // the cubin symbol (the manifest's `name`)
+  const std::string* image = nullptr;  // the cubin, kept at this address for the process (g_images)
   unsigned block = 0;  // threads per CTA (the cubin's .reqntid)
   unsigned smem = 0;   // dynamic shared memory bytes
   // CTAs of one launch that can be resident at once (occupancy x SMs): every CTA of a launch waits on
@@ -172,6 +201,9 @@ std::map<std::pair<int64_t, int>, std::unique_ptr<Rank>> g_ranks;  // (instance,
 // Loaded modules, once per (ordinal, image hash, image size): kept for the life of the process (a CUDA
 // graph captured from a handler may still launch them).
 std::map<std::tuple<int, size_t, size_t>, CUmodule> g_modules;
+// Copies of the cubin images, one per distinct image, never freed: the record stage hands XLA the image's
+// address, and XLA loads and caches the kernel by (name, address) for the life of its command buffers.
+std::set<std::string> g_images;
 thread_local std::string g_last_error;
 
 int fail(std::string message) {
@@ -237,6 +269,8 @@ int load_kernel(int ordinal, const void* image, size_t size, const char* name, i
   if (!error.empty()) return fail(error);
   out->max_grid = int64_t{per_sm} * sms;
   out->fn = fn;
+  out->name = name;
+  out->image = &*g_images.emplace(static_cast<const char*>(image), size).first;
   out->block = static_cast<unsigned>(block);
   out->smem = static_cast<unsigned>(smem);
   return 0;
@@ -311,38 +345,155 @@ ffi::Error expect(const char* what, const char* name, const ffi::AnyBuffer& buf,
                                      dtype_name(type) + want);
 }
 
-ffi::Error launch(const char* what, const Kernel& k, unsigned grid, cudaStream_t stream, void** params) {
+// The parameters of one kernel launch, in docs/kernel_abi.md order, held by value: the one list feeds both
+// cuLaunchKernelEx (a pointer to each value) and the record stage (device addresses and by-value scalars).
+class KernelParams {
+ public:
+  // A 64-bit device address (`.param .u64`): an XLA buffer, the peer table, the status record (or 0).
+  void address(const void* p) { add(&p, sizeof(p), /*is_address=*/true); }
+  void address(uint64_t p) { address(reinterpret_cast<const void*>(p)); }
+  // A scalar passed by value (`i64`, `i32`, `f32`).
+  template <typename T>
+  void value(T v) {
+    static_assert(std::is_arithmetic_v<T> && sizeof(T) <= 8, "kernel scalars are at most 8 bytes");
+    add(&v, sizeof(T), /*is_address=*/false);
+  }
+  int size() const { return count_; }
+  // One pointer per parameter, for cuLaunchKernelEx (valid while this object lives).
+  void** pointers() {
+    for (int i = 0; i < count_; ++i) pointers_[i] = slots_[i].bytes;
+    return pointers_;
+  }
+#if JAX_LATENT_EP_RECORD
+  // The same parameters for CreateLaunch / UpdateLaunch (XLA copies the values before these return).
+  std::vector<ffi::KernelArg> record_args() const {
+    std::vector<ffi::KernelArg> args;
+    args.reserve(count_);
+    for (int i = 0; i < count_; ++i) {
+      const Slot& s = slots_[i];
+      if (s.is_address) {
+        void* p;
+        std::memcpy(&p, s.bytes, sizeof(p));
+        args.push_back(ffi::DevicePointer{p});
+      } else {
+        args.push_back(ffi::HostValue{s.bytes, s.size});
+      }
+    }
+    return args;
+  }
+#endif
+
+ private:
+  static constexpr int kMax = 16;  // dispatch takes 14, combine 12
+  struct Slot {
+    alignas(8) unsigned char bytes[8];
+    size_t size;
+    bool is_address;
+  };
+  void add(const void* v, size_t size, bool is_address) {
+    assert(count_ < kMax && "more kernel parameters than KernelParams holds");
+    Slot& s = slots_[count_++];
+    std::memset(s.bytes, 0, sizeof(s.bytes));
+    std::memcpy(s.bytes, v, size);
+    s.size = size;
+    s.is_address = is_address;
+  }
+  Slot slots_[kMax];
+  void* pointers_[kMax];
+  int count_ = 0;
+};
+
+// One launch as a handler computed it: the kernel, its grid and its parameters.
+struct Launch {
+  const Kernel* kernel = nullptr;
+  unsigned grid = 0;
+  KernelParams params;
+};
+
+// Launches on XLA's stream (execute stage). `pdl`: allow programmatic dependent launch (the kernels wait
+// with griddepcontrol.wait before reading anything a predecessor wrote).
+ffi::Error launch(const char* what, Launch& l, cudaStream_t stream, bool pdl) {
+  const Kernel& k = *l.kernel;
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.id = kLaunchAttributeProgrammaticStreamSerialization;
   attr.value.programmaticStreamSerializationAllowed = 1;
   CUlaunchConfig config;
   std::memset(&config, 0, sizeof(config));
-  config.gridDimX = grid;
+  config.gridDimX = l.grid;
   config.gridDimY = config.gridDimZ = 1;
   config.blockDimX = k.block;
   config.blockDimY = config.blockDimZ = 1;
   config.sharedMemBytes = k.smem;
   config.hStream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  CUresult rc = driver().cuLaunchKernelEx(&config, k.fn, params, nullptr);
+  config.attrs = pdl ? &attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  CUresult rc = driver().cuLaunchKernelEx(&config, k.fn, l.params.pointers(), nullptr);
   if (rc != kCudaSuccess) {
     return ffi::Error::Internal(std::string("jax_latent_ep ") + what + ": cuLaunchKernelEx(grid " +
-                                std::to_string(grid) + ", block " + std::to_string(k.block) + ", smem " +
+                                std::to_string(l.grid) + ", block " + std::to_string(k.block) + ", smem " +
                                 std::to_string(k.smem) + "): " + cu_error(rc));
   }
   return ffi::Error::Success();
 }
 
+#if JAX_LATENT_EP_RECORD
+// The record stage's context, decoded from XLA's record extension (XLA's own xla/ffi/api/record_ffi.h, which
+// jaxlib does not ship, defines the same two types).
+struct RecordContext : ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy> {
+  using Base = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
+  using Base::Base;
+};
+struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {
+  // Extension 0.1 (jaxlib 0.11.2) and 0.2 (jaxlib 0.12: adds a source format) share the layout used here;
+  // the default check would accept only the version of the headers this file was built with.
+  static bool Support(int32_t major, int32_t minor) { return major == 0 && (minor == 1 || minor == 2); }
+};
+
+std::atomic<int64_t> g_record_creates{0}, g_record_updates{0};
+
+// Adds the launch to XLA's command buffer as one kernel node (Create), or updates that node's parameters
+// (Update: XLA calls again when a buffer address of the call changed). Launch dimensions, kernel and shared
+// memory come from attributes and the registry, so they do not change between Create and Update.
+ffi::Error record(const char* what, RecordContext& ctx, const Launch& l, bool uses_pdl) {
+  const Kernel& k = *l.kernel;
+  std::vector<ffi::KernelArg> args = l.params.record_args();
+  auto failed = [&](const ffi::Error& e, const char* step) {
+    return ffi::Error(e.errc().value_or(ffi::ErrorCode::kInternal),
+                      std::string("jax_latent_ep ") + what + ": " + step + " (kernel " + k.name + ", grid " +
+                          std::to_string(l.grid) + ", block " + std::to_string(k.block) + ", smem " +
+                          std::to_string(k.smem) + "): " + e.message());
+  };
+  if (ctx.action() == ffi::RecordAction::kCreate) {
+    XLA_FFI_LaunchDims dims{/*grid=*/{static_cast<int32_t>(l.grid), 1, 1},
+                            /*block=*/{static_cast<int32_t>(k.block), 1, 1}, /*cluster=*/{0, 0, 0}};
+    auto cmd = ctx.CreateLaunch(k.name.c_str(), k.image->data(), k.image->size(), ffi::SourceFormat::kCubin,
+                                dims, k.smem, uses_pdl, args);
+    if (cmd.has_error()) return failed(cmd.error(), "recording the kernel node");
+    g_record_creates.fetch_add(1, std::memory_order_relaxed);
+    return ffi::Error::Success();
+  }
+  if (ctx.commands().size() != 1) {
+    return ffi::Error::Internal(std::string("jax_latent_ep ") + what + ": record update with " +
+                                std::to_string(ctx.commands().size()) + " recorded commands, expected 1");
+  }
+  if (ffi::Error e = ctx.UpdateLaunch(ctx.commands()[0], args); e.failure()) {
+    return failed(e, "updating the kernel node");
+  }
+  g_record_updates.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+#endif  // JAX_LATENT_EP_RECORD
+
 // ---------------------------------------------------------------------------------------------------------
 // dispatch(x, ids, weights) -> (recv_x, recv_sf, recv_ids, recv_weights, recv_src)
 // ---------------------------------------------------------------------------------------------------------
-ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids,
-                        ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
-                        ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
-                        int64_t instance, int64_t grid) {
+
+// Checks the operands against the registered rank and computes the launch (every dispatch handler).
+ffi::Error prepare_dispatch(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
+                            ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_sf,
+                            ffi::Result<ffi::AnyBuffer> recv_ids, ffi::Result<ffi::AnyBuffer> recv_weights,
+                            ffi::Result<ffi::AnyBuffer> recv_src, int64_t instance, int64_t grid, Launch& out) {
   constexpr const char* what = "dispatch";
   const Rank* r = find_rank(instance, ordinal);
   if (r == nullptr) return missing_rank(what, instance, ordinal);
@@ -371,33 +522,93 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
                        expect(what, "recv_src", *recv_src, ffi::DataType::S32, {rows})}) {
     if (!e.success()) return e;
   }
-  // Parameters in docs/kernel_abi.md order.
-  uint64_t p_x = reinterpret_cast<uint64_t>(x.untyped_data());
-  uint64_t p_ids = reinterpret_cast<uint64_t>(ids.untyped_data());
-  uint64_t p_weights = reinterpret_cast<uint64_t>(weights.untyped_data());
-  uint64_t p_peers = r->peers;
-  uint64_t p_recv_x = reinterpret_cast<uint64_t>(recv_x->untyped_data());
-  uint64_t p_recv_sf = reinterpret_cast<uint64_t>(recv_sf->untyped_data());
-  uint64_t p_recv_ids = reinterpret_cast<uint64_t>(recv_ids->untyped_data());
-  uint64_t p_recv_weights = reinterpret_cast<uint64_t>(recv_weights->untyped_data());
-  uint64_t p_recv_src = reinterpret_cast<uint64_t>(recv_src->untyped_data());
-  uint64_t p_status = r->status;
-  int64_t p_timeout = r->timeout_ns;
-  int32_t p_rank = r->rank;
-  int32_t p_tokens = static_cast<int32_t>(T);
-  int32_t p_max_tokens = r->max_tokens;
-  void* params[] = {&p_x,         &p_ids,        &p_weights, &p_peers,  &p_recv_x,
-                    &p_recv_sf,   &p_recv_ids,   &p_recv_weights,       &p_recv_src,
-                    &p_status,    &p_timeout,    &p_rank,    &p_tokens, &p_max_tokens};
-  return launch(what, r->dispatch, static_cast<unsigned>(grid), stream, params);
+  out.kernel = &r->dispatch;
+  out.grid = static_cast<unsigned>(grid);
+  // Parameters in docs/kernel_abi.md order (ffi.DISPATCH_PARAMS).
+  KernelParams& p = out.params;
+  p.address(x.untyped_data());
+  p.address(ids.untyped_data());
+  p.address(weights.untyped_data());
+  p.address(r->peers);
+  p.address(recv_x->untyped_data());
+  p.address(recv_sf->untyped_data());
+  p.address(recv_ids->untyped_data());
+  p.address(recv_weights->untyped_data());
+  p.address(recv_src->untyped_data());
+  p.address(r->status);
+  p.value(int64_t{r->timeout_ns});
+  p.value(int32_t{r->rank});
+  p.value(static_cast<int32_t>(T));
+  p.value(int32_t{r->max_tokens});
+  return ffi::Error::Success();
+}
+
+// Execute stage of the record target (and, with uses_pdl, of the traced one).
+ffi::Error DispatchExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                           ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                           ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
+                           ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
+                           int64_t instance, int64_t grid, bool uses_pdl) {
+  Launch l;
+  if (ffi::Error e = prepare_dispatch(ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights,
+                                      recv_src, instance, grid, l);
+      e.failure()) {
+    return e;
+  }
+  return launch("dispatch", l, stream, uses_pdl);
+}
+
+// The traced target: always allows programmatic dependent launch.
+ffi::Error DispatchTraced(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                          ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
+                          ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
+                          int64_t instance, int64_t grid) {
+  return DispatchExecute(stream, ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
+                         instance, grid, /*uses_pdl=*/true);
+}
+
+#if JAX_LATENT_EP_RECORD
+ffi::Error DispatchRecord(RecordContext ctx, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer ids,
+                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                          ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
+                          ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
+                          int64_t instance, int64_t grid, bool uses_pdl) {
+  Launch l;
+  if (ffi::Error e = prepare_dispatch(ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights,
+                                      recv_src, instance, grid, l);
+      e.failure()) {
+    return e;
+  }
+  return record("dispatch", ctx, l, uses_pdl);
+}
+#endif
+
+// The device, operands, results and attributes every dispatch handler binds (after its stage's context).
+template <typename Binding>
+auto bind_dispatch(Binding binding) {
+  return std::move(binding)
+      .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the rank registry
+      .template Arg<ffi::AnyBuffer>()      // x: bf16 [T, L] this rank's tokens
+      .template Arg<ffi::AnyBuffer>()      // ids: int32 [T, K] global expert ids
+      .template Arg<ffi::AnyBuffer>()      // weights: f32 [T, K] routing weights
+      .template Ret<ffi::AnyBuffer>()      // recv_x: float8_e4m3fn [N*S, L]
+      .template Ret<ffi::AnyBuffer>()      // recv_sf: uint8 [N*S, L/32] E8M0 scales
+      .template Ret<ffi::AnyBuffer>()      // recv_ids: int32 [N*S, K]
+      .template Ret<ffi::AnyBuffer>()      // recv_weights: f32 [N*S, K]
+      .template Ret<ffi::AnyBuffer>()      // recv_src: int32 [N*S] (r << 16) | t, or -1
+      .template Attr<int64_t>("instance")  // which NvlinkBackend (several may coexist)
+      .template Attr<int64_t>("grid");     // CTAs, >= T
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // combine(out, ids, norm_weight) -> result
 // ---------------------------------------------------------------------------------------------------------
-ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
-                       ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
-                       int64_t grid, float eps, int64_t apply_norm) {
+
+// Checks the operands against the registered rank and computes the launch (every combine handler).
+ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids, ffi::AnyBuffer norm_weight,
+                           ffi::Result<ffi::AnyBuffer> result, int64_t instance, int64_t grid, float eps,
+                           int64_t apply_norm, Launch& l) {
   constexpr const char* what = "combine";
   const Rank* r = find_rank(instance, ordinal);
   if (r == nullptr) return missing_rank(what, instance, ordinal);
@@ -421,61 +632,126 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out,
                        expect(what, "result", *result, ffi::DataType::BF16, {T, L})}) {
     if (!e.success()) return e;
   }
-  // Parameters in docs/kernel_abi.md order.
-  uint64_t p_out = reinterpret_cast<uint64_t>(out.untyped_data());
-  uint64_t p_ids = reinterpret_cast<uint64_t>(ids.untyped_data());
-  uint64_t p_norm = reinterpret_cast<uint64_t>(norm_weight.untyped_data());
-  uint64_t p_result = reinterpret_cast<uint64_t>(result->untyped_data());
-  uint64_t p_peers = r->peers;
-  uint64_t p_status = r->status;
-  int64_t p_timeout = r->timeout_ns;
-  float p_eps = eps;
-  int32_t p_rank = r->rank;
-  int32_t p_tokens = static_cast<int32_t>(T);
-  int32_t p_max_tokens = r->max_tokens;
-  int32_t p_apply_norm = apply_norm != 0 ? 1 : 0;
-  void* params[] = {&p_out,     &p_ids,  &p_norm,       &p_result,  &p_peers,     &p_status,
-                    &p_timeout, &p_eps,  &p_rank,       &p_tokens,  &p_max_tokens, &p_apply_norm};
-  return launch(what, r->combine, static_cast<unsigned>(grid), stream, params);
+  l.kernel = &r->combine;
+  l.grid = static_cast<unsigned>(grid);
+  // Parameters in docs/kernel_abi.md order (ffi.COMBINE_PARAMS).
+  KernelParams& p = l.params;
+  p.address(out.untyped_data());
+  p.address(ids.untyped_data());
+  p.address(norm_weight.untyped_data());
+  p.address(result->untyped_data());
+  p.address(r->peers);
+  p.address(r->status);
+  p.value(int64_t{r->timeout_ns});
+  p.value(float{eps});
+  p.value(int32_t{r->rank});
+  p.value(static_cast<int32_t>(T));
+  p.value(int32_t{r->max_tokens});
+  p.value(int32_t{apply_norm != 0 ? 1 : 0});
+  return ffi::Error::Success();
+}
+
+// Execute stage of the record target (and, with uses_pdl, of the traced one).
+ffi::Error CombineExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
+                          ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
+                          int64_t grid, float eps, int64_t apply_norm, bool uses_pdl) {
+  Launch l;
+  if (ffi::Error e = prepare_combine(ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm, l);
+      e.failure()) {
+    return e;
+  }
+  return launch("combine", l, stream, uses_pdl);
+}
+
+// The traced target: always allows programmatic dependent launch.
+ffi::Error CombineTraced(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
+                         ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
+                         int64_t grid, float eps, int64_t apply_norm) {
+  return CombineExecute(stream, ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm,
+                        /*uses_pdl=*/true);
+}
+
+#if JAX_LATENT_EP_RECORD
+ffi::Error CombineRecord(RecordContext ctx, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
+                         ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
+                         int64_t grid, float eps, int64_t apply_norm, bool uses_pdl) {
+  Launch l;
+  if (ffi::Error e = prepare_combine(ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm, l);
+      e.failure()) {
+    return e;
+  }
+  return record("combine", ctx, l, uses_pdl);
+}
+#endif
+
+// The device, operands, results and attributes every combine handler binds (after its stage's context).
+template <typename Binding>
+auto bind_combine(Binding binding) {
+  return std::move(binding)
+      .template Ctx<ffi::DeviceOrdinal>()    // the device, key of the rank registry
+      .template Arg<ffi::AnyBuffer>()        // out: bf16 [N*S, L] expert output per receive row
+      .template Arg<ffi::AnyBuffer>()        // ids: int32 [T, K] this rank's own routing
+      .template Arg<ffi::AnyBuffer>()        // norm_weight: bf16 [L] (read only if apply_norm)
+      .template Ret<ffi::AnyBuffer>()        // result: bf16 [T, L] routed latent or its RMSNorm
+      .template Attr<int64_t>("instance")    // which NvlinkBackend (several may coexist)
+      .template Attr<int64_t>("grid")        // CTAs, >= 1
+      .template Attr<float>("eps")           // RMSNorm epsilon
+      .template Attr<int64_t>("apply_norm");  // 1: RMSNorm of the routed latent, 0: routed latent
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------------------------------------
+
+// Traced targets (jax_latent_ep_dispatch / _combine), registered by Python with jax.ffi.register_ffi_target.
+XLA_FFI_DEFINE_HANDLER(kDispatchTraced, DispatchTraced,
+                       bind_dispatch(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),  // XLA's stream
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kCombineTraced, CombineTraced,
+                       bind_combine(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),  // XLA's stream
+                       {ffi::Traits::kCmdBufferCompatible});
+
+#if JAX_LATENT_EP_RECORD
+// Record targets (registered by ep_register_record_targets): the execute stage (outside command buffers) and
+// the record stage (inside them), both with the `uses_pdl` attribute that XLA also reads for the node.
+XLA_FFI_DEFINE_HANDLER(kDispatchExecute, DispatchExecute,
+                       bind_dispatch(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())  // XLA's stream
+                           .Attr<bool>("uses_pdl"),  // programmatic dependent launch allowed
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kDispatchRecord, DispatchRecord,
+                       bind_dispatch(ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>())  // the record
+                           .Attr<bool>("uses_pdl"));  // programmatic dependent launch allowed (the node's edges)
+XLA_FFI_DEFINE_HANDLER(kCombineExecute, CombineExecute,
+                       bind_combine(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())  // XLA's stream
+                           .Attr<bool>("uses_pdl"),  // programmatic dependent launch allowed
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kCombineRecord, CombineRecord,
+                       bind_combine(ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>())  // the record
+                           .Attr<bool>("uses_pdl"));  // programmatic dependent launch allowed (the node's edges)
+#endif
+
+// The XLA FFI API of the process's CUDA plugin, seen in the first call frame of a traced handler: XLA queries
+// a handler's metadata when jax.ffi.register_ffi_target registers it, so it is known once Python registered
+// the traced targets with an initialized CUDA backend. Only ep_register_record_targets uses it.
+std::atomic<const XLA_FFI_Api*> g_api{nullptr};
+
+XLA_FFI_Error* remember_api(XLA_FFI_CallFrame* call_frame, XLA_FFI_Handler* handler) {
+  if (g_api.load(std::memory_order_relaxed) == nullptr && call_frame->api != nullptr) {
+    const XLA_FFI_Api* none = nullptr;
+    g_api.compare_exchange_strong(none, call_frame->api);
+  }
+  return handler(call_frame);
 }
 
 }  // namespace
 
 // The handler symbols are what Python wraps with jax.ffi.pycapsule: exported even under -fvisibility=hidden.
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpDispatch(XLA_FFI_CallFrame*);
-extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame*);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    EpDispatch, DispatchImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
-        .Ctx<ffi::DeviceOrdinal>()                 // the device, key of the rank registry
-        .Arg<ffi::AnyBuffer>()                     // x: bf16 [T, L] this rank's tokens
-        .Arg<ffi::AnyBuffer>()                     // ids: int32 [T, K] global expert ids
-        .Arg<ffi::AnyBuffer>()                     // weights: f32 [T, K] routing weights
-        .Ret<ffi::AnyBuffer>()                     // recv_x: float8_e4m3fn [N*S, L]
-        .Ret<ffi::AnyBuffer>()                     // recv_sf: uint8 [N*S, L/32] E8M0 scales
-        .Ret<ffi::AnyBuffer>()                     // recv_ids: int32 [N*S, K]
-        .Ret<ffi::AnyBuffer>()                     // recv_weights: f32 [N*S, K]
-        .Ret<ffi::AnyBuffer>()                     // recv_src: int32 [N*S] (r << 16) | t, or -1
-        .Attr<int64_t>("instance")                 // which NvlinkBackend (several may coexist)
-        .Attr<int64_t>("grid"),                    // CTAs, >= T
-    {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    EpCombine, CombineImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
-        .Ctx<ffi::DeviceOrdinal>()                 // the device, key of the rank registry
-        .Arg<ffi::AnyBuffer>()                     // out: bf16 [N*S, L] expert output per receive row
-        .Arg<ffi::AnyBuffer>()                     // ids: int32 [T, K] this rank's own routing
-        .Arg<ffi::AnyBuffer>()                     // norm_weight: bf16 [L] (read only if apply_norm)
-        .Ret<ffi::AnyBuffer>()                     // result: bf16 [T, L] routed latent or its RMSNorm
-        .Attr<int64_t>("instance")                 // which NvlinkBackend (several may coexist)
-        .Attr<int64_t>("grid")                     // CTAs, >= 1
-        .Attr<float>("eps")                        // RMSNorm epsilon
-        .Attr<int64_t>("apply_norm"),              // 1: RMSNorm of the routed latent, 0: routed latent
-    {ffi::Traits::kCmdBufferCompatible});
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpDispatch(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, kDispatchTraced);
+}
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, kCombineTraced);
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Plain C entry points for ctypes.
@@ -547,6 +823,73 @@ __attribute__((visibility("default"))) int64_t ep_max_grid(int64_t instance, int
 __attribute__((visibility("default"))) int ep_registered_count() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return static_cast<int>(g_ranks.size());
+}
+
+// Registers the record targets `dispatch_name` / `combine_name` for CUDA, straight through the XLA FFI API of
+// the CUDA plugin (jax.ffi.register_ffi_target would drop their record handler): each with its execute and
+// record handler, command-buffer compatible. Call after Python registered the traced targets (EpDispatch /
+// EpCombine) with an initialized CUDA backend. Returns 0 (also when they are already registered), 2 if no
+// XLA FFI API has been seen yet (register the traced targets first, then call again), or 1 if the record
+// stage is not available (not compiled in, or XLA refused); ep_last_error() says why for 1 and 2.
+__attribute__((visibility("default"))) int ep_register_record_targets(const char* dispatch_name,
+                                                                      const char* combine_name) {
+#if !JAX_LATENT_EP_RECORD
+  (void)dispatch_name;
+  (void)combine_name;
+  return fail("record stage not available: this library was built against XLA FFI headers without "
+              "xla/ffi/api/record_api.h (jaxlib < 0.11.2)");
+#else
+  const XLA_FFI_Api* api = g_api.load();
+  if (api == nullptr) {
+    fail("record stage not available yet: no XLA FFI API seen (register the traced targets with "
+         "jax.ffi.register_ffi_target for CUDA, once JAX initialized its CUDA backend, then call again)");
+    return 2;
+  }
+  if (dispatch_name == nullptr || combine_name == nullptr || !*dispatch_name || !*combine_name) {
+    return fail("record target names must not be empty");
+  }
+  static std::set<std::string>* registered = new std::set<std::string>();  // by this library, this process
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const struct {
+    const char* name;
+    XLA_FFI_Handler* execute;
+    XLA_FFI_Handler* record;
+  } targets[] = {{dispatch_name, kDispatchExecute, kDispatchRecord},
+                 {combine_name, kCombineExecute, kCombineRecord}};
+  for (const auto& t : targets) {
+    if (registered->count(t.name)) continue;
+    XLA_FFI_Handler_Register_Args args;
+    std::memset(&args, 0, sizeof(args));
+    args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;  // the size that carries bundle.record
+    args.extension_start = nullptr;
+    args.name = XLA_FFI_ByteSpan{t.name, std::strlen(t.name)};
+    args.platform = XLA_FFI_ByteSpan{"CUDA", 4};
+    args.bundle.execute = t.execute;
+    args.bundle.record = t.record;
+    args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
+      std::string why = ffi::internal::GetErrorMessage(api, error);
+      ffi::internal::DestroyError(api, error);
+      return fail(std::string("record stage not available: XLA refused to register the record target ") +
+                  t.name + ": " + why);
+    }
+    registered->insert(t.name);
+  }
+  return 0;
+#endif
+}
+
+// How often the record handlers added (creates) or updated (updates) a kernel node, for tests and
+// benchmarks; both 0 on the traced path. Returns 0, or 1 if the record stage is not compiled in.
+__attribute__((visibility("default"))) int ep_record_counts(int64_t* creates, int64_t* updates) {
+#if JAX_LATENT_EP_RECORD
+  *creates = g_record_creates.load();
+  *updates = g_record_updates.load();
+  return 0;
+#else
+  *creates = *updates = 0;
+  return fail("record stage not available");
+#endif
 }
 
 }  // extern "C"

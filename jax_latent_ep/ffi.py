@@ -4,12 +4,22 @@
 and plain C functions that fill its rank registry (keyed by backend instance and CUDA device ordinal). The
 handlers find their rank's peer table, rank, status record and loaded kernels there, so every device of an
 SPMD program runs the same custom call with the same attributes.
+
+Two sets of targets reach the same kernels (docs/kernel_abi.md, "Launch path"):
+  * traced (`jax_latent_ep_dispatch` / `_combine`): the handler launches on XLA's stream; inside an XLA
+    command buffer XLA captures it into a child graph and re-captures it when a buffer address changes.
+  * record (`jax_latent_ep_dispatch_rec` / `_combine_rec`): handlers for the FFI RECORD stage too, which
+    add a plain kernel node to the command buffer and later only update its parameters. Registered by the
+    library itself (jax's registration drops record handlers); used by default once registered.
+`launch_path()` says which one a call traced now uses; `JAX_LATENT_EP_FFI_RECORD=0` picks the traced targets,
+`JAX_LATENT_EP_PDL=0` turns programmatic dependent launch off on the record targets.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
 import threading
 
@@ -21,6 +31,15 @@ from jax_latent_ep import artifacts
 
 DISPATCH_TARGET = "jax_latent_ep_dispatch"
 COMBINE_TARGET = "jax_latent_ep_combine"
+#: The record-capable targets (execute + RECORD stage), registered by `ep_register_record_targets`.
+DISPATCH_RECORD_TARGET = "jax_latent_ep_dispatch_rec"
+COMBINE_RECORD_TARGET = "jax_latent_ep_combine_rec"
+
+#: "0" (read when a call is traced): use the traced targets even where the record targets are registered.
+RECORD_ENV = "JAX_LATENT_EP_FFI_RECORD"
+#: "0" (read when a call is traced): the record targets' `uses_pdl` attribute is False (no programmatic
+#: dependent launch for their kernel nodes and launches). The traced targets always allow it.
+PDL_ENV = "JAX_LATENT_EP_PDL"
 
 _lock = threading.Lock()
 
@@ -62,10 +81,19 @@ def library() -> ctypes.CDLL:
     lib.ep_max_grid.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.ep_registered_count.restype = ctypes.c_int
     lib.ep_registered_count.argtypes = []
+    if hasattr(lib, "ep_register_record_targets"):  # absent from libraries built before the record targets
+        lib.ep_register_record_targets.restype = ctypes.c_int
+        lib.ep_register_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.ep_record_counts.restype = ctypes.c_int
+        lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     return lib
 
 
 _registered = False
+#: Why the record targets are not registered (None once they are).
+_record_error: str | None = "not registered yet (register_targets was not called)"
+_record_final = False  # registered, or failed for good (no record stage in this library or this jaxlib)
+_RECORD_RETRY = 2  # ep_register_record_targets: no XLA FFI API seen yet (the CUDA backend was not initialized)
 
 #: The parameters the handlers pass, in order (docs/kernel_abi.md); checked against the manifest's `params`.
 DISPATCH_PARAMS = (
@@ -81,15 +109,71 @@ COMBINE_PARAMS = (
 
 
 def register_targets() -> None:
-    """Registers both FFI targets with JAX for the CUDA platform (once per process)."""
-    global _registered
+    """Registers the FFI targets for the CUDA platform (once per process): the traced ones with JAX, then the
+    record ones through the library (`record_error()` says why not, if it could not)."""
+    global _registered, _record_error, _record_final
     with _lock:
-        if _registered:
-            return
         lib = library()
-        jax.ffi.register_ffi_target(DISPATCH_TARGET, jax.ffi.pycapsule(lib.EpDispatch), platform="CUDA")
-        jax.ffi.register_ffi_target(COMBINE_TARGET, jax.ffi.pycapsule(lib.EpCombine), platform="CUDA")
-        _registered = True
+        if not _registered:
+            # JAX registers at once if its CUDA backend is initialized (else when it is); XLA then queries the
+            # handler's metadata, which shows the library the plugin's XLA FFI API (for the record targets).
+            jax.ffi.register_ffi_target(DISPATCH_TARGET, jax.ffi.pycapsule(lib.EpDispatch), platform="CUDA")
+            jax.ffi.register_ffi_target(COMBINE_TARGET, jax.ffi.pycapsule(lib.EpCombine), platform="CUDA")
+            _registered = True
+        if _record_final:
+            return
+        if not _record_wanted():  # the kill switch: not even registered (a later call may register them)
+            _record_error = f"not registered: {RECORD_ENV}=0 when register_targets ran"
+            return
+        if not hasattr(lib, "ep_register_record_targets"):
+            _record_error = "record stage not available: this FFI library predates it (rebuild it)"
+            _record_final = True
+            return
+        rc = lib.ep_register_record_targets(DISPATCH_RECORD_TARGET.encode(), COMBINE_RECORD_TARGET.encode())
+        _record_error = None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")
+        # No CUDA backend yet (rc 2): the next call retries (NvlinkBackend calls this once its devices exist).
+        _record_final = rc != _RECORD_RETRY
+
+
+def record_error() -> str | None:
+    """Why the record targets are not registered in this process (None once they are)."""
+    return _record_error
+
+
+def _record_wanted() -> bool:
+    return os.environ.get(RECORD_ENV, "1").strip() != "0"
+
+
+def _pdl_wanted() -> bool:
+    return os.environ.get(PDL_ENV, "1").strip() != "0"
+
+
+def launch_path() -> str:
+    """How a dispatch / combine traced now reaches its kernel: "record" (the record targets: a kernel node in
+    XLA command buffers) or "traced" (the traced targets: a stream capture in command buffers), the latter
+    when `JAX_LATENT_EP_FFI_RECORD=0` or the record targets are not registered (`record_error()`). Both launch
+    on the stream outside command buffers. The choice is baked into the HLO at trace time: an executable keeps
+    its path when the environment changes later."""
+    return "record" if _record_wanted() and _record_error is None else "traced"
+
+
+def _target(kind: str) -> tuple[str, dict]:
+    """The target name and the extra attributes of a `kind` ("dispatch" / "combine") call traced now."""
+    if launch_path() == "record":
+        name = DISPATCH_RECORD_TARGET if kind == "dispatch" else COMBINE_RECORD_TARGET
+        # XLA reads `uses_pdl` too: only with it True does the kernel node get programmatic edges.
+        return name, {"uses_pdl": _pdl_wanted()}
+    return (DISPATCH_TARGET if kind == "dispatch" else COMBINE_TARGET), {}
+
+
+def record_counts() -> tuple[int, int]:
+    """(creates, updates): how often the record handlers added or updated a kernel node in this process."""
+    lib = library()
+    if not hasattr(lib, "ep_record_counts"):
+        return 0, 0
+    creates, updates = ctypes.c_int64(0), ctypes.c_int64(0)
+    lib.ep_record_counts(ctypes.byref(creates), ctypes.byref(updates))
+    return creates.value, updates.value
 
 
 class KernelImage:
@@ -208,9 +292,10 @@ def dispatch_call(x, ids, weights, *, instance: int, rows: int, grid: int, num_s
         jax.ShapeDtypeStruct((rows, topk), jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.int32),
     )
-    call = jax.ffi.ffi_call(DISPATCH_TARGET, out_types, has_side_effect=True)
+    target, extra = _target("dispatch")
+    call = jax.ffi.ffi_call(target, out_types, has_side_effect=True)
     x, ids, weights = _opaque(x, ids, weights)
-    return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid))
+    return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid), **extra)
 
 
 def _opaque(*operands):
@@ -225,7 +310,8 @@ def _opaque(*operands):
 def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float, apply_norm: bool):
     """The per-rank combine custom call: bf16 `[T, L]`."""
     out_type = jax.ShapeDtypeStruct((ids.shape[0], out.shape[1]), jnp.bfloat16)
-    call = jax.ffi.ffi_call(COMBINE_TARGET, out_type, has_side_effect=True)
+    target, extra = _target("combine")
+    call = jax.ffi.ffi_call(target, out_type, has_side_effect=True)
     out, ids, norm_weight = _opaque(out, ids, norm_weight)
     return call(out, ids, norm_weight, instance=np.int64(instance), grid=np.int64(grid),
-                eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0))
+                eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0), **extra)

@@ -2,13 +2,15 @@
 
 CPU parts (always run): the rank record exchanged between processes and its config-mismatch error, the
 error record ("tombstone") of a process whose setup failed and its publication, grid rules, artifact lookup,
-the lowering of both custom calls for CUDA (their attributes and side effect), and, on stand-ins for the GPU
-state: `status()` keyed by (group, rank), `check()`'s message for every error code, `close()` (unregister
-before free, later calls refused) and the release of a dropped backend.
+the lowering of both custom calls for CUDA on the traced and the record path (target names, attributes, side
+effect), the choice between the two paths (environment switches, registration failures and retries), and,
+on stand-ins for the GPU state: `status()` keyed by (group, rank), `check()`'s message for every error code,
+`close()` (unregister before free, later calls refused) and the release of a dropped backend.
 GPU parts (`@pytest.mark.gpu`, skipped with the reason where there is no NVIDIA GPU): every result of a
 two-layer dispatch / expert / combine case against the XLA backend (bit for bit: receive rows and routed
 latent; the normed output within 1 bf16 ulp) and the NumPy model, with 1 and 2 GPUs in one process; many
-layers in one jit (unrolled and in `lax.scan`) with XLA command buffers on (subprocess); one process per GPU
+layers in one jit (unrolled and in `lax.scan`) with XLA command buffers on (subprocess); the same program on
+the record path (with and without PDL) and the traced path, bit for bit alike (subprocesses); one process per GPU
 (subprocess, jax.distributed); bad input refused before any kernel runs (subprocess); the kernels' sequence
 errors, dispatch twice and combine without dispatch, reported by `check()` (subprocess: the trap ends the
 process's CUDA context).
@@ -113,14 +115,23 @@ def test_artifacts_env_first(tmp_path, monkeypatch):
         artifacts.find("no_such_artifact.bin")
 
 
-def test_lowering_for_cuda():
-    """Both calls lower (on any machine) to side-effecting custom calls with the attributes the handlers bind."""
+@pytest.mark.parametrize("path", ["traced", "record", "record_no_pdl"])
+def test_lowering_for_cuda(path, monkeypatch):
+    """Both calls lower (on any machine) to side-effecting custom calls with the attributes the handlers bind:
+    the traced targets without `uses_pdl`, the record targets with it (False under JAX_LATENT_EP_PDL=0)."""
     reason = _have_library()
     if reason:
         pytest.skip(f"no FFI library / manifest: {reason}")
     from jax_latent_ep import ffi
 
     ffi.register_targets()
+    monkeypatch.setenv(ffi.RECORD_ENV, "0" if path == "traced" else "1")
+    monkeypatch.setenv(ffi.PDL_ENV, "0" if path == "record_no_pdl" else "1")
+    if path != "traced":
+        monkeypatch.setattr(ffi, "_record_error", None)  # as if registered (they are only on a CUDA machine)
+    assert ffi.launch_path() == ("traced" if path == "traced" else "record")
+    targets = ((ffi.DISPATCH_TARGET, ffi.COMBINE_TARGET) if path == "traced"
+               else (ffi.DISPATCH_RECORD_TARGET, ffi.COMBINE_RECORD_TARGET))
     n = min(2, len(jax.devices()))
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
     rows, t = n * 8, 5
@@ -131,20 +142,164 @@ def test_lowering_for_cuda():
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep")))
     sds = lambda s, d, sp: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, sp))  # noqa: E731
-    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in (ffi.DISPATCH_TARGET, ffi.COMBINE_TARGET)]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in targets]
     exp = jax.export.export(g, platforms=["cuda"], disabled_checks=checks)(
         sds((n * t, 3584), jnp.bfloat16, P("ep")), sds((n * t, 16), jnp.int32, P("ep")),
         sds((n * t, 16), jnp.float32, P("ep")), sds((3584,), jnp.bfloat16, P()))
     text = exp.mlir_module()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-    dispatch = [c for c in calls if f"@{ffi.DISPATCH_TARGET}" in c]
-    combine = [c for c in calls if f"@{ffi.COMBINE_TARGET}" in c]
-    assert len(dispatch) == 1 and len(combine) == 1, calls
+    dispatch = [c for c in calls if f"@{targets[0]}(" in c]
+    combine = [c for c in calls if f"@{targets[1]}(" in c]
+    assert len(dispatch) == 1 and len(combine) == 1 and len(calls) == 2, calls
     assert "has_side_effect = true" in dispatch[0] and "has_side_effect = true" in combine[0]
     for attr in ("grid = 32 : i64", "instance = 3 : i64", f"tensor<{rows}x3584xf8E4M3FN>", f"tensor<{rows}xi32>"):
         assert attr in dispatch[0], attr
     for attr in ("apply_norm = 1 : i64", "grid = 64 : i64", "instance = 3 : i64", ": f32"):
         assert attr in combine[0], attr
+    pdl = {"traced": None, "record": "uses_pdl = true", "record_no_pdl": "uses_pdl = false"}[path]
+    for call in (dispatch[0], combine[0]):
+        assert (pdl in call) if pdl else ("uses_pdl" not in call), call
+
+
+def test_launch_path_choice(monkeypatch):
+    """The record targets by default once registered; the traced ones under JAX_LATENT_EP_FFI_RECORD=0 or
+    when registration failed. `uses_pdl` only on the record targets, False under JAX_LATENT_EP_PDL=0."""
+    from jax_latent_ep import ffi
+
+    monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
+    monkeypatch.delenv(ffi.PDL_ENV, raising=False)
+    monkeypatch.setattr(ffi, "_record_error", None)
+    assert ffi.launch_path() == "record"
+    assert ffi._target("dispatch") == (ffi.DISPATCH_RECORD_TARGET, {"uses_pdl": True})
+    assert ffi._target("combine") == (ffi.COMBINE_RECORD_TARGET, {"uses_pdl": True})
+    monkeypatch.setenv(ffi.PDL_ENV, "0")
+    assert ffi._target("combine") == (ffi.COMBINE_RECORD_TARGET, {"uses_pdl": False})
+    monkeypatch.setenv(ffi.RECORD_ENV, "0")
+    assert ffi.launch_path() == "traced"
+    assert ffi._target("dispatch") == (ffi.DISPATCH_TARGET, {})
+    assert ffi._target("combine") == (ffi.COMBINE_TARGET, {})
+    monkeypatch.setenv(ffi.RECORD_ENV, "1")
+    monkeypatch.setattr(ffi, "_record_error", "record stage not available: test")
+    assert ffi.launch_path() == "traced" and ffi.record_error() == "record stage not available: test"
+    assert ffi._target("dispatch") == (ffi.DISPATCH_TARGET, {})
+
+
+class FakeRecordLibrary:
+    """Stands in for the FFI library's record registration: answers with the codes given, in order."""
+
+    def __init__(self, codes):
+        self.codes, self.calls, self.message = list(codes), [], b""
+
+    def ep_register_record_targets(self, dispatch, combine):
+        self.calls.append((dispatch, combine))
+        rc = self.codes.pop(0)
+        self.message = {0: b"", 1: b"record stage not available: XLA refused (test)",
+                        2: b"record stage not available yet: no XLA FFI API seen (test)"}[rc]
+        return rc
+
+    def ep_last_error(self):
+        return self.message
+
+
+@pytest.mark.parametrize("codes, path, calls", [
+    ([0], "record", 1),              # registered: record targets, never asked again
+    ([1], "traced", 1),              # refused for good (no record stage): traced targets, never asked again
+    ([2, 2, 0], "record", 3),        # no CUDA backend yet: asked again by each register_targets until it works
+])
+def test_record_registration_fallback(codes, path, calls, monkeypatch):
+    from jax_latent_ep import ffi
+
+    fake = FakeRecordLibrary(codes)
+    monkeypatch.setattr(ffi, "library", lambda: fake)
+    monkeypatch.setattr(ffi, "_registered", True)  # the traced targets (jax.ffi.register_ffi_target) are not faked
+    monkeypatch.setattr(ffi, "_record_error", "not registered yet")
+    monkeypatch.setattr(ffi, "_record_final", False)
+    monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
+    for _ in range(3):
+        ffi.register_targets()
+    assert len(fake.calls) == calls
+    assert fake.calls[0] == (ffi.DISPATCH_RECORD_TARGET.encode(), ffi.COMBINE_RECORD_TARGET.encode())
+    assert ffi.launch_path() == path
+    if path == "traced":
+        assert ffi.record_error() == "record stage not available: XLA refused (test)"
+    else:
+        assert ffi.record_error() is None
+
+
+def test_record_registration_switched_off(monkeypatch):
+    """JAX_LATENT_EP_FFI_RECORD=0 when the targets are registered: the record ones are not even registered."""
+    from jax_latent_ep import ffi
+
+    fake = FakeRecordLibrary([0])
+    monkeypatch.setattr(ffi, "library", lambda: fake)
+    monkeypatch.setattr(ffi, "_registered", True)
+    monkeypatch.setattr(ffi, "_record_error", "not registered yet")
+    monkeypatch.setattr(ffi, "_record_final", False)
+    monkeypatch.setenv(ffi.RECORD_ENV, "0")
+    ffi.register_targets()
+    assert fake.calls == [] and ffi.launch_path() == "traced" and "JAX_LATENT_EP_FFI_RECORD=0" in ffi.record_error()
+    monkeypatch.setenv(ffi.RECORD_ENV, "1")
+    ffi.register_targets()
+    assert len(fake.calls) == 1 and ffi.launch_path() == "record"
+
+
+def test_record_registration_with_the_library():
+    """The real library: without a CUDA backend no XLA FFI API has reached it, so the record targets wait
+    (traced path, asked again later); with one (jaxlib >= 0.11.2) they are registered."""
+    reason = _have_library()
+    if reason:
+        pytest.skip(f"no FFI library / manifest: {reason}")
+    from jax_latent_ep import ffi
+
+    if not hasattr(ffi.library(), "ep_register_record_targets"):
+        pytest.skip(f"the FFI library {artifacts.find(artifacts.FFI_LIBRARY)} predates the record targets: rebuild it")
+    ffi.register_targets()
+    if os.environ.get(ffi.RECORD_ENV, "").strip() == "0":
+        assert ffi.launch_path() == "traced"
+    elif _gpus():
+        assert ffi.record_error() is None, ffi.record_error()
+        assert ffi.launch_path() == "record"
+    else:
+        assert "no XLA FFI API seen" in ffi.record_error(), ffi.record_error()
+        assert ffi.launch_path() == "traced" and not ffi._record_final
+        assert ffi.record_counts() == (0, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("record_api", [True, False], ids=["with_record_api", "without_record_api"])
+def test_ffi_library_builds_with_installed_jaxlib(record_api, tmp_path):
+    """ffi/ep_ffi.cc compiles warning-free against this environment's jaxlib headers (the wheel build uses
+    jaxlib 0.11.2's) and, where xla/ffi/api/record_api.h is missing, without the record targets, whose
+    registration then reports that the record stage is not available."""
+    import ctypes
+    import shutil
+
+    cxx = shutil.which(os.environ.get("CXX", "")) or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    include = pathlib.Path(jax.ffi.include_dir())
+    if not record_api:
+        shutil.copytree(include / "xla", tmp_path / "include" / "xla")
+        (tmp_path / "include" / "xla" / "ffi" / "api" / "record_api.h").unlink(missing_ok=True)
+        include = tmp_path / "include"
+    elif not (include / "xla" / "ffi" / "api" / "record_api.h").is_file():
+        pytest.skip("this jaxlib has no FFI record stage")
+    lib = tmp_path / "libjax_latent_ep_ffi.so"
+    proc = subprocess.run([cxx, "-std=c++17", "-O0", "-Wall", "-Werror", "-fPIC", "-shared", "-fvisibility=hidden",
+                           "-isystem", str(include), str(REPO / "ffi" / "ep_ffi.cc"), "-o", str(lib), "-ldl"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    so = ctypes.CDLL(str(lib))
+    so.ep_last_error.restype = ctypes.c_char_p
+    so.ep_register_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    rc = so.ep_register_record_targets(b"test_dispatch_rec", b"test_combine_rec")  # no XLA FFI API reached it
+    message = so.ep_last_error().decode()
+    if record_api:
+        assert rc == 2 and "no XLA FFI API seen" in message, (rc, message)
+    else:
+        assert rc == 1 and "record stage not available" in message and "record_api.h" in message, (rc, message)
+    for symbol in ("EpDispatch", "EpCombine", "ep_register_rank", "ep_record_counts"):
+        assert hasattr(so, symbol), symbol
 
 
 def test_backend_refuses_cpu_mesh():
@@ -327,6 +482,106 @@ def test_many_layers_one_jit(flags):
     proc = _run(_LAYERS_SCRIPT, [n, 5, 8, 12], {"XLA_FLAGS": flags})
     print(proc.stdout)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+_PATH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_latent_ep import ffi
+    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.testing import check
+    from jax_latent_ep.testing.expert import toy_expert
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+
+    n, tokens, max_tokens, layers = (int(v) for v in sys.argv[1:5])
+    out_path = sys.argv[5]
+    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    case = check.make_case(9, KIMI_K3, n, tokens, max_tokens)
+    local = KIMI_K3.num_local_experts(n)
+
+    def make(ep, scan):
+        def layer(x, ids, w):
+            return ep.combine(toy_expert(ep.dispatch(x, ids, w), lax.axis_index("ep"), local), ids)
+
+        def f(x, ids, w, nw):
+            if scan:
+                x, _ = lax.scan(lambda c, _: (layer(c, ids, w), None), x, None, length=layers)
+            else:
+                for _ in range(layers):
+                    x = layer(x, ids, w)
+            return x, ep.combine(toy_expert(ep.dispatch(x, ids, w), lax.axis_index("ep"), local), ids, nw, 1e-5)
+
+        spec = P("ep")
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec))
+
+    def fresh():  # new device buffers, same values: the executable's buffer addresses change between runs
+        put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+        flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
+        return [put(flat(case.x), P("ep")), put(flat(case.ids), P("ep")), put(flat(case.weights), P("ep")),
+                put(case.norm_weight, P())]
+
+    inputs = [fresh(), fresh()]
+    xla = XlaBackend(mesh, "ep", max_tokens, KIMI_K3)
+    saved = {}
+    with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
+        print("PATH", ffi.launch_path(), "|", ffi.record_error(), flush=True)
+        for scan in (False, True):
+            want = [np.asarray(a) for a in make(xla, scan)(*inputs[0])]
+            fn = make(nv, scan)
+            first = None
+            for rep in range(4):  # alternating inputs: command-buffer updates (record: UpdateLaunch)
+                got = [np.asarray(a) for a in fn(*inputs[rep % 2])]
+                assert np.array_equal(got[0].view(np.uint16), want[0].view(np.uint16)), (scan, rep, "routed")
+                assert bf16_ulp_diff(got[1], want[1]).max() <= 2, (scan, rep, "normed")
+                if first is None:
+                    first = got
+                for a, b in zip(got, first):
+                    assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), (scan, rep, "replay differs")
+            saved[f"routed_scan{int(scan)}"], saved[f"normed_scan{int(scan)}"] = (a.view(np.uint16) for a in first)
+        assert all(v == (0, 0, 0, 0) for v in nv.status().values()), nv.status()
+    np.savez(out_path, **saved)
+    print("COUNTS", *ffi.record_counts(), flush=True)
+    print("OK", flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_record_and_traced_paths_agree(tmp_path):
+    """One jitted multi-layer program (unrolled and in lax.scan, command buffers on, inputs alternating
+    between two sets of buffers) on the record path (with and without PDL) and on the traced path: each
+    against the XLA backend (routed bit for bit, normed within 2 ulp), and all three bit for bit alike.
+    The record handlers must have added and updated kernel nodes; the traced path must not touch them."""
+    n = min(2, len(_gpus()))
+    cases = {
+        "record": ({"JAX_LATENT_EP_FFI_RECORD": "1", "JAX_LATENT_EP_PDL": "1"}, "record"),
+        "record_no_pdl": ({"JAX_LATENT_EP_FFI_RECORD": "1", "JAX_LATENT_EP_PDL": "0"}, "record"),
+        "traced": ({"JAX_LATENT_EP_FFI_RECORD": "0", "JAX_LATENT_EP_PDL": "1"}, "traced"),
+    }
+    results = {}
+    for label, (env, path) in cases.items():
+        out = tmp_path / f"{label}.npz"
+        proc = _run(_PATH_SCRIPT, [n, 5, 8, 6, out], {"XLA_FLAGS": COMMAND_BUFFER_FLAGS, **env})
+        print(label, proc.stdout)
+        assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert f"PATH {path} " in proc.stdout, proc.stdout
+        creates, updates = (int(v) for v in proc.stdout.split("COUNTS")[1].split()[:2])
+        if path == "record":
+            assert creates > 0 and updates > 0, (label, creates, updates)
+        else:
+            assert (creates, updates) == (0, 0), (label, creates, updates)
+        with np.load(out) as z:
+            results[label] = {k: z[k] for k in z.files}
+    for label in ("record_no_pdl", "traced"):
+        for key, want in results["record"].items():
+            got = results[label][key]
+            np.testing.assert_array_equal(got, want, err_msg=f"{label} {key} (bf16 bits)")
 
 
 _MULTIPROCESS_SCRIPT = textwrap.dedent(
