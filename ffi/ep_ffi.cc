@@ -298,17 +298,36 @@ ffi::Error missing_rank(const char* what, int64_t instance, int32_t ordinal) {
       " (was the backend closed, or built for a different mesh?)");
 }
 
-// A kernel that timed out earlier left its record in the host-mapped status page: report it by name.
+// A kernel that failed earlier (a timeout or a call out of sequence) left its record in the host-mapped status
+// page: report it by name (the codes are layout.ERROR_*; nvlink.describe_error words them the same way).
 ffi::Error check_status(const Rank& r, const char* what) {
   if (r.status_host == nullptr || r.status_host[0] == 0) return ffi::Error::Success();
-  int32_t code = r.status_host[0], rank = r.status_host[1], peer = r.status_host[2],
-          layer = r.status_host[3];
-  const char* phase = code == 1 ? "dispatch" : code == 2 ? "combine" : "unknown phase";
-  return ffi::Error::Internal(
-      std::string("jax_latent_ep ") + what + ": an earlier " + phase + " on rank " + std::to_string(rank) +
-      " timed out waiting for rank " + std::to_string(peer) + " at layer " + std::to_string(layer) +
-      " (error code " + std::to_string(code) +
-      "); the CUDA context is unusable, restart the process");
+  int32_t code = r.status_host[0], rank = r.status_host[1], peer = r.status_host[2];
+  uint32_t layer = static_cast<uint32_t>(r.status_host[3]);
+  std::string event;
+  switch (code) {
+    case 1:
+      event = "dispatch on rank " + std::to_string(rank) + " timed out waiting for rank " + std::to_string(peer) +
+              " at layer " + std::to_string(layer);
+      break;
+    case 2:
+      event = "combine on rank " + std::to_string(rank) + " timed out waiting for rank " + std::to_string(peer) +
+              " at layer " + std::to_string(layer);
+      break;
+    case 3:
+      event = "dispatch called twice without a combine on rank " + std::to_string(rank) + " at layer " +
+              std::to_string(layer);
+      break;
+    case 4:  // the combine records the last dispatched layer; it was called in the next one
+      event = "combine called without its dispatch on rank " + std::to_string(rank) + " at layer " +
+              std::to_string(layer + 1u);
+      break;
+    default:
+      event = "kernel on rank " + std::to_string(rank) + " failed (peer " + std::to_string(peer) + ", layer " +
+              std::to_string(layer) + ")";
+  }
+  return ffi::Error::Internal(std::string("jax_latent_ep ") + what + ": earlier, " + event + " (error code " +
+                              std::to_string(code) + "); the CUDA context is unusable, restart the process");
 }
 
 std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
