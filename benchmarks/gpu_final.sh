@@ -1,46 +1,58 @@
 #!/usr/bin/env bash
-# One device call (2 x H200): the 100,000-layer stress run, compute-sanitizer on the FFI path, and the
-# benchmark of every backend (N = 1; N = 2 one process and one process per GPU) plus the XLA backends with
-# XLA's default flags. CSVs and a summary land in $OUT as each stage ends.
-#   GIT_COMMIT=<sha> OUT=<dir> bash benchmarks/gpu_final.sh
+# One device call (2 x H200) on the JAX path: the launch-path check (record targets vs traced, bit for bit),
+# the benchmark of every backend (N = 1; N = 2 one process and one process per GPU; the NVLink backend also on
+# the traced path), the kernel timeline of a jitted program, the GPU test suite, and compute-sanitizer on the
+# FFI path. CSVs and a summary land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
+#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize stress"] bash benchmarks/gpu_final.sh
 set -u
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 C="--commit ${GIT_COMMIT:-unknown}"
 log() { echo "=== $(date +%T) $*"; }
 TOK=1,2,5,8,16,32,64,128
-stages="${STAGES:-stress bench sanitize}"
+FLAGS=--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+stages="${STAGES:-record bench timeline tests sanitize}"
+has() { [[ " $stages " == *" $1 "* ]]; }
 {
-if [[ " $stages " == *" stress "* ]]; then
-log stress smoke: 2000 layers
-timeout 40 python3 -m jax_latent_ep.testing.harness --mode stress --ranks 2 --layers 2000 --max-tokens 16 \
-  --stress-log-every 1000 2>&1 | tail -4; smoke=${PIPESTATUS[0]}
-if [ $smoke -eq 0 ]; then
+if has record; then
+log "launch paths: record targets vs traced, bit for bit against XLA"
+timeout 150 python3 -m pytest -q -x -m gpu tests/test_nvlink_gpu.py -k "record or lowering" 2>&1 | tail -4
+rc=${PIPESTATUS[0]}
+if [ $rc -ne 0 ]; then export JAX_LATENT_EP_FFI_RECORD=0; echo "record path failed (rc $rc): the rest runs traced"; fi
+python3 -c "from jax_latent_ep import ffi; ffi.register_targets(); print('launch path:', ffi.launch_path(), ffi.record_error() or '')" 2>&1 | tail -1
+fi
+if has stress; then
 log stress: 100000 layers, N=2 on two GPUs, one rank delayed at random
 timeout 200 python3 -m jax_latent_ep.testing.harness --mode stress --ranks 2 --layers 100000 --max-tokens 16 \
   --stress-log-every 20000 --csv $OUT/stress.csv $C 2>&1 | tail -9
 fi
-fi
-if [[ " $stages " == *" bench "* ]]; then
-log bench: every backend, XLA flags: command buffers for fusions and custom calls, temps at fixed addresses
-timeout 190 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
-  --inner 5 --max-tokens -1 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
+if has bench; then
+log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"
+timeout 200 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
+  --inner 5 --max-tokens -1 $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
+cp $W/bench.csv $OUT/bench.csv
+log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=2"
+JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 \
+  --repeats 10 --inner 5 --max-tokens -1 --only-ranks 2 $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
 cp $W/bench.csv $OUT/bench.csv
 fi
-if [[ " $stages " == *" sanitize "* ]]; then
-log memcheck, FFI path '(jitted program, N=1, 4 layers)'
-timeout 110 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 benchmarks/bench.py worker --ranks 1 \
-  --backends nvlink --tokens 8 --layers 4 --repeats 1 --inner 1 --max-tokens -1 > $W/memcheck.log 2>&1
-echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|RESULT" $W/memcheck.log | cut -c1-160
-log racecheck, harness N=1
-timeout 40 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m jax_latent_ep.testing.harness --mode virtual \
-  --ranks 1 --layers 3 --max-tokens 8 2>&1 | grep -E "RACECHECK SUMMARY|->" ; echo "racecheck rc=${PIPESTATUS[0]}"
+if has timeline; then
+for n in 1 2; do
+  log "timeline N=$n T=1 (one process)"
+  XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL" timeout 90 \
+    python3 benchmarks/timeline.py --ranks $n --tokens 1 --show 7 2>&1 | grep -v "^[WI][0-9]\{4\}" | head -16
+done
 fi
-if [[ " $stages " == *" bench "* ]]; then
-log bench: XLA backends with XLA default flags, N=2 one process per GPU
-timeout 60 python3 benchmarks/bench.py all --no-cmdbuf --only-ranks 2 --only-procs 2 --backends xla,xla-allgather --tokens $TOK \
-  --layers 32 --repeats 10 --inner 5 --max-tokens -1 --tag=-defaultflags --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
-cp $W/bench.csv $OUT/bench.csv
+if has tests; then
+log gpu tests
+timeout 300 python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py \
+  tests/test_api.py tests/test_moe.py 2>&1 | tail -8
+fi
+if has sanitize; then
+log racecheck, FFI path '(jitted program, N=1, 2 layers)'
+timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/bench.py worker --ranks 1 \
+  --backends nvlink --tokens 8 --layers 2 --repeats 1 --inner 1 --max-tokens -1 > $W/racecheck.log 2>&1
+echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|RESULT|Error" $W/racecheck.log | cut -c1-160
 fi
 log done
 } 2>&1 | tee $OUT/summary.txt

@@ -567,7 +567,7 @@ ffi::Error DispatchExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
                            ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
                            ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
                            ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
-                           int64_t instance, int64_t grid, bool uses_pdl) {
+                           int64_t instance, int64_t grid, int64_t /*call*/, bool uses_pdl) {
   Launch l;
   if (ffi::Error e = prepare_dispatch(ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights,
                                       recv_src, instance, grid, l);
@@ -582,9 +582,9 @@ ffi::Error DispatchTraced(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x
                           ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
                           ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
                           ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
-                          int64_t instance, int64_t grid) {
+                          int64_t instance, int64_t grid, int64_t /*call*/) {
   return DispatchExecute(stream, ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
-                         instance, grid, /*uses_pdl=*/true);
+                         instance, grid, /*call=*/0, /*uses_pdl=*/true);
 }
 
 #if JAX_LATENT_EP_RECORD
@@ -592,7 +592,7 @@ ffi::Error DispatchRecord(RecordContext ctx, int32_t ordinal, ffi::AnyBuffer x, 
                           ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
                           ffi::Result<ffi::AnyBuffer> recv_sf, ffi::Result<ffi::AnyBuffer> recv_ids,
                           ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_src,
-                          int64_t instance, int64_t grid, bool uses_pdl) {
+                          int64_t instance, int64_t grid, int64_t /*call*/, bool uses_pdl) {
   Launch l;
   if (ffi::Error e = prepare_dispatch(ordinal, x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights,
                                       recv_src, instance, grid, l);
@@ -617,7 +617,8 @@ auto bind_dispatch(Binding binding) {
       .template Ret<ffi::AnyBuffer>()      // recv_weights: f32 [N*S, K]
       .template Ret<ffi::AnyBuffer>()      // recv_src: int32 [N*S] (r << 16) | t, or -1
       .template Attr<int64_t>("instance")  // which NvlinkBackend (several may coexist)
-      .template Attr<int64_t>("grid");     // CTAs, >= T
+      .template Attr<int64_t>("grid")      // CTAs, >= T
+      .template Attr<int64_t>("call");     // unique per call in a program: XLA never merges two calls
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -673,7 +674,7 @@ ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer i
 // Execute stage of the record target (and, with uses_pdl, of the traced one).
 ffi::Error CombineExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
                           ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
-                          int64_t grid, float eps, int64_t apply_norm, bool uses_pdl) {
+                          int64_t grid, float eps, int64_t apply_norm, int64_t /*call*/, bool uses_pdl) {
   Launch l;
   if (ffi::Error e = prepare_combine(ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm, l);
       e.failure()) {
@@ -685,15 +686,15 @@ ffi::Error CombineExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer o
 // The traced target: always allows programmatic dependent launch.
 ffi::Error CombineTraced(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
                          ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
-                         int64_t grid, float eps, int64_t apply_norm) {
+                         int64_t grid, float eps, int64_t apply_norm, int64_t /*call*/) {
   return CombineExecute(stream, ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm,
-                        /*uses_pdl=*/true);
+                        /*call=*/0, /*uses_pdl=*/true);
 }
 
 #if JAX_LATENT_EP_RECORD
 ffi::Error CombineRecord(RecordContext ctx, int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer ids,
                          ffi::AnyBuffer norm_weight, ffi::Result<ffi::AnyBuffer> result, int64_t instance,
-                         int64_t grid, float eps, int64_t apply_norm, bool uses_pdl) {
+                         int64_t grid, float eps, int64_t apply_norm, int64_t /*call*/, bool uses_pdl) {
   Launch l;
   if (ffi::Error e = prepare_combine(ordinal, out, ids, norm_weight, result, instance, grid, eps, apply_norm, l);
       e.failure()) {
@@ -715,7 +716,8 @@ auto bind_combine(Binding binding) {
       .template Attr<int64_t>("instance")    // which NvlinkBackend (several may coexist)
       .template Attr<int64_t>("grid")        // CTAs, >= 1
       .template Attr<float>("eps")           // RMSNorm epsilon
-      .template Attr<int64_t>("apply_norm");  // 1: RMSNorm of the routed latent, 0: routed latent
+      .template Attr<int64_t>("apply_norm")  // 1: RMSNorm of the routed latent, 0: routed latent
+      .template Attr<int64_t>("call");        // unique per call in a program: XLA never merges two calls
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import pathlib
 import threading
@@ -293,17 +294,33 @@ def dispatch_call(x, ids, weights, *, instance: int, rows: int, grid: int, num_s
         jax.ShapeDtypeStruct((rows,), jnp.int32),
     )
     target, extra = _target("dispatch")
-    call = jax.ffi.ffi_call(target, out_types, has_side_effect=True)
+    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
     x, ids, weights = _opaque(x, ids, weights)
-    return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid), **extra)
+    return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid), call=_call_id(), **extra)
+
+
+#: Numbers the calls traced in this process (the `call` attribute).
+_CALL_IDS = itertools.count(1)
+
+
+def _call_id() -> np.int64:
+    """A number no other dispatch / combine call of this process carries: the calls are declared free of side
+    effects (`has_side_effect=False`), which keeps JAX's C++ dispatch fast path for every program that holds
+    them (a JAX effect sends every call of the program through the Python path: measured 0.3-0.5 ms per call
+    with jaxlib 0.11.2), and this attribute keeps XLA from merging two calls with equal operands into one.
+    What a side effect would also have guaranteed, the data flow gives: a layer's combine consumes its
+    dispatch's rows, the next layer's dispatch consumes the combine's result; a call whose results are never
+    used is dropped (its peers then time out waiting for it)."""
+    return np.int64(next(_CALL_IDS))
 
 
 def _opaque(*operands):
     """The operands behind an optimization barrier (no copy, no kernel): XLA's dynamic-slice fusion pass must
-    not see `slice -> custom-call` through them. It wraps such a custom call into a fusion of its own and, the
-    call having side effects, keeps the original too: the kernel then ran twice per call (measured with jaxlib
+    not see `slice -> custom-call` through them. It wraps such a custom call into a fusion of its own and, when
+    the call has side effects, keeps the original too: the kernel then ran twice per call (measured with jaxlib
     0.11.2 on H200 whenever the ids / weights of a layer were slices of a larger array; the kernels' sequence
-    guard reports it as "dispatch called twice")."""
+    guard reports it as "dispatch called twice"). The calls have no side effects now; the barrier stays, so
+    that no pass rewrites how their operands are addressed."""
     return jax.lax.optimization_barrier(operands)
 
 
@@ -311,7 +328,7 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
     """The per-rank combine custom call: bf16 `[T, L]`."""
     out_type = jax.ShapeDtypeStruct((ids.shape[0], out.shape[1]), jnp.bfloat16)
     target, extra = _target("combine")
-    call = jax.ffi.ffi_call(target, out_type, has_side_effect=True)
+    call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
     out, ids, norm_weight = _opaque(out, ids, norm_weight)
     return call(out, ids, norm_weight, instance=np.int64(instance), grid=np.int64(grid),
-                eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0), **extra)
+                eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0), call=_call_id(), **extra)

@@ -10,14 +10,16 @@ Both calls run on per-rank arrays inside `jax.shard_map`, exactly like the XLA b
 (`jax_latent_ep.reference.XlaBackend`), and lower to one custom call each (one kernel launch on XLA's
 stream, `kCmdBufferCompatible`, so XLA may capture them into CUDA graphs).
 
-Ordering. The kernels synchronize through flags in the symmetric buffers and assume the contract's order on
-every rank: dispatch, then its combine, then the next dispatch. XLA orders custom calls only by data
-dependencies (`has_side_effect` keeps a call alive but does not order it), and here the model's data flow
-provides them: dispatch returns the receive rows, combine takes `out` computed from them (so it follows its
-dispatch), and the next layer's dispatch takes tokens computed from the combine's result (so it follows the
-combine). Keep that flow: a combine whose `out` does not depend on its dispatch's `Received`, or a dispatch
-whose `x` does not depend on the previous combine, may be reordered by XLA and then deadlock (until the
-flag timeout) or corrupt the buffers. Layers in a Python loop or in `lax.scan` satisfy it naturally.
+Ordering. The kernels synchronize through LL words in the symmetric buffers and assume the contract's order
+on every rank: dispatch, then its combine, then the next dispatch. XLA orders custom calls only by data
+dependencies, and here the model's data flow provides them: dispatch returns the receive rows, combine takes
+`out` computed from them (so it follows its dispatch), and the next layer's dispatch takes tokens computed
+from the combine's result (so it follows the combine). The calls are declared free of side effects (so JAX
+keeps its fast dispatch path) and carry a unique `call` number (so XLA never merges two of them); a call
+whose results are unused is dropped. Keep that flow: a combine whose `out` does not depend on its dispatch's
+`Received`, or a dispatch whose `x` does not depend on the previous combine, may be reordered or dropped by
+XLA; the kernels' sequence guard then fails the call (error 3 or 4) or its peers time out. Layers in a Python
+loop or in `lax.scan` satisfy it naturally.
 
 Setup. The constructor allocates one symmetric buffer per rank (`jax_latent_ep.symmetric.SymmetricBuffers`;
 set `XLA_PYTHON_CLIENT_PREALLOCATE=false` before JAX starts), loads the kernels on every local device and
