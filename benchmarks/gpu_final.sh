@@ -10,6 +10,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 C="--commit ${GIT_COMMIT:-unknown}"
 log() { echo "=== $(date +%T) $*"; }
 TOK=1,2,5,8,16,32,64,128
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 FLAGS=--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 stages="${STAGES:-record bench timeline tests sanitize}"
 has() { [[ " $stages " == *" $1 "* ]]; }
@@ -31,13 +32,13 @@ log "bench: every backend (XLA flags: command buffers for fusions and custom cal
 timeout 200 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
   --inner 5 --max-tokens -1 $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
 cp $W/bench.csv $OUT/bench.csv
-log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=2"
+log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=$(( GPUS < 2 ? 1 : 2 ))"
 JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 \
-  --repeats 10 --inner 5 --max-tokens -1 --only-ranks 2 $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
+  --repeats 10 --inner 5 --max-tokens -1 --only-ranks $(( GPUS < 2 ? 1 : 2 )) $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
 cp $W/bench.csv $OUT/bench.csv
 fi
 if has timeline; then
-for n in 1 2; do
+for n in $(seq 1 $(( GPUS < 2 ? GPUS : 2 ))); do
   log "timeline N=$n T=1 (one process)"
   XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL" timeout 90 \
     python3 benchmarks/timeline.py --ranks $n --tokens 1 --show 7 2>&1 | grep -v "^[WI][0-9]\{4\}" | head -16
