@@ -200,7 +200,7 @@ def worker(args):
         results.append({"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
                         "max_tokens": max_tokens,
                         "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
-                        "finite": ok})
+                        "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""})
         ep.close()
     if show:
         print("RESULT " + json.dumps(results), flush=True)

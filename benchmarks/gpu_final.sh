@@ -20,7 +20,7 @@ log "launch paths: record targets vs traced, bit for bit against XLA"
 timeout 150 python3 -m pytest -q -x -m gpu tests/test_nvlink_gpu.py -k "record or lowering" 2>&1 | tail -4
 rc=${PIPESTATUS[0]}
 if [ $rc -ne 0 ]; then export JAX_LATENT_EP_FFI_RECORD=0; echo "record path failed (rc $rc): the rest runs traced"; fi
-python3 -c "from jax_latent_ep import ffi; ffi.register_targets(); print('launch path:', ffi.launch_path(), ffi.record_error() or '')" 2>&1 | tail -1
+python3 -c "import jax; jax.devices(); from jax_latent_ep import ffi; ffi.register_targets(); print('launch path:', ffi.launch_path(), ffi.record_error() or '')" 2>&1 | tail -1
 fi
 if has stress; then
 log stress: 100000 layers, N=2 on two GPUs, one rank delayed at random
@@ -31,6 +31,7 @@ if has bench; then
 log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"
 timeout 200 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
   --inner 5 --max-tokens -1 $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
+grep -ho '"launch_path": "[a-z]*"' $W/bench.N*.log | sort | uniq -c
 cp $W/bench.csv $OUT/bench.csv
 log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=$(( GPUS < 2 ? 1 : 2 ))"
 JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 \

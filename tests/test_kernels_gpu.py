@@ -88,3 +88,21 @@ def test_flag_timeout_reports_and_traps():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "status record [1, 0, 1, 0]" in result.stdout
+
+
+@needs_gpu
+@needs_artifacts
+@pytest.mark.parametrize("case, code", [("dispatch_twice", 3), ("combine_twice", 4)])
+def test_call_out_of_sequence_writes_nothing(case, code):
+    # Rank 0 of two virtual ranks repeats a call out of sequence: it must trap with its record, and rank 1's
+    # buffer (in mapped host memory, read after the trap) must be byte for byte what it was. A separate
+    # process: the trap kills its CUDA context. (The kernels' earlier CTA-0-only guard changed 25,479 and
+    # 51,346 bytes here: benchmarks/results/sequence.csv.)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    result = subprocess.run(
+        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "sequence", "--sequence-case", case],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"status record [{code}, 0, 0, " in result.stdout, result.stdout
+    assert "0 of " in result.stdout and f"SEQUENCE TEST {case} PASS" in result.stdout, result.stdout
