@@ -306,7 +306,7 @@ _CALL_IDS = itertools.count(1)
 def _call_id() -> np.int64:
     """A number no other dispatch / combine call of this process carries: the calls are declared free of side
     effects (`has_side_effect=False`), which keeps JAX's C++ dispatch fast path for every program that holds
-    them (a JAX effect sends every call of the program through the Python path: measured 0.3-0.5 ms per call
+    them (a JAX effect sends every execution of the program through the Python path: about 0.3 ms each,
     with jaxlib 0.11.2), and this attribute keeps XLA from merging two calls with equal operands into one.
     What a side effect would also have guaranteed, the data flow gives: a layer's combine consumes its
     dispatch's rows, the next layer's dispatch consumes the combine's result; a call whose results are never
