@@ -3,7 +3,8 @@
 # the benchmark of every backend (N = 1; N = 2 one process and one process per GPU; the NVLink backend also on
 # the traced path), the kernel timeline of a jitted program, the GPU test suite, and compute-sanitizer on the
 # FFI path. CSVs and a summary land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
-#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize stress"] bash benchmarks/gpu_final.sh
+#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize stress"] [BENCH_RANKS=2]
+#   [TESTS_TIMEOUT=300] bash benchmarks/gpu_final.sh
 set -u
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -30,7 +31,7 @@ fi
 if has bench; then
 log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"
 timeout 200 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
-  --inner 5 --max-tokens -1 $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
+  --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
 grep -ho '"launch_path": "[a-z]*"' $W/bench.N*.log | sort | uniq -c
 cp $W/bench.csv $OUT/bench.csv
 log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=$(( GPUS < 2 ? 1 : 2 ))"
@@ -47,7 +48,7 @@ done
 fi
 if has tests; then
 log gpu tests
-timeout 300 python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py \
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py \
   tests/test_api.py tests/test_moe.py 2>&1 | tail -8
 fi
 if has sanitize; then
