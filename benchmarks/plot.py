@@ -24,6 +24,8 @@ def load(ranks: int, paths=None):
                     continue
                 if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1:
                     continue
+                if "cta0-guard" in r["backend"]:  # the earlier kernels, kept for comparison only
+                    continue
                 name = {"floor_us": "floor (2 flag round trips + bytes at peer bandwidth)",
                         "kernel_us_median": "kernels only (CUDA graph, harness)"}.get(r["metric"], r["backend"])
                 series.setdefault(name, {})[int(r["tokens"])] = float(r["value"])  # the newest row wins
