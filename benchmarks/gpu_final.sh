@@ -3,8 +3,9 @@
 # the benchmark of every backend (N = 1; N = 2 one process and one process per GPU; the NVLink backend also on
 # the traced path), the kernel timeline of a jitted program, the GPU test suite, and compute-sanitizer on the
 # FFI path. CSVs and a summary land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
-#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize stress"] [BENCH_RANKS=2]
+#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize"] [BENCH_RANKS=2]
 #   [TESTS_TIMEOUT=300] bash benchmarks/gpu_final.sh
+# (The harness runs, the 100,000-layer stress included, are in benchmarks/gpu_guard.sh.)
 set -u
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -22,11 +23,6 @@ timeout 150 python3 -m pytest -q -x -m gpu tests/test_nvlink_gpu.py -k "record o
 rc=${PIPESTATUS[0]}
 if [ $rc -ne 0 ]; then export JAX_LATENT_EP_FFI_RECORD=0; echo "record path failed (rc $rc): the rest runs traced"; fi
 python3 -c "import jax; jax.devices(); from jax_latent_ep import ffi; ffi.register_targets(); print('launch path:', ffi.launch_path(), ffi.record_error() or '')" 2>&1 | tail -1
-fi
-if has stress; then
-log stress: 100000 layers, N=2 on two GPUs, one rank delayed at random
-timeout 200 python3 -m jax_latent_ep.testing.harness --mode stress --ranks 2 --layers 100000 --max-tokens 16 \
-  --stress-log-every 20000 --csv $OUT/stress.csv $C 2>&1 | tail -9
 fi
 if has bench; then
 log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"

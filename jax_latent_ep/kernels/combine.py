@@ -30,7 +30,7 @@ from jax_latent_ep.kernels.common import (
     peer_of,
     poll_expired,
 )
-from jax_latent_ep.kernels.dispatch import block_threads, check_shape, min_ctas_per_sm
+from jax_latent_ep.kernels.dispatch import block_threads, check_shape, launch_options
 from jax_latent_ep.kernels.memory import (
     add_rn,
     bf16x2,
@@ -111,16 +111,7 @@ class Combine:
     ):
         self.kernel(
             out, ids, norm_weight, result, peers, status, timeout_ns, eps, rank, tokens, max_tokens, apply_norm
-        ).launch(
-            grid=[tokens, 1, 1],
-            block=[self.threads, 1, 1],
-            smem=SMEM_BYTES,
-            # Co-residency (docs/kernel_abi.md): bound the registers so that min_ctas_per_sm CTAs fit on an SM
-            # (ptxas `.minnctapersm`); the carveout is a launch-time attribute only, given so that compiling
-            # needs no device query.
-            min_blocks_per_mp=min_ctas_per_sm(self.threads),
-            preferred_smem_carveout=-1,
-        )
+        ).launch(**launch_options(self.threads, SMEM_BYTES, [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
     # Device code

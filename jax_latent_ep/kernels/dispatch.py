@@ -99,6 +99,21 @@ def min_ctas_per_sm(threads: int) -> int:
     return max(1, 65536 // (threads * MAX_REGISTERS))
 
 
+def launch_options(threads: int, smem: int, grid) -> dict:
+    """The `.launch(...)` options both kernels compile with (`smem`: the kernel's shared bytes; the FFI handler
+    sets the grid at run time)."""
+    return dict(
+        grid=grid,
+        block=[threads, 1, 1],
+        smem=smem,
+        # Co-residency (docs/kernel_abi.md): bound the registers so that min_ctas_per_sm CTAs fit on an SM
+        # (ptxas `.minnctapersm`); the carveout is a launch-time attribute only, given so that compiling needs
+        # no device query.
+        min_blocks_per_mp=min_ctas_per_sm(threads),
+        preferred_smem_carveout=-1,
+    )
+
+
 def check_shape(shape: LatentMoEShape) -> None:
     """Raises ValueError unless the kernels support `shape` (`L % 512 == 0`, `L // 16 <= 1024`)."""
     if shape.latent % 512 or shape.latent // 16 > 1024:
@@ -140,16 +155,7 @@ class Dispatch:
         self.kernel(
             x, ids, weights, peers, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
             status, timeout_ns, rank, tokens, max_tokens,
-        ).launch(
-            grid=[tokens, 1, 1],
-            block=[self.threads, 1, 1],
-            smem=SMEM_BYTES,
-            # Co-residency (docs/kernel_abi.md): bound the registers so that min_ctas_per_sm CTAs fit on an SM
-            # (ptxas `.minnctapersm`); the carveout is a launch-time attribute only, given so that compiling
-            # needs no device query.
-            min_blocks_per_mp=min_ctas_per_sm(self.threads),
-            preferred_smem_carveout=-1,
-        )
+        ).launch(**launch_options(self.threads, SMEM_BYTES, [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
     # Device code

@@ -260,8 +260,8 @@ class Rank:
         cu = _cu()
         lay = self.layout
         check(cu.cuCtxSetCurrent(self.ctx))
-        check(cu.cuCtxSynchronize())
         if isinstance(self.buffer, HostMappedArray):
+            check(cu.cuCtxSynchronize())  # no kernel still writes it
             ctypes.memset(self.buffer.host, 0, lay.peers)
         else:
             check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.peers))

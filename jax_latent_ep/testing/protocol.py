@@ -476,16 +476,11 @@ class Model:
     @staticmethod
     def _overwrites(word, stores) -> bool:
         """Whether landing `stores` (pending at one word, in landing order) overwrites a value never read."""
-        for _, half, layer, valid in stores:
-            pl, el = _pl(word), _el(word)
-            if pl and pl == el and pl != layer + 1 and not word & 1:
+        for store in stores:
+            pl = _pl(word)
+            if pl and pl == _el(word) and pl != store[2] + 1 and not word & 1:
                 return True
-            v = word >> 1 & 1
-            if half != 2:
-                pl, v = layer + 1, valid
-            if half != 1:
-                el = layer + 1
-            word = pl << 8 | el << 2 | v << 1
+            word = Model._after(word, (store,))
         return False
 
     def _ready_landings(self, w, by_at, r, need):
@@ -527,7 +522,8 @@ class Model:
         """Store `o` lands before store `p` (same word, earlier layer, overlapping halves)."""
         return o[0] == p[0] and o[2] < p[2] and (o[1] == 0 or p[1] == 0 or o[1] == p[1])
 
-    def _after(self, word, stores):
+    @staticmethod
+    def _after(word, stores):
         """The word once `stores` (pending at it, in landing order) have landed (no checks)."""
         for _, half, layer, valid in stores:
             pl, el, v = _pl(word), _el(word), word >> 1 & 1
