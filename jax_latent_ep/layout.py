@@ -27,6 +27,11 @@ CTRL_ERROR = 5  # 0, or an error code (ERROR_*)
 CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a sequence error)
 CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
+# Kernel trace (debug builds only, `kernels.common.TRACE`): from ctrl offset TRACE on, TRACE_LAYERS pairs of lines
+# (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in the ready lines of ranks 16..31 (unused for
+# N <= 16). Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
+TRACE = 2 * LINE + 16 * LINE
+TRACE_LAYERS = 8
 
 ERROR_NONE = 0
 ERROR_DISPATCH_TIMEOUT = 1  # a dispatch wait (a peer's ready line or a receive row) outlived the timeout
@@ -77,6 +82,22 @@ def meta_pitch(shape: LatentMoEShape) -> int:
 
 #: Bytes of a receive row's header: one LL word (the source word, -1 for an empty row) and padding.
 HDR_PITCH = 16
+
+#: Bytes one warp stores with one 16-byte-per-lane instruction: 32 lanes x 16 bytes.
+WARP_CHUNK = 512
+
+
+def lane_offset(warp, lane, chunks: int):
+    """Byte offset, inside an `x` row (`chunks = 2`) or a `comb` slot (`chunks = 4`), of the first of the
+    `chunks` 16-byte pieces (two LL words each) that thread `32 warp + lane` stores; piece `k` is at
+    `lane_offset(...) + k * WARP_CHUNK`.
+
+    Warp `w` owns bytes `[w * chunks * 512, (w + 1) * chunks * 512)` and each of its store instructions covers
+    512 contiguous bytes (4 whole lines), so every line a warp writes over NVLink is written whole by one
+    instruction (a lane's own 32 or 64 contiguous bytes would leave every line half-written per instruction).
+    Thread `t` holds elements `[16 t, 16 t + 16)` in both layouts, so the row's element order is this map's
+    concern only. Works on Python ints and DSL integers."""
+    return warp * (chunks * WARP_CHUNK) + lane * 16
 
 
 def comb_pitch(shape: LatentMoEShape) -> int:

@@ -1,5 +1,6 @@
 """EpLayout against the seed's rules for every allowed N and several T, and the shape config's validation."""
 
+import numpy as np
 import pytest
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape, check_max_tokens
@@ -130,3 +131,22 @@ def test_rank_and_token_rules():
     assert KIMI_K3 == LatentMoEShape() and KIMI_K3.num_sf == 112
     with pytest.raises(Exception):
         KIMI_K3.latent = 8  # frozen
+
+
+@pytest.mark.parametrize("shape", [KIMI_K3, DEEPSEEK_V3], ids=["kimi_k3", "deepseek_v3"])
+@pytest.mark.parametrize("chunks, pitch", [(2, "x_pitch"), (4, "comb_pitch")])
+def test_lane_offsets_tile_the_row_and_each_warp_store_is_whole_lines(shape, chunks, pitch):
+    """Every thread's `chunks` 16-byte pieces tile an x row / a comb slot exactly once, and each warp store
+    instruction (piece k of 32 lanes) covers 512 contiguous bytes starting on a line."""
+    from jax_latent_ep.layout import WARP_CHUNK, lane_offset
+
+    lay = EpLayout(2, 8, shape)
+    threads = shape.latent // 16
+    covered = np.zeros(getattr(lay, pitch), np.int32)
+    for warp in range(threads // 32):
+        for k in range(chunks):
+            starts = [lane_offset(warp, lane, chunks) + k * WARP_CHUNK for lane in range(32)]
+            assert starts[0] % LINE == 0 and starts == list(range(starts[0], starts[0] + WARP_CHUNK, 16))
+            for start in starts:
+                covered[start:start + 16] += 1
+    assert (covered == 1).all()

@@ -21,6 +21,7 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
+    TRACE,
     DeviceLayout,
     arrive_in_sequence,
     hand_over_epoch,
@@ -29,12 +30,14 @@ from jax_latent_ep.kernels.common import (
     load_peer_table,
     peer_of,
     poll_expired,
+    trace_stamp,
 )
 from jax_latent_ep.kernels.dispatch import block_threads, check_shape, launch_options
 from jax_latent_ep.kernels.memory import (
     add_rn,
     bf16x2,
     bits_from_f32,
+    clock64,
     f32_from_bits,
     globaltimer,
     hi_f32,
@@ -152,8 +155,15 @@ class Combine:
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
         rows32 = Int32(buf.rows)  # N * S < 2^21
+        if cutlass.const_expr(TRACE):
+            traced = Int32(0)
+            if tid == 0 and cta == 0:
+                traced = Int32(1)
+            t_entry, c_entry = globaltimer(), clock64()
 
         cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(TRACE):
+            t_wait, c_wait = globaltimer(), clock64()
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
@@ -191,16 +201,23 @@ class Combine:
             line_q = out + (row * latent + column) * 2
             self.send_row(table, buf, source_q, load_v4(line_q), load_v4(line_q + 16), epoch, rank, tid)
             q += grid
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
+            trace_stamp(ctrl, epoch, 9, t_wait, c_wait, traced)
+            trace_stamp(ctrl, epoch, 10, globaltimer(), clock64(), traced)
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
         # before the end).
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 11, globaltimer(), clock64(), traced)
 
         # ---- Phase 3: reduce own tokens t = c, c + G, ... < T. For each rank d of the token's destination set,
         # in ascending order, every thread polls its 64 bytes of slot [t, d] until all 8 LL words carry this
         # epoch, then adds them. Invariant: a partial is added only once it was stored in this layer (each slot
         # is stored once per layer, by rank d alone).
+        comb_lane = lay.lane_offset(Int64(warp), Int64(lane), 4)  # this thread's pieces of a slot (send_row's)
         gamma_base = out
         if apply_norm != 0:
             gamma_base = norm_weight
@@ -217,15 +234,15 @@ class Combine:
                 values[j] = Float32(0.0)
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
-                    part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + Int64(tid) * 64
+                    part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + comb_lane
                     pending = Uint32(1)
                     start = globaltimer()
                     polls = Uint32(0)
                     while pending != Uint32(0):
                         w0, e0, w1, e1 = load_ll2(part)
-                        w2, e2, w3, e3 = load_ll2(part + 16)
-                        w4, e4, w5, e5 = load_ll2(part + 32)
-                        w6, e6, w7, e7 = load_ll2(part + 48)
+                        w2, e2, w3, e3 = load_ll2(part + lay.WARP_CHUNK)
+                        w4, e4, w5, e5 = load_ll2(part + 2 * lay.WARP_CHUNK)
+                        w6, e6, w7, e7 = load_ll2(part + 3 * lay.WARP_CHUNK)
                         if (e0 == epoch and e1 == epoch and e2 == epoch and e3 == epoch and e4 == epoch
                                 and e5 == epoch and e6 == epoch and e7 == epoch):
                             pending = Uint32(0)
@@ -237,6 +254,9 @@ class Combine:
                             polls = polls + Uint32(1)
                             if poll_expired(start, polls, timeout_ns) != Uint32(0):
                                 fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
+            if cutlass.const_expr(TRACE):
+                if t == cta:
+                    trace_stamp(ctrl, epoch, 12, globaltimer(), clock64(), traced)
             routed = []
             for j in cutlass.range_constexpr(8):
                 routed.append(bf16x2(values[2 * j], values[2 * j + 1]))
@@ -269,10 +289,15 @@ class Combine:
                 store_v4(dest, normed[0:4])
                 store_v4(dest + 16, normed[4:8])
             cute.arch.sync_threads()  # shared_mask / stash are reused by the next token
+            if cutlass.const_expr(TRACE):
+                if t == cta:
+                    trace_stamp(ctrl, epoch, 13, globaltimer(), clock64(), traced)
             t += grid
 
         # ---- End: the layer is combined; the last CTA hands its epoch to the next dispatch (EPOCH_D).
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_D, epoch, arrived, grid, tid)
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 14, globaltimer(), clock64(), traced)
 
     @cute.jit
     def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):
@@ -282,11 +307,12 @@ class Combine:
         if source != Uint32(EMPTY):
             origin = Int32(source >> Uint32(16))
             token = Int64(source & Uint32(0xFFFF))
-            dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch + Int64(tid) * 64
+            lane_at = lay.lane_offset(Int64(tid // 32), Int64(tid % 32), 4)  # 512 contiguous bytes per instruction
+            dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch + lane_at
             store_ll2(dest, first[0], first[1], epoch)
-            store_ll2(dest + 16, first[2], first[3], epoch)
-            store_ll2(dest + 32, second[0], second[1], epoch)
-            store_ll2(dest + 48, second[2], second[3], epoch)
+            store_ll2(dest + lay.WARP_CHUNK, first[2], first[3], epoch)
+            store_ll2(dest + 2 * lay.WARP_CHUNK, second[0], second[1], epoch)
+            store_ll2(dest + 3 * lay.WARP_CHUNK, second[2], second[3], epoch)
 
     @cute.jit
     def token_mask(self, ids: Int64, t: Int32, lane: Int32, shared_mask):

@@ -13,6 +13,8 @@ No JAX here.
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -21,6 +23,8 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
     atomic_inc_relaxed_gpu,
+    clock64,
+    store_u64,
     fence_sc_sys,
     globaltimer,
     load_u64,
@@ -30,6 +34,11 @@ from jax_latent_ep.kernels.memory import (
 )
 
 LINE = lay.LINE
+
+#: Debug builds only (`JAX_LATENT_EP_KERNEL_TRACE=1` while compiling; never in the shipped cubins): the kernels
+#: stamp `%globaltimer` and `%clock64` at their phase boundaries into the trace lines of the rank's control
+#: region (`layout.TRACE_LINES`), read by the harness's `--trace`.
+TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "1"
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
 
@@ -72,6 +81,16 @@ def peer_of(table: Int64, target: Int32) -> Int64:
     """The base of rank `target`'s buffer (its local mapping for this rank) from `load_peer_table`'s per-lane
     table: a warp shuffle (every lane of the warp must call it, converged)."""
     return shfl_idx_u64(table, Uint32(target))
+
+
+@cute.jit
+def trace_stamp(ctrl: Int64, epoch: Uint32, index: cutlass.Constexpr[int], stamp: Int64, cycles: Int64, on: Int32):
+    """Trace builds: if `on != 0`, stores `stamp` (`%globaltimer`) and `cycles` (`%clock64`) as stamp `index` of
+    layer `epoch` (a ring of `layout.TRACE_LAYERS` layers: line pair `epoch % TRACE_LAYERS`)."""
+    if on != 0:
+        at = ctrl + lay.TRACE + Int64(epoch % Uint32(lay.TRACE_LAYERS)) * (2 * LINE) + index * 8
+        store_u64(at, stamp)
+        store_u64(at + LINE, cycles)
 
 
 @cute.jit

@@ -20,6 +20,7 @@ from jax_latent_ep import layout as lay
 from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
+    TRACE,
     DeviceLayout,
     arrive_in_sequence,
     hand_over_epoch,
@@ -29,9 +30,11 @@ from jax_latent_ep.kernels.common import (
     peer_of,
     poll_expired,
     reached,
+    trace_stamp,
 )
 from jax_latent_ep.kernels.memory import (
     bits_from_f32,
+    clock64,
     e4m3x4,
     f32_from_bits,
     globaltimer,
@@ -194,10 +197,20 @@ class Dispatch:
         buf = DeviceLayout(max_tokens, ranks, shape)
         stride = Int32(buf.stride)
         column = Int64(tid) * 16
+        # This thread's two 16-byte pieces of an x row (layout.lane_offset: each warp instruction stores 512
+        # contiguous bytes).
+        x_lane = lay.lane_offset(Int64(warp), Int64(lane), 2)
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
+        if cutlass.const_expr(TRACE):
+            traced = Int32(0)
+            if tid == 0 and cta == 0:
+                traced = Int32(1)
+            t_entry, c_entry = globaltimer(), clock64()
 
         cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(TRACE):
+            t_wait, c_wait = globaltimer(), clock64()
         # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
         # inputs, lane d's peer base, the epoch words, then warp 0 lane d's ready word of rank d (an acquire:
         # last, so it orders only what follows: our stores into rank d's rows).
@@ -304,13 +317,17 @@ class Dispatch:
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
             cute.arch.sync_threads()  # the mask, and warp 0's ready wait, for every thread
             mask = Uint32(shared[0])
+            if cutlass.const_expr(TRACE):
+                trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
+                trace_stamp(ctrl, epoch, 1, t_wait, c_wait, traced)
+                trace_stamp(ctrl, epoch, 2, globaltimer(), clock64(), traced)
 
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
                     base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
-                    x_dst = base + buf.x + slot * buf.x_pitch + Int64(tid) * 32
+                    x_dst = base + buf.x + slot * buf.x_pitch + x_lane
                     store_ll2(x_dst, packed[0], packed[1], epoch)
-                    store_ll2(x_dst + 16, packed[2], packed[3], epoch)
+                    store_ll2(x_dst + lay.WARP_CHUNK, packed[2], packed[3], epoch)
                     if tid % 8 == 0:
                         store_ll(base + buf.sf + slot * buf.sf_pitch + Int64(tid // 8) * 8, sf_word, epoch)
                     if tid < topk:
@@ -322,6 +339,8 @@ class Dispatch:
                 if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
                     header = source_word
                 store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
+            if cutlass.const_expr(TRACE):
+                trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
         # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every rank.
         j = cta
         if cta < tokens:
@@ -336,6 +355,8 @@ class Dispatch:
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 4, globaltimer(), clock64(), traced)
 
         # ---- Phase 3: copy the receive rows q = c, c + G, ... out of the local buffer into XLA's outputs. Every
         # thread polls the row's header and its own words of the row together (one round trip once they have
@@ -360,7 +381,7 @@ class Dispatch:
         while q < rows32:
             row = Int64(q)
             hdr_at = local + buf.hdr + row * buf.hdr_pitch
-            x_at = local + buf.x + row * buf.x_pitch + Int64(tid) * 32
+            x_at = local + buf.x + row * buf.x_pitch + x_lane
             sf_at = local + buf.sf + row * buf.sf_pitch + sf_col * 8
             ids_at = local + buf.ids + row * buf.meta_pitch + meta_col * 8
             w_at = local + buf.weights + row * buf.meta_pitch + meta_col * 8
@@ -370,7 +391,7 @@ class Dispatch:
             while pending != Uint32(0):
                 source, h_epoch = load_ll(hdr_at)
                 a0, ea0, a1, ea1 = load_ll2(x_at)
-                b0, eb0, b1, eb1 = load_ll2(x_at + 16)
+                b0, eb0, b1, eb1 = load_ll2(x_at + lay.WARP_CHUNK)
                 sf_v, sf_e = load_ll(sf_at)
                 id_v, id_e = load_ll(ids_at)
                 w_v, w_e = load_ll(w_at)
@@ -407,9 +428,18 @@ class Dispatch:
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
             q += grid
+            if cutlass.const_expr(TRACE):
+                # 5: CTA 0's first row (source 0's token 0) copied; 7: the same in the CTA whose first row is
+                # source 1's token 0 (a peer's row when N > 1).
+                if q == cta + grid:
+                    trace_stamp(ctrl, epoch, 5, globaltimer(), clock64(), traced)
+                    if tid == 0 and cta == stride:
+                        trace_stamp(ctrl, epoch, 7, globaltimer(), clock64(), Int32(1))
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, grid, tid)
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 6, globaltimer(), clock64(), traced)
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).

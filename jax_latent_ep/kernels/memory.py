@@ -54,6 +54,18 @@ def load_u64(addr, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def store_u64(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one weak 8-byte `st.global.b64` (the kernel trace's stamps); `addr` 8-byte aligned."""
+    _asm(None, [_i64(addr, loc, ip), _i64(value, loc, ip)], "st.global.b64 [$0], $1;", "l,l", loc, ip)
+
+
+@dsl_user_op
+def clock64(*, loc=None, ip=None) -> Int64:
+    """Always reads `%clock64` (this SM's cycle counter, a fresh read each call)."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", loc, ip))
+
+
+@dsl_user_op
 def load_b32(addr, *, loc=None, ip=None) -> Uint32:
     """Always issues one weak 4-byte `ld.global.b32`; ordered after earlier fences of this thread."""
     return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.b32 $0, [$1];", "=r,l", loc, ip))

@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
+from jax_latent_ep import layout as layout_mod
 from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, EpLayout
 from jax_latent_ep.testing import model
 
@@ -266,6 +267,15 @@ class Rank:
         else:
             check(cu.cuMemsetD8(self.buffer.ptr, 0, lay.peers))
             check(cu.cuCtxSynchronize())
+
+    def trace(self):
+        """The kernel trace of a trace build (`kernels.common.TRACE`): `(timer_ns, cycles)`, each int64
+        `[TRACE_LAYERS, 16]`, one row per layer of the ring (stamp meanings: `TRACE_STAMPS`)."""
+        cu = _cu()
+        check(cu.cuCtxSetCurrent(self.ctx))
+        raw = np.empty((layout_mod.TRACE_LAYERS, 2, 16), np.int64)
+        check(cu.cuMemcpyDtoH(raw.ctypes.data, self.buffer.ptr + self.layout.ctrl + layout_mod.TRACE, raw.nbytes))
+        return raw[:, 0], raw[:, 1]
 
     def ctrl_words(self):
         cu = _cu()
@@ -650,7 +660,45 @@ def _graph_time(system: System, body, graph_layers, replays):
     return float(np.median(samples)), float(min(samples))
 
 
-def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, replays=30, apply_norm=1):
+#: Stamps of a trace build, by index (CTA 0, thread 0 unless said).
+TRACE_STAMPS = {
+    0: "dispatch entry", 1: "dispatch griddepcontrol.wait returned", 2: "dispatch inputs, ready wait, mask done",
+    3: "dispatch token 0 stored (issued)", 4: "dispatch launch_dependents", 5: "dispatch first row copied out",
+    6: "dispatch end", 7: "dispatch peer row (source 1, token 0) copied out (CTA S)",
+    8: "combine entry", 9: "combine griddepcontrol.wait returned", 10: "combine sends issued",
+    11: "combine launch_dependents", 12: "combine token 0 partials arrived", 13: "combine token 0 stored",
+    14: "combine end",
+}
+
+
+def trace_report(system: System):
+    """Per rank: median over the ring's layers of every stamp relative to the layer's dispatch entry (ns, from
+    `%globaltimer`), and of CTA 0's cycles inside each kernel; then the gaps between kernels."""
+    lines = []
+    for r in system.ranks:
+        timer, cycles = r.trace()
+        order = np.argsort(timer[:, 0])
+        timer, cycles = timer[order], cycles[order]
+        rel = timer - timer[:, :1]
+        lines.append(f"  rank {r.rank} (timer ns from dispatch entry; cycles from the kernel's entry):")
+        for i, name in TRACE_STAMPS.items():
+            base = 0 if i < 8 else 8
+            cyc = cycles[:, i] - cycles[:, base] if i != 7 else np.zeros(len(cycles), np.int64)
+            lines.append(f"    {i:2d} {name:<58s} {np.median(rel[:, i]):8.0f} ns  {np.median(cyc):8.0f} cyc")
+        gaps = {
+            "combine wait returned - dispatch end": timer[:, 9] - timer[:, 6],
+            "next dispatch entry - combine end": timer[1:, 0] - timer[:-1, 14],
+            "next dispatch wait returned - combine end": timer[1:, 1] - timer[:-1, 14],
+            "layer (dispatch entry to next)": timer[1:, 0] - timer[:-1, 0],
+        }
+        for name, v in gaps.items():
+            lines.append(f"    {name:<61s} {np.median(v):8.0f} ns")
+        steps = np.unique(np.diff(np.sort(timer[:, :15].ravel())))
+        lines.append(f"    smallest non-zero timer step: {steps[steps > 0].min() if (steps > 0).any() else 0} ns")
+    print("\n".join(lines), flush=True)
+
+
+def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, replays=30, apply_norm=1, trace=False):
     """Median kernel-only microseconds per T of one dispatch + combine layer (`layer`): CUDA graphs of
     `graph_layers` layers per GPU, events around each replay. (A dispatch alone repeated is refused by the
     kernels' sequence guard, so only whole layers are timed.)"""
@@ -684,6 +732,8 @@ def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, repla
         results[tokens] = row
         print(f"  T={tokens}: {row['layer'][0]:.2f} us per dispatch + combine (median of {replays}, min "
               f"{row['layer'][1]:.2f}){text}", flush=True)
+        if trace:
+            trace_report(system)
     return results
 
 
@@ -1156,6 +1206,8 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
+    parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
     parser.add_argument("--sequence-case", choices=("dispatch_twice", "combine_twice"), default="dispatch_twice")
     group = parser.add_argument_group("stress mode")
     group.add_argument("--stress-virtual", action="store_true", help="all ranks on one GPU (default: one per GPU)")
@@ -1189,14 +1241,14 @@ def main(argv=None):
             system = System(args.shape, n, args.max_tokens, "devices", args.artifacts)
             system.timeout_ns = args.timeout_ns
             print(f"latency {args.shape} N={n} on {n} GPUs", flush=True)
-            res = latency(system)
+            res = latency(system, trace=args.trace)
             backend_device = f"{n}x {device}"
             rows = []
             for t, row in res.items():
-                rows.append((date, backend_device, args.commit, "kernel-harness", n, t, "kernel_us_median", f"{row['layer'][0]:.2f}"))
+                rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t, "kernel_us_median", f"{row['layer'][0]:.2f}"))
                 for part in ("dispatch", "combine"):
                     if part in row:
-                        rows.append((date, backend_device, args.commit, "kernel-harness", n, t, f"{part}_us_median", f"{row[part][0]:.2f}"))
+                        rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t, f"{part}_us_median", f"{row[part][0]:.2f}"))
             _csv_rows(args.csv, rows)
             continue
         system = System(args.shape, n, args.max_tokens, args.mode, args.artifacts)

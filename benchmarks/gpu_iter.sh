@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call (2 x H200) per kernel iteration: kernel-only latency of several cubin sets side by side
+# (ARTS: artifact directories, interleaved per buffer size; the first is the tree's), correctness of the tree's
+# kernels, the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
+# benchmark of every backend at N = 2. Summary in $OUT/summary.txt, CSVs in $OUT.
+#   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
+#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency check trace bench"] bash benchmarks/gpu_iter.sh
+set -u
+OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+C="--commit ${GIT_COMMIT:-unknown}"
+H="python3 -m jax_latent_ep.testing.harness"
+log() { echo "=== $(date +%T) $*"; }
+ARTS="${ARTS:-jax_latent_ep/_artifacts}"
+stages="${STAGES:-latency check trace bench}"
+has() { [[ " $stages " == *" $1 "* ]]; }
+{
+if has latency; then
+for mt in 8 128; do
+  for art in $ARTS; do
+    tag=-$(basename $art)-max$mt
+    echo "-- kernels $art, max_tokens $mt (N = 1, then N = 2)"
+    timeout 100 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --tag=$tag --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
+  done
+done
+fi
+if has check; then
+log "harness correctness (tree's kernels)"
+( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
+p0=$!
+CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C > $W/h1.log 2>&1 &
+p1=$!
+wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
+grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
+timeout 120 $H --mode devices --ranks 2 --max-tokens 128 --layers 1000 --csv $OUT/check.csv $C > $W/h2.log 2>&1
+echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+for case in dispatch_twice combine_twice; do
+  timeout 60 $H --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
+done
+fi
+if has trace; then
+for art in ${TRACE_ARTS:-}; do
+  for mt in 8 128; do
+    log "trace build $art, max_tokens $mt"
+    timeout 100 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --trace --tag=-trace-max$mt 2>&1 | grep -v "^note"
+  done
+done
+fi
+if has bench; then
+log "bench N=2: every backend (SKIP_TEMP)"
+timeout 220 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
+  --repeats 10 --inner 5 --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+  --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -14
+fi
+log done
+} 2>&1 | tee $OUT/summary.txt
