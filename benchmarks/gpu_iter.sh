@@ -4,7 +4,8 @@
 # kernels, the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
 # benchmark of every backend at N = 2. Summary in $OUT/summary.txt, CSVs in $OUT.
 #   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
-#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency check trace bench"] bash benchmarks/gpu_iter.sh
+#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency check trace host bench"] bash benchmarks/gpu_iter.sh
+# (host: enqueue vs wall time per program, benchmarks/host_probe.py, and a timeline with host events.)
 set -u
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -46,6 +47,23 @@ for art in ${TRACE_ARTS:-}; do
     timeout 100 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --trace --tag=-trace-max$mt 2>&1 | grep -v "^note"
   done
 done
+fi
+if has host; then
+CB="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+log "host or GPU: enqueue time per program vs wall time per program (one process)"
+XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 150 python3 benchmarks/host_probe.py --ranks 2 \
+  --tokens 1 --backends nvlink,xla --layers 32,64 2>&1 | grep -v "^[WI][0-9]\{4\}"
+XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 60 python3 benchmarks/host_probe.py --ranks 1 \
+  --tokens 1 --backends nvlink --layers 32 2>&1 | grep -v "^[WI][0-9]\{4\}" | tail -1
+echo "-- traced FFI path (JAX_LATENT_EP_FFI_RECORD=0)"
+JAX_LATENT_EP_FFI_RECORD=0 XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 60 python3 \
+  benchmarks/host_probe.py --ranks 2 --tokens 1 --backends nvlink --layers 32 2>&1 | grep -v "^[WI][0-9]\{4\}" | tail -1
+echo "-- command buffers for fusions only (our calls as thunks)"
+XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION --xla_gpu_graph_min_graph_size=1" timeout 60 python3 \
+  benchmarks/host_probe.py --ranks 2 --tokens 1 --backends nvlink --layers 32 2>&1 | grep -v "^[WI][0-9]\{4\}" | tail -1
+log "timeline N=2 T=1 with host events"
+XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 90 python3 benchmarks/timeline.py --ranks 2 \
+  --tokens 1 --show 8 --host-events 40 2>&1 | grep -v "^[WI][0-9]\{4\}"
 fi
 if has bench; then
 log "bench N=2: every backend (SKIP_TEMP)"

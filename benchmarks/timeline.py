@@ -18,16 +18,9 @@ import statistics
 import tempfile
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=1)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--programs", type=int, default=5)
-    parser.add_argument("--backend", default="nvlink")
-    parser.add_argument("--show", type=int, default=12, help="kernels of the first traced layer to list")
-    args = parser.parse_args()
-
+def make_program(n: int, t: int, layers: int, backend: str):
+    """The benchmark's jitted program on the first `n` devices (T = `t`, `layers` layers unrolled):
+    returns `(fn, x, rest, close)`; call `x = fn(x, *rest)` (x is donated)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -36,9 +29,9 @@ def main():
     import jax_latent_ep
     from jax_latent_ep import KIMI_K3
 
-    shape, n, t = KIMI_K3, args.ranks, args.tokens
+    shape = KIMI_K3
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Explicit,))
-    ep = jax_latent_ep.ExpertParallel(mesh, axis_name="ep", max_tokens=t, shape=shape, backend=args.backend)
+    ep = jax_latent_ep.ExpertParallel(mesh, axis_name="ep", max_tokens=t, shape=shape, backend=backend)
     rng = np.random.default_rng(0)
     pool = 8
     ids = np.stack([np.stack([rng.choice(shape.experts, shape.topk, replace=False) for _ in range(n * t)])
@@ -51,7 +44,7 @@ def main():
     nw = jax.device_put((1 + 0.1 * rng.standard_normal(shape.latent)).astype(jnp.bfloat16), repl)
 
     def program(x, ids, weights, norm_w):
-        for layer in range(args.layers):
+        for layer in range(layers):
             i, w = ids[layer % pool], weights[layer % pool]
             recv = ep.dispatch(x, i, w)
             x = ep.combine(recv.x.astype(jnp.bfloat16), i, norm_w, eps=1e-5)
@@ -59,15 +52,33 @@ def main():
 
     fn = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=(P("ep"), (P("ep"),) * pool, (P("ep"),) * pool, P()),
                                out_specs=P("ep"), check_vma=False), donate_argnums=(0,))
+    return fn, x, (ids_d, w_d, nw), ep.close
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--programs", type=int, default=5)
+    parser.add_argument("--backend", default="nvlink")
+    parser.add_argument("--show", type=int, default=12, help="kernels of the first traced layer to list")
+    parser.add_argument("--host-events", type=int, default=14, help="host event names to list (by total time)")
+    args = parser.parse_args()
+
+    import jax
+
+    n, t = args.ranks, args.tokens
+    fn, x, rest, close = make_program(n, t, args.layers, args.backend)
     for _ in range(5):
-        x = fn(x, ids_d, w_d, nw)
+        x = fn(x, *rest)
     x.block_until_ready()
     trace_dir = tempfile.mkdtemp(prefix="timeline_")
     with jax.profiler.trace(trace_dir):
         for _ in range(args.programs):
-            x = fn(x, ids_d, w_d, nw)
+            x = fn(x, *rest)
         x.block_until_ready()
-    ep.close()
+    close()
 
     path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
     data = jax.profiler.ProfileData.from_file(path)
@@ -102,7 +113,7 @@ def main():
                 total[name][0] += 1
                 total[name][1] += d
             print(f"{plane.name}: host events with the most time")
-            for name, (count, d) in sorted(total.items(), key=lambda kv: -kv[1][1])[:14]:
+            for name, (count, d) in sorted(total.items(), key=lambda kv: -kv[1][1])[:args.host_events]:
                 print(f"  {count:6d} x {d / count / 1e3:9.2f} us = {d / 1e6:8.2f} ms  {name[:90]}")
 
 
