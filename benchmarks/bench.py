@@ -8,10 +8,15 @@ runs, in one go: N = 1 (one GPU), N = 2 with one process driving both GPUs, N = 
 (two processes under `jax.distributed`), each for T in {1, 2, 5, 8, 16, 32, 64, 128} and each backend
 (`nvlink`, `xla` = the library's all_to_all backend, `xla-allgather` = all_gather + psum_scatter), inside a
 jitted program of `--layers` unrolled layers; the median over `--repeats` timed samples, each `--inner`
-programs enqueued back to back, divided by the layer count (so the host's launch and the processes' skew are
-paid once per sample). Each layer takes its routing from a rotating pool, so caches see fresh ids.
+programs enqueued back to back, divided by the layer count. A sample pays the pipeline's fill once (the host's
+enqueue of its first program, 0.15-0.6 ms, and the skew between the devices' starts) before the GPU runs at
+its steady rate, as a decode loop pays it once: with `--inner 20` (the default) the fill is 1/20 of a sample,
+with 5 (the setting before 2026-11-30's fourth session) it added ~2 us per layer at T = 1
+(`benchmarks/host_probe.py`). Each layer takes its routing from a rotating pool, so caches see fresh ids.
 Rows go to the CSV (`date,device,commit,backend,ranks,tokens,metric,value`, metric `layer_us_median`, with
-`mode` folded into the backend name for the one-process-two-GPU figures: `nvlink-1proc`, `xla-1proc`, ...).
+`mode` folded into the backend name for the one-process-two-GPU figures: `nvlink-1proc`, `xla-1proc`, ...),
+and `enqueue_us_per_layer`: the host's time to enqueue the sample's programs, per layer (when it is as large as
+`layer_us_median`, the host is the bottleneck).
 
 `python benchmarks/bench.py worker ...` is one process's share (the `all` command spawns them).
 """
@@ -190,16 +195,19 @@ def worker(args):
         # Each timed sample is `--inner` programs enqueued back to back (JAX dispatches asynchronously), then
         # one wait: the host's launch cost and, with one process per GPU, the skew between the processes'
         # launches are paid once per sample instead of once per program; the median is over the samples.
-        times = []
+        times, enqueue = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
             for _ in range(args.inner):
                 x_d = fn(x_d, ids_d, w_d, nw_d)
+            queued = time.perf_counter()
             x_d.block_until_ready()
             times.append((time.perf_counter() - start) / (args.inner * args.layers) * 1e6)
+            enqueue.append((queued - start) / (args.inner * args.layers) * 1e6)
         results.append({"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
                         "max_tokens": max_tokens,
                         "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
+                        "enqueue_us_per_layer": float(np.median(enqueue)),
                         "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""})
         ep.close()
     if show:
@@ -280,8 +288,8 @@ def run_all(args):
         new_rows = []
         for r in _run_workers(ranks, procs, args, env):
             backend = r["backend"] + ("-1proc" if ranks > 1 and procs == 1 else "") + args.tag
-            new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], "layer_us_median",
-                             f"{r['layer_us_median']:.2f}"))
+            for metric in ("layer_us_median", "enqueue_us_per_layer"):
+                new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], metric, f"{r[metric]:.2f}"))
         new = not os.path.exists(args.out)
         with open(args.out, "a") as f:  # written per mode, so a cut-off run keeps what it measured
             if new:
@@ -295,6 +303,8 @@ def run_all(args):
 def _print_table(rows):
     by = {}
     for _, _, _, backend, ranks, tokens, metric, value in rows:
+        if metric != "layer_us_median":
+            continue
         by.setdefault((backend, ranks), {})[int(tokens)] = float(value)
     tokens = sorted({int(r[5]) for r in rows})
     print("backend".ljust(22) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
@@ -310,7 +320,7 @@ def main():
         p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=list(TOKENS))
         p.add_argument("--layers", type=int, default=48)
         p.add_argument("--repeats", type=int, default=20, help="timed samples (the median is reported)")
-        p.add_argument("--inner", type=int, default=5, help="programs enqueued back to back per sample")
+        p.add_argument("--inner", type=int, default=20, help="programs enqueued back to back per sample")
         p.add_argument("--backends", default="nvlink,xla,xla-allgather")
         p.add_argument("--max-tokens", type=int, default=0,
                        help="receive-buffer size: 0 = the largest T of the run, -1 = each T its own, N = N")

@@ -4,7 +4,7 @@
 # kernels, the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
 # benchmark of every backend at N = 2. Summary in $OUT/summary.txt, CSVs in $OUT.
 #   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
-#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency check trace host bench"] bash benchmarks/gpu_iter.sh
+#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency grid check trace host bench"] bash benchmarks/gpu_iter.sh
 # (host: enqueue vs wall time per program, benchmarks/host_probe.py, and a timeline with host events.)
 set -u
 OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
@@ -13,7 +13,7 @@ C="--commit ${GIT_COMMIT:-unknown}"
 H="python3 -m jax_latent_ep.testing.harness"
 log() { echo "=== $(date +%T) $*"; }
 ARTS="${ARTS:-jax_latent_ep/_artifacts}"
-stages="${STAGES:-latency check trace bench}"
+stages="${STAGES:-latency grid check trace bench}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has latency; then
@@ -23,6 +23,12 @@ for mt in 8 128; do
     echo "-- kernels $art, max_tokens $mt (N = 1, then N = 2)"
     timeout 100 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --tag=$tag --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
   done
+done
+fi
+if has grid; then
+for cap in 128 256; do
+  echo "-- kernels of the tree, max_tokens 128, grids max(T, min(N * S, $cap)) (N = 2)"
+  timeout 100 $H --mode latency --ranks 2 --max-tokens 128 --grid-cap $cap --tag=-grid$cap --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
 done
 fi
 if has check; then
@@ -67,9 +73,13 @@ XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 90 python
 fi
 if has bench; then
 log "bench N=2: every backend (SKIP_TEMP)"
-timeout 220 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
-  --repeats 10 --inner 5 --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+timeout 260 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
+  --repeats 10 --inner 20 --max-tokens -1 --only-ranks ${BENCH_RANKS:-2} --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
   --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -14
+log "bench N=2: nvlink with 5 programs per sample (the earlier setting)"
+timeout 100 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 --repeats 10 --inner 5 \
+  --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-inner5 \
+  --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -4
 fi
 log done
 } 2>&1 | tee $OUT/summary.txt

@@ -330,6 +330,8 @@ class System:
             print(f"note: max_tokens {max_tokens} -> {self.cap} (residency: {resident} CTAs per GPU)")
             max_tokens = self.cap
         self.max_tokens = max_tokens
+        #: Most CTAs of one launch beyond T (the grids are max(T, min(N * S, grid_cap))).
+        self.grid_cap = self.cap
         self.layout = EpLayout(ranks, max_tokens, self.shape)
         self.ranks = [Rank(r, self.ctxs[ordinals[r]], self.layout, kernels[ordinals[r]], r in host_ranks)
                       for r in range(ranks)]
@@ -350,7 +352,7 @@ class System:
         parameter name: x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src) replace the rank's
         own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
-        grid = _grid(tokens, self.layout.rows, self.cap)
+        grid = _grid(tokens, self.layout.rows, self.grid_cap)
         args = dict(
             x=r.x.ptr, ids=r.ids.ptr, weights=r.weights.ptr, recv_x=r.recv_x.ptr, recv_sf=r.recv_sf.ptr,
             recv_ids=r.recv_ids.ptr, recv_weights=r.recv_weights.ptr, recv_src=r.recv_src.ptr,
@@ -366,7 +368,7 @@ class System:
         """Launches rank `r`'s combine of `tokens` tokens on its stream. `pointers` (raw device addresses, by
         parameter name: out, ids, norm_weight, result) replace the rank's own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
-        grid = _grid(tokens, self.layout.rows, self.cap)
+        grid = _grid(tokens, self.layout.rows, self.grid_cap)
         args = dict(out=r.out.ptr, ids=r.ids.ptr, norm_weight=r.norm.ptr, result=r.result.ptr)
         _override(args, pointers)
         r.combine.launch(
@@ -1206,6 +1208,7 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids max(T, min(N * S, this))")
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
     parser.add_argument("--sequence-case", choices=("dispatch_twice", "combine_twice"), default="dispatch_twice")
@@ -1240,7 +1243,9 @@ def main(argv=None):
         if args.mode == "latency":
             system = System(args.shape, n, args.max_tokens, "devices", args.artifacts)
             system.timeout_ns = args.timeout_ns
-            print(f"latency {args.shape} N={n} on {n} GPUs", flush=True)
+            if args.grid_cap:
+                system.grid_cap = min(args.grid_cap, system.cap)
+            print(f"latency {args.shape} N={n} on {n} GPUs, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
             res = latency(system, trace=args.trace)
             backend_device = f"{n}x {device}"
             rows = []
