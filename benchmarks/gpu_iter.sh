@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (2 x H200) per kernel iteration: kernel-only latency of several cubin sets side by side
 # (ARTS: artifact directories, interleaved per buffer size; the first is the tree's), correctness of the tree's
-# kernels, the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
+# kernels (CHECK_ARTS: another directory), the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
 # benchmark of every backend at N = 2. Summary in $OUT/summary.txt, CSVs in $OUT.
 #   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
 #   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency grid check trace host bench"] bash benchmarks/gpu_iter.sh
@@ -32,18 +32,19 @@ for cap in 128 256; do
 done
 fi
 if has check; then
-log "harness correctness (tree's kernels)"
-( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
-  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
+CA="--artifacts ${CHECK_ARTS:-jax_latent_ep/_artifacts}"
+log "harness correctness ($CA)"
+( CUDA_VISIBLE_DEVICES=0 $H $CA --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H $CA --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
 p0=$!
-CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C > $W/h1.log 2>&1 &
+CUDA_VISIBLE_DEVICES=1 $H $CA --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C > $W/h1.log 2>&1 &
 p1=$!
 wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
 grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
-timeout 120 $H --mode devices --ranks 2 --max-tokens 128 --layers 1000 --csv $OUT/check.csv $C > $W/h2.log 2>&1
+timeout 120 $H $CA --mode devices --ranks 2 --max-tokens 128 --layers 1000 --csv $OUT/check.csv $C > $W/h2.log 2>&1
 echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
 for case in dispatch_twice combine_twice; do
-  timeout 60 $H --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
+  timeout 60 $H $CA --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
 done
 fi
 if has trace; then
