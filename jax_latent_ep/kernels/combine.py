@@ -206,7 +206,7 @@ class Combine:
             trace_stamp(ctrl, epoch, 9, t_wait, c_wait, traced)
             trace_stamp(ctrl, epoch, 10, globaltimer(), clock64(), traced)
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
-        # before the end). Its barrier also publishes the first own token's mask (phase 1) to every thread.
+        # before the end).
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
@@ -226,7 +226,7 @@ class Combine:
             if t != cta:
                 if warp == 0:
                     self.token_mask(ids, t, lane, shared_mask)
-                cute.arch.sync_threads()  # (the first token's mask: published by the arrival's barrier)
+            cute.arch.sync_threads()
             mask = Uint32(shared_mask[0])
             gamma = load_v4(gamma_base + column * 2) + load_v4(gamma_base + column * 2 + 16)
             values = cute.make_rmem_tensor(16, Float32)

@@ -116,19 +116,11 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
 @cute.jit
 def arrive_in_sequence(ctrl: Int64, counter: cutlass.Constexpr[int], grid: Int32, tid: Int32) -> Uint32:
     """The sequence guard's arrival: call it from every thread of every CTA, anywhere after the thread read
-    both epoch words and passed its check (each thread checks before its first store). A CTA barrier, then
-    `arrive_after_barrier`: returns the old count (thread 0; 0 elsewhere)."""
+    both epoch words and passed its check (each thread checks before its first store). After a CTA barrier
+    (every thread's reads of the epoch words have returned: its check used them) thread 0 arrives on the
+    kernel's counter (`layout.CTRL_COUNT_*`, on a line of its own, re-armed by the grid's last arrival) and
+    gets the old count, which nothing waits for until `hand_over_epoch`. Returns it (thread 0; 0 elsewhere)."""
     cute.arch.sync_threads()
-    return arrive_after_barrier(ctrl, counter, grid, tid)
-
-
-@cute.jit
-def arrive_after_barrier(ctrl: Int64, counter: cutlass.Constexpr[int], grid: Int32, tid: Int32) -> Uint32:
-    """The arrival itself, for a kernel that already has a CTA barrier after every thread's check: call it from
-    every thread right after that barrier (every thread's reads of the epoch words have returned: its check
-    used them). Thread 0 arrives on the kernel's counter (`layout.CTRL_COUNT_*`, on a line of its own,
-    re-armed by the grid's last arrival) and gets the old count, which nothing waits for until
-    `hand_over_epoch`. Returns it (thread 0; 0 elsewhere)."""
     old = Uint32(0)
     if tid == 0:
         old = atomic_inc_relaxed_gpu(ctrl + 4 * counter, Uint32(grid - 1))

@@ -22,7 +22,7 @@ from jax_latent_ep.kernels.common import (
     EMPTY,
     TRACE,
     DeviceLayout,
-    arrive_after_barrier,
+    arrive_in_sequence,
     hand_over_epoch,
     compile_cubin,
     fail,
@@ -253,6 +253,7 @@ class Dispatch:
                     fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, lane, epoch - Uint32(1))
 
         if cta < tokens:
+            token = cta
             # Destination mask of the token: bit d set iff one of its experts lives on rank d.
             if warp == 0:
                 bit = Uint32(0)
@@ -262,65 +263,59 @@ class Dispatch:
                 if lane == 0:
                     shared[0] = Int32(mask)
 
-        # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block (every CTA computes it; only CTAs
-        # c < T store it: the others loaded token 0 and discard the result).
-        words = first + second
-        top = Uint32(0)
-        for w in cutlass.range_constexpr(8):
-            lo = words[w] & Uint32(0x7FFF)
-            hi = (words[w] >> Uint32(16)) & Uint32(0x7FFF)
-            if lo > top:
-                top = lo
-            if hi > top:
-                top = hi
-        other = shfl_bfly(top, 1)
-        if other > top:
-            top = other
-        # MXFP8 scale (numerics.md) on the bits: s = ftz(amax * R); e = 0 if s == 0 else
-        # min(254, biased_exp(s) + (mantissa(s) != 0)); inv = 2^(127 - e) built from bits (0 if e == 0).
-        # For BF16 input e <= 247, so inv is a normal FP32. A block holding a NaN or Inf (amax bits >= 0x7F80)
-        # gets e = 255 and inv = 0: q = e4m3(x * 0) is NaN for its non-finite elements, +-0 for the others.
-        s_bits = Uint32(
-            bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)), f32_from_bits(Uint32(RECIPROCAL_448_BITS))))
-        )
-        e = Uint32(0)
-        if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
-            e = (s_bits >> Uint32(23)) & Uint32(0xFF)
-            if s_bits & Uint32(0x7FFFFF) != Uint32(0):
-                e = e + Uint32(1)
-            if e > Uint32(254):
-                e = Uint32(254)
-        inv_bits = Uint32(0)
-        if e != Uint32(0):
-            inv_bits = (Uint32(254) - e) << Uint32(23)
-        if top >= Uint32(0x7F80):  # NaN or Inf in the block
-            e = Uint32(SF_NONFINITE)
-            inv_bits = Uint32(0)
-        inv = f32_from_bits(inv_bits)
-        packed = []
-        for j in cutlass.range_constexpr(4):
-            a, b = words[2 * j], words[2 * j + 1]
-            packed.append(
-                e4m3x4(
-                    mul_ftz(lo_f32(a), inv),
-                    mul_ftz(hi_f32(a), inv),
-                    mul_ftz(lo_f32(b), inv),
-                    mul_ftz(hi_f32(b), inv),
-                )
+            # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block.
+            words = first + second
+            top = Uint32(0)
+            for w in cutlass.range_constexpr(8):
+                lo = words[w] & Uint32(0x7FFF)
+                hi = (words[w] >> Uint32(16)) & Uint32(0x7FFF)
+                if lo > top:
+                    top = lo
+                if hi > top:
+                    top = hi
+            other = shfl_bfly(top, 1)
+            if other > top:
+                top = other
+            # MXFP8 scale (numerics.md) on the bits: s = ftz(amax * R); e = 0 if s == 0 else
+            # min(254, biased_exp(s) + (mantissa(s) != 0)); inv = 2^(127 - e) built from bits (0 if e == 0).
+            # For BF16 input e <= 247, so inv is a normal FP32. A block holding a NaN or Inf (amax bits >= 0x7F80)
+            # gets e = 255 and inv = 0: q = e4m3(x * 0) is NaN for its non-finite elements, +-0 for the others.
+            s_bits = Uint32(
+                bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)), f32_from_bits(Uint32(RECIPROCAL_448_BITS))))
             )
-        # Lanes 8i gather the scales of blocks 4i..4i+3 of their warp into one word (byte j = block j).
-        sf_word = e
-        for s in cutlass.range_constexpr(1, 4):
-            sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
+            e = Uint32(0)
+            if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
+                e = (s_bits >> Uint32(23)) & Uint32(0xFF)
+                if s_bits & Uint32(0x7FFFFF) != Uint32(0):
+                    e = e + Uint32(1)
+                if e > Uint32(254):
+                    e = Uint32(254)
+            inv_bits = Uint32(0)
+            if e != Uint32(0):
+                inv_bits = (Uint32(254) - e) << Uint32(23)
+            if top >= Uint32(0x7F80):  # NaN or Inf in the block
+                e = Uint32(SF_NONFINITE)
+                inv_bits = Uint32(0)
+            inv = f32_from_bits(inv_bits)
+            packed = []
+            for j in cutlass.range_constexpr(4):
+                a, b = words[2 * j], words[2 * j + 1]
+                packed.append(
+                    e4m3x4(
+                        mul_ftz(lo_f32(a), inv),
+                        mul_ftz(hi_f32(a), inv),
+                        mul_ftz(lo_f32(b), inv),
+                        mul_ftz(hi_f32(b), inv),
+                    )
+                )
+            # Lanes 8i gather the scales of blocks 4i..4i+3 of their warp into one word (byte j = block j).
+            sf_word = e
+            for s in cutlass.range_constexpr(1, 4):
+                sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
 
-        # The mask and warp 0's ready wait, for every thread; and every thread of the CTA has passed the sequence
-        # check (phase 1): arrive now (nothing waits for the count before the end).
-        cute.arch.sync_threads()
-        arrived = arrive_after_barrier(ctrl, lay.CTRL_COUNT_D, grid, tid)
-        if cta < tokens:
-            token = cta
             source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
+            cute.arch.sync_threads()  # the mask, and warp 0's ready wait, for every thread
             mask = Uint32(shared[0])
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
@@ -355,6 +350,9 @@ class Dispatch:
                 store_ll(table + buf.hdr + (Int64(rank) * buf.stride + j) * buf.hdr_pitch, Uint32(EMPTY), epoch)
                 j += grid
 
+        # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
+        # before the end).
+        arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(TRACE):
