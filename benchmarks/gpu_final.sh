@@ -2,8 +2,9 @@
 # One device call (2 x H200) on the JAX path: the launch-path check (record targets vs traced, bit for bit),
 # the benchmark of every backend (N = 1; N = 2 one process and one process per GPU; the NVLink backend also on
 # the traced path), the kernel timeline of a jitted program, the GPU test suite, and compute-sanitizer on the
-# FFI path. CSVs and a summary land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
-#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize"] [BENCH_RANKS=2]
+# FFI path; Nsight Compute (ncu) of both kernels at N = 1, T = 128, and a stress smoke run. CSVs and a summary
+# land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
+#   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize ncu stress"] [BENCH_RANKS=2]
 #   [TESTS_TIMEOUT=300] bash benchmarks/gpu_final.sh
 # (The harness runs, the 100,000-layer stress included, are in benchmarks/gpu_guard.sh.)
 set -u
@@ -14,7 +15,7 @@ log() { echo "=== $(date +%T) $*"; }
 TOK=1,2,5,8,16,32,64,128
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 FLAGS=--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
-stages="${STAGES:-record bench timeline tests sanitize}"
+stages="${STAGES:-record bench timeline tests sanitize ncu stress}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has record; then
@@ -26,13 +27,13 @@ python3 -c "import jax; jax.devices(); from jax_latent_ep import ffi; ffi.regist
 fi
 if has bench; then
 log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"
-timeout 200 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
-  --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
+timeout 300 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
+  --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
 grep -ho '"launch_path": "[a-z]*"' $W/bench.N*.log | sort | uniq -c
 cp $W/bench.csv $OUT/bench.csv
 log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=$(( GPUS < 2 ? 1 : 2 ))"
 JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 \
-  --repeats 10 --inner 5 --max-tokens -1 --only-ranks $(( GPUS < 2 ? 1 : 2 )) $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
+  --repeats 10 --max-tokens -1 --only-ranks $(( GPUS < 2 ? 1 : 2 )) $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
 cp $W/bench.csv $OUT/bench.csv
 fi
 if has timeline; then
@@ -52,6 +53,19 @@ log racecheck, FFI path '(jitted program, N=1, 2 layers)'
 timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/bench.py worker --ranks 1 \
   --backends nvlink --tokens 8 --layers 2 --repeats 1 --inner 1 --max-tokens -1 > $W/racecheck.log 2>&1
 echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|RESULT|Error" $W/racecheck.log | cut -c1-160
+fi
+if has ncu; then
+log "ncu: dispatch and combine at N = 1, T = 128 (first un-captured launches; clocks left alone)"
+timeout 150 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+  --section LaunchStats --section Occupancy -k regex:ep_ -c 2 python3 -m jax_latent_ep.testing.harness --mode latency \
+  --ranks 1 --max-tokens 128 --latency-tokens 128 > $W/ncu.txt 2>&1
+echo "ncu rc=$?"; grep -E "ep_dispatch|ep_combine|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Stall|Compute \(SM\) Throughput|L2 Hit|Block Size|Grid Size" $W/ncu.txt | head -60
+cp $W/ncu.txt $OUT/ncu.txt
+fi
+if has stress; then
+log "stress: 20000 layers, N = 2 on two GPUs, one rank delayed at random"
+timeout 60 python3 -m jax_latent_ep.testing.harness --mode stress --ranks 2 --layers 20000 --max-tokens 16 \
+  --stress-log-every 10000 --csv $OUT/stress.csv $C 2>&1 | tail -4
 fi
 log done
 } 2>&1 | tee $OUT/summary.txt

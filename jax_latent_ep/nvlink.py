@@ -54,11 +54,13 @@ from jax_latent_ep.layout import stride
 from jax_latent_ep.symmetric import SymmetricBuffers, _distributed_client, publish_failure
 from jax_latent_ep.types import Received
 
-#: Default dispatch grid: at least one CTA per token, at least min(N*S, 128) CTAs to copy receive rows out (a
-#: CTA polls its rows one after another: one row each up to N * S = 128).
-DISPATCH_MIN_CTAS = 128
-#: Default combine grid: at least one CTA per own token, at least min(N*S, 128) CTAs to send receive rows.
-COMBINE_MIN_CTAS = 128
+#: Default dispatch grid: at least one CTA per token, at least min(N*S, 256) CTAs to copy receive rows out (a
+#: CTA polls its rows one after another: one row each up to N * S = 256). 256 against 128 at N = 2, buffer of
+#: 128 tokens (2 x H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`): 7.26 / 7.65 / 8.62 / 14.84 us against
+#: 7.62 / 7.93 / 9.05 / 15.03 at T = 1 / 5 / 32 / 128.
+DISPATCH_MIN_CTAS = 256
+#: Default combine grid: at least one CTA per own token, at least min(N*S, 256) CTAs to send receive rows.
+COMBINE_MIN_CTAS = 256
 
 _instances = itertools.count(1)
 _instances_lock = threading.Lock()
@@ -266,7 +268,9 @@ class NvlinkBackend:
             large `T` cannot be sent in one call).
         """
         if self._grid is None:
-            grids = default_grids(tokens, self.ranks, self.max_tokens)
+            # The default rule, lowered to the co-residency bound where that still leaves one CTA per token.
+            grids = tuple(max(tokens, min(g, bound))
+                          for g, bound in zip(default_grids(tokens, self.ranks, self.max_tokens), self.max_grids))
         else:
             grids = max(tokens, self._grid[0]), self._grid[1]
         for name, g, bound in zip(("dispatch", "combine"), grids, self.max_grids):

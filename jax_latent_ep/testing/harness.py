@@ -1208,6 +1208,8 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency-tokens", type=int, nargs="+", default=None,
+                        help="latency mode: the T values (default 1 5 32 128, each at most --max-tokens)")
     parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids max(T, min(N * S, this))")
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
@@ -1246,7 +1248,8 @@ def main(argv=None):
             if args.grid_cap:
                 system.grid_cap = min(args.grid_cap, system.cap)
             print(f"latency {args.shape} N={n} on {n} GPUs, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
-            res = latency(system, trace=args.trace)
+            counts = tuple(args.latency_tokens) if args.latency_tokens else (1, 5, 32, 128)
+            res = latency(system, token_counts=counts, trace=args.trace)
             backend_device = f"{n}x {device}"
             rows = []
             for t, row in res.items():
