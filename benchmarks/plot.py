@@ -14,18 +14,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load(ranks: int, paths=None):
-    """{series name: {T: us}} of `layer_us_median`, `kernel_us_median` (kernel harness) and `floor_us` rows."""
+    """{series name: {T: us}} of `layer_us_median` (the newest `bench_*.csv`), `kernel_us_median` (kernel harness)
+    and `floor_us` rows."""
     series = {}
-    for path in sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv"))):
+    paths = sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv")))
+    # Per-layer rows from the newest benchmark file only (every backend of one run, side by side).
+    newest_bench = [p for p in paths if os.path.basename(p).startswith("bench_")][-1:]
+    for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
+                if r.get("metric") == "layer_us_median" and path not in newest_bench:
+                    continue
                 if r.get("ranks") != str(ranks) or r.get("metric") not in ("layer_us_median", "kernel_us_median",
                                                                             "floor_us"):
                     continue
                 if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1:
                     continue
-                if "cta0-guard" in r["backend"]:  # the earlier kernels, kept for comparison only
-                    continue
+                if any(k in r["backend"] for k in ("cta0-guard", "strided", "mergedbarriers", "grid128", "grid256")):
+                    continue  # variants kept for comparison only (kernel_harness_v3/v4.csv)
+                if r["metric"] == "kernel_us_median" and "max128" in r["backend"] and int(r["tokens"]) <= 8:
+                    continue  # T <= 8: the rows measured with a buffer for 8 tokens (the benchmark sizes per T)
                 name = {"floor_us": "floor (2 flag round trips + bytes at peer bandwidth)",
                         "kernel_us_median": "kernels only (CUDA graph, harness)"}.get(r["metric"], r["backend"])
                 series.setdefault(name, {})[int(r["tokens"])] = float(r["value"])  # the newest row wins
@@ -51,7 +59,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     for name, pts in sorted(series.items()):
         ts = sorted(pts)
         style = "k--" if name.startswith("floor") else ("s:" if name.startswith("kernels") else "o-")
@@ -62,7 +70,7 @@ def main():
     ax.set_ylabel("us per layer (median)")
     ax.set_title(f"Kimi K3 dispatch + expert + combine(+RMSNorm), N = {args.ranks}, H200")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     out = args.out or os.path.join(HERE, "results", f"latency_n{args.ranks}.png")
     fig.savefig(out, dpi=120)
