@@ -72,6 +72,20 @@ log "timeline N=2 T=1 with host events"
 XLA_FLAGS="$CB --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 90 python3 benchmarks/timeline.py --ranks 2 \
   --tokens 1 --show 8 --host-events 40 2>&1 | grep -v "^[WI][0-9]\{4\}"
 fi
+if has pdl; then
+CB="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+for pdl in false true; do
+  log "timeline N=2 T=1 (one process), --xla_gpu_enable_pdl=$pdl --xla_gpu_enable_pdl_launch=$pdl"
+  XLA_FLAGS="$CB --xla_gpu_enable_pdl=$pdl --xla_gpu_enable_pdl_launch=$pdl" timeout 90 python3 benchmarks/timeline.py \
+    --ranks 2 --tokens 1 --show 7 2>&1 | grep -v "^[WI][0-9]\{4\}" | head -13
+done
+log "bench N=2, nvlink and xla, XLA's PDL for its own kernels off / on"
+for pdl in false true; do
+  timeout 150 python3 benchmarks/bench.py all --backends nvlink,xla --tokens 1,8,32,128 --layers 32 --repeats 10 \
+    --max-tokens -1 --only-ranks 2 --xla-flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_pdl=$pdl --xla_gpu_enable_pdl_launch=$pdl" \
+    --tag=-xlapdl-$pdl --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -5
+done
+fi
 if has bench; then
 log "bench N=2: every backend (SKIP_TEMP)"
 timeout 260 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
