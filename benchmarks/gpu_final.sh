@@ -7,16 +7,11 @@
 #   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize ncu stress"] [BENCH_RANKS=2]
 #   [TESTS_TIMEOUT=300] bash benchmarks/gpu_final.sh
 # (The harness runs, the 100,000-layer stress included, are in benchmarks/gpu_guard.sh.)
-set -u
-OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-C="--commit ${GIT_COMMIT:-unknown}"
-log() { echo "=== $(date +%T) $*"; }
+source "$(dirname "$0")/gpu_common.sh"
 TOK=1,2,5,8,16,32,64,128
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
 FLAGS=--xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 stages="${STAGES:-record bench timeline tests sanitize ncu stress}"
-has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has record; then
 log "launch paths: record targets vs traced, bit for bit against XLA"

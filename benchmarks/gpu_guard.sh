@@ -4,14 +4,8 @@
 # timeout path and kernel-only latency; then where a jitted layer's time goes (profiler timeline, XLA's
 # command-buffer log). Summary in $OUT/summary.txt, CSVs and logs in $OUT/all.tar.gz.
 #   GIT_COMMIT=<sha> OUT=<dir> [EXTRA_ARTIFACTS=<dir>] [STAGES="check sequence latency timeline"] bash benchmarks/gpu_guard.sh
-set -u
-OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-C="--commit ${GIT_COMMIT:-unknown}"
-H="python3 -m jax_latent_ep.testing.harness"
-log() { echo "=== $(date +%T) $*"; }
+source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-check sequence latency timeline}"  # also: stress
-has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has check; then
 log harness correctness

@@ -6,15 +6,9 @@
 #   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
 #   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency grid check trace host bench"] bash benchmarks/gpu_iter.sh
 # (host: enqueue vs wall time per program, benchmarks/host_probe.py, and a timeline with host events.)
-set -u
-OUT="${OUT:-$PWD/out}"; W=/tmp/w; rm -rf $W; mkdir -p $W "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-C="--commit ${GIT_COMMIT:-unknown}"
-H="python3 -m jax_latent_ep.testing.harness"
-log() { echo "=== $(date +%T) $*"; }
+source "$(dirname "$0")/gpu_common.sh"
 ARTS="${ARTS:-jax_latent_ep/_artifacts}"
 stages="${STAGES:-latency grid check trace bench}"
-has() { [[ " $stages " == *" $1 "* ]]; }
 {
 if has latency; then
 for mt in 8 128; do
