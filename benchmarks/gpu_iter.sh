@@ -4,7 +4,8 @@
 # kernels (CHECK_ARTS: another directory), the stamps of a trace build (TRACE_ARTS, built with JAX_LATENT_EP_KERNEL_TRACE=1), then the jitted
 # benchmark of every backend at N = 2. Summary in $OUT/summary.txt, CSVs in $OUT.
 #   GIT_COMMIT=<sha> OUT=<dir> ARTS="jax_latent_ep/_artifacts jax_latent_ep/_artifacts/prev"
-#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency grid check trace host bench"] bash benchmarks/gpu_iter.sh
+#   [TRACE_ARTS=jax_latent_ep/_artifacts/trace] [STAGES="latency grid check trace host pdl abbench bench"]
+#   [LAT_RANKS="1 2"] [CHECK_LAYERS=1000] bash benchmarks/gpu_iter.sh
 # (host: enqueue vs wall time per program, benchmarks/host_probe.py, and a timeline with host events.)
 source "$(dirname "$0")/gpu_common.sh"
 ARTS="${ARTS:-jax_latent_ep/_artifacts}"
@@ -14,8 +15,8 @@ if has latency; then
 for mt in 8 128; do
   for art in $ARTS; do
     tag=-$(basename $art)-max$mt
-    echo "-- kernels $art, max_tokens $mt (N = 1, then N = 2)"
-    timeout 100 $H --mode latency --ranks 1 2 --max-tokens $mt --artifacts $art --tag=$tag --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
+    echo "-- kernels $art, max_tokens $mt (N = ${LAT_RANKS:-1 2})"
+    timeout 100 $H --mode latency --ranks ${LAT_RANKS:-1 2} --max-tokens $mt --artifacts $art --tag=$tag --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
   done
 done
 fi
@@ -35,7 +36,7 @@ CUDA_VISIBLE_DEVICES=1 $H $CA --mode virtual --ranks 4 --max-tokens 32 --layers 
 p1=$!
 wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
 grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
-timeout 120 $H $CA --mode devices --ranks 2 --max-tokens 128 --layers 1000 --csv $OUT/check.csv $C > $W/h2.log 2>&1
+timeout 120 $H $CA --mode devices --ranks 2 --max-tokens 128 --layers ${CHECK_LAYERS:-1000} --csv $OUT/check.csv $C > $W/h2.log 2>&1
 echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
 for case in dispatch_twice combine_twice; do
   timeout 60 $H $CA --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
@@ -78,6 +79,14 @@ for pdl in false true; do
   timeout 150 python3 benchmarks/bench.py all --backends nvlink,xla --tokens 1,8,32,128 --layers 32 --repeats 10 \
     --max-tokens -1 --only-ranks 2 --xla-flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_pdl=$pdl --xla_gpu_enable_pdl_launch=$pdl" \
     --tag=-xlapdl-$pdl --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -5
+done
+fi
+if has abbench; then
+log "bench N=2 (one process per GPU), the NVLink backend with each of ARTS"
+for art in $ARTS; do
+  JAX_LATENT_EP_ARTIFACTS=$PWD/$art timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,32,128 \
+    --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 --only-procs 2 \
+    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-$(basename $art) --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -2
 done
 fi
 if has bench; then
