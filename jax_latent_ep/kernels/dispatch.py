@@ -92,13 +92,17 @@ def block_threads(shape: LatentMoEShape) -> int:
     return shape.latent // 16
 
 
-#: Registers per thread the kernels are held to (ptxas `.minnctapersm`, see `min_ctas_per_sm`).
-MAX_REGISTERS = 48
+#: Registers per thread the kernels are held to (ptxas `.minnctapersm`, see `min_ctas_per_sm`). At 48 (40 used)
+#: both kernels spilled 40-56 bytes to local memory; at 64 neither spills (58 / 66 used) and a jitted layer at
+#: N = 2 measured 6.5 / 7.2 / 10.8 / 17.1 us at T = 1 / 8 / 32 / 128 against 8.2 / 8.6 / 11.5 / 17.9 in the
+#: same run (`benchmarks/results/raw/gpu_iter_839d6f7_r64`). The price: fewer co-resident CTAs (4 per SM for
+#: Kimi K3, 528 on an H200; enough for a dispatch and a combine grid of 256 each).
+MAX_REGISTERS = 64
 
 
 def min_ctas_per_sm(threads: int) -> int:
-    """CTAs of `threads` threads that must fit on one SM by registers (64K per SM, `MAX_REGISTERS` each): 6 for
-    Kimi K3's 224-thread CTAs, 3 for DeepSeek-V3's 448 (the co-residency bound of docs/kernel_abi.md)."""
+    """CTAs of `threads` threads that must fit on one SM by registers (64K per SM, `MAX_REGISTERS` each): 4 for
+    Kimi K3's 224-thread CTAs, 2 for DeepSeek-V3's 448 (the co-residency bound of docs/kernel_abi.md)."""
     return max(1, 65536 // (threads * MAX_REGISTERS))
 
 
