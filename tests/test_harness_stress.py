@@ -212,6 +212,7 @@ def fake_system(monkeypatch, ranks=2, max_tokens=16, shape_name="kimi_k3"):
     system = object.__new__(SYSTEM)
     system.cu, system.shape_name, system.shape, system.n, system.mode = driver, shape_name, shape, ranks, "virtual"
     system.ctxs, system.cap, system.max_tokens, system.layout = {0: "ctx"}, 1024, max_tokens, layout
+    system.grid_cap = system.cap
     kernels = (FakeKernel("dispatch", driver.emulator, DISPATCH_PARAMS),
                FakeKernel("combine", driver.emulator, COMBINE_PARAMS))
     system.ranks = [harness.Rank(r, "ctx", layout, kernels) for r in range(ranks)]
