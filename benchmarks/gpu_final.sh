@@ -5,7 +5,7 @@
 # FFI path; Nsight Compute (ncu) of both kernels at N = 1, T = 128, and a stress smoke run. CSVs and a summary
 # land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
 #   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize ncu stress"] [BENCH_RANKS=2]
-#   [TESTS_TIMEOUT=300] bash benchmarks/gpu_final.sh
+#   [TESTS_TIMEOUT=300] [TEST_FILES="tests/..."] bash benchmarks/gpu_final.sh
 # (The harness runs, the 100,000-layer stress included, are in benchmarks/gpu_guard.sh.)
 source "$(dirname "$0")/gpu_common.sh"
 TOK=1,2,5,8,16,32,64,128
@@ -40,8 +40,8 @@ done
 fi
 if has tests; then
 log gpu tests
-timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_nvlink_gpu.py tests/test_kernels_gpu.py tests/test_reference.py \
-  tests/test_api.py tests/test_moe.py 2>&1 | tail -8
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TEST_FILES:-tests/test_nvlink_gpu.py tests/test_kernels_gpu.py \
+  tests/test_reference.py tests/test_api.py tests/test_moe.py} 2>&1 | tail -8
 fi
 if has sanitize; then
 log racecheck, FFI path '(jitted program, N=1, 2 layers)'
