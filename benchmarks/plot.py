@@ -18,8 +18,13 @@ def load(ranks: int, paths=None):
     and `floor_us` rows."""
     series = {}
     paths = sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv")))
-    # Per-layer rows from the newest benchmark file only (every backend of one run, side by side).
-    newest_bench = [p for p in paths if os.path.basename(p).startswith("bench_")][-1:]
+    # Per-layer rows from the newest benchmark file that has rows for `ranks` only (every backend of one run,
+    # side by side).
+    def has_rows(path):
+        with open(path) as f:
+            return any(r.get("ranks") == str(ranks) and r.get("metric") == "layer_us_median" for r in csv.DictReader(f))
+
+    newest_bench = [p for p in paths if os.path.basename(p).startswith("bench_") and has_rows(p)][-1:]
     for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
