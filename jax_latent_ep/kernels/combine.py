@@ -214,7 +214,8 @@ class Combine:
             trace_stamp(ctrl, epoch, 11, globaltimer(), clock64(), traced)
 
         # ---- Phase 3: reduce own tokens t = c, c + G, ... < T. For each rank d of the token's destination set,
-        # in ascending order, every thread polls its 64 bytes of slot [t, d] until all 8 LL words carry this
+        # in ascending order, every thread polls its 64 bytes of slot [t, d] (four 16-byte pieces at
+        # `layout.lane_offset`, as `send_row` stored them) until all 8 LL words carry this
         # epoch, then adds them. Invariant: a partial is added only once it was stored in this layer (each slot
         # is stored once per layer, by rank d alone).
         comb_lane = lay.lane_offset(Int64(warp), Int64(lane), 4)  # this thread's pieces of a slot (send_row's)

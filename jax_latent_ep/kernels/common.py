@@ -24,12 +24,12 @@ from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.memory import (
     atomic_inc_relaxed_gpu,
     clock64,
-    store_u64,
     fence_sc_sys,
     globaltimer,
     load_u64,
     shfl_idx_u64,
     store_relaxed_sys,
+    store_u64,
     trap,
 )
 
@@ -37,7 +37,7 @@ LINE = lay.LINE
 
 #: Debug builds only (`JAX_LATENT_EP_KERNEL_TRACE=1` while compiling; never in the shipped cubins): the kernels
 #: stamp `%globaltimer` and `%clock64` at their phase boundaries into the trace lines of the rank's control
-#: region (`layout.TRACE_LINES`), read by the harness's `--trace`.
+#: region (`layout.TRACE`, `layout.TRACE_LAYERS`), read by the harness's `--trace`.
 TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "1"
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
