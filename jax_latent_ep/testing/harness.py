@@ -38,8 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
-from jax_latent_ep import layout as layout_mod
-from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, EpLayout
+from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, TRACE, TRACE_LAYERS, EpLayout
 from jax_latent_ep.testing import model
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
@@ -273,8 +272,8 @@ class Rank:
         `[TRACE_LAYERS, 16]`, one row per layer of the ring (stamp meanings: `TRACE_STAMPS`)."""
         cu = _cu()
         check(cu.cuCtxSetCurrent(self.ctx))
-        raw = np.empty((layout_mod.TRACE_LAYERS, 2, 16), np.int64)
-        check(cu.cuMemcpyDtoH(raw.ctypes.data, self.buffer.ptr + self.layout.ctrl + layout_mod.TRACE, raw.nbytes))
+        raw = np.empty((TRACE_LAYERS, 2, 16), np.int64)
+        check(cu.cuMemcpyDtoH(raw.ctypes.data, self.buffer.ptr + self.layout.ctrl + TRACE, raw.nbytes))
         return raw[:, 0], raw[:, 1]
 
     def ctrl_words(self):
