@@ -102,7 +102,7 @@ def _compile_one(job):
         "sha256": hashlib.sha256(cubin).hexdigest(),
         "params": [list(p) for p in module.PARAMS],
         "block": shape.latent // 16,
-        "smem": module.SMEM_BYTES,
+        "smem": module.smem_bytes(shape),
         "shape": {"name": shape_name, "latent": shape.latent, "experts": shape.experts, "topk": shape.topk},
         "ranks": ranks,
         "arch": arch,

@@ -64,15 +64,28 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+#: Bytes of one wide LL word: 12 payload bytes and the 4-byte epoch of the layer that wrote them, stored and
+#: loaded as one 16-byte `.b128` access (single-copy atomic, `kernels.memory.store_wide`). The receive rows'
+#: data and the combine slots are streams of wide words: 3 of every 4 bytes on the wire are payload.
+WIDE_WORD = 16
+#: Payload bytes of one wide LL word (three 4-byte pieces; piece `i` of a stream is piece `i % 3` of word `i // 3`).
+WIDE_PAYLOAD = 12
+
+
+def wide_words(payload_bytes: int) -> int:
+    """Wide LL words that carry `payload_bytes` (a multiple of 4): `ceil(payload_bytes / 12)`."""
+    return (payload_bytes + WIDE_PAYLOAD - 1) // WIDE_PAYLOAD
+
+
+def row_payload(shape: LatentMoEShape) -> int:
+    """Payload bytes of a receive row's data stream: the `L` MXFP8 elements, then the `L / 32` E8M0 scales."""
+    return shape.latent + shape.num_sf
+
+
 def x_pitch(shape: LatentMoEShape) -> int:
-    """Bytes of a receive row's MXFP8 elements in LL words: `L` payload bytes -> `2 L`."""
-    return 2 * shape.latent
-
-
-def sf_pitch(shape: LatentMoEShape) -> int:
-    """Bytes of a receive row's scales in LL words: `ceil(SF / 16) * 16` payload bytes, doubled (16-byte
-    multiple, so 8 rows of a source block fill whole lines)."""
-    return 2 * _round_up(shape.num_sf, 16)
+    """Bytes of a receive row's data (MXFP8 elements, then scales) in wide LL words: `ceil((L + L / 32) / 12)`
+    words of 16 bytes (Kimi K3: 308 words, 4928 bytes for 3696 payload bytes; 8 rows fill whole lines)."""
+    return wide_words(row_payload(shape)) * WIDE_WORD
 
 
 def meta_pitch(shape: LatentMoEShape) -> int:
@@ -83,26 +96,17 @@ def meta_pitch(shape: LatentMoEShape) -> int:
 #: Bytes of a receive row's header: one LL word (the source word, -1 for an empty row) and padding.
 HDR_PITCH = 16
 
-#: Bytes one warp stores with one 16-byte-per-lane instruction: 32 lanes x 16 bytes.
-WARP_CHUNK = 512
 
-
-def lane_offset(warp, lane, chunks: int):
-    """Byte offset, inside an `x` row (`chunks = 2`) or a `comb` slot (`chunks = 4`), of the first of the
-    `chunks` 16-byte pieces (two LL words each) that thread `32 warp + lane` stores; piece `k` is at
-    `lane_offset(...) + k * WARP_CHUNK`.
-
-    Warp `w` owns bytes `[w * chunks * 512, (w + 1) * chunks * 512)` and each of its store instructions covers
-    512 contiguous bytes (4 whole lines), so every line a warp writes over NVLink is written whole by one
-    instruction (a lane's own 32 or 64 contiguous bytes would leave every line half-written per instruction).
-    Thread `t` holds elements `[16 t, 16 t + 16)` in both layouts, so the row's element order is this map's
-    concern only. Works on Python ints and DSL integers."""
-    return warp * (chunks * WARP_CHUNK) + lane * 16
+def comb_words(shape: LatentMoEShape) -> int:
+    """Wide LL words of the BF16 partial in a combine slot: `ceil(2 L / 12)` (Kimi K3: 598)."""
+    return wide_words(2 * shape.latent)
 
 
 def comb_pitch(shape: LatentMoEShape) -> int:
-    """Bytes of one combine slot (a BF16 partial of `L` elements in LL words): `4 L`."""
-    return 4 * shape.latent
+    """Bytes of one combine slot: `comb_words` wide LL words, padded to whole 128-byte lines (one writer per
+    line), and at least one word past the last (a reducing thread may load one word beyond its pieces):
+    Kimi K3: 600 words, 9600 bytes for 7168 payload bytes."""
+    return _round_up(comb_words(shape) + 1, LINE // WIDE_WORD) * WIDE_WORD
 
 
 def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> dict[str, tuple]:
@@ -115,7 +119,6 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
     rows = stride_rows * ranks
     sizes = [
         ("x", rows * x_pitch(shape)),
-        ("sf", rows * sf_pitch(shape)),
         ("ids", rows * meta_pitch(shape)),
         ("weights", rows * meta_pitch(shape)),
         ("hdr", rows * HDR_PITCH),
@@ -136,16 +139,18 @@ class EpLayout:
     """Byte offsets of one rank's symmetric EP buffer for `ranks` ranks and at most `tokens` tokens per rank.
 
     Every region a peer writes holds LL words (`LL_WORD`: 4 payload bytes + the writer's layer epoch, one
-    8-byte store), so a reader polls the data itself: no fences, counters or flags (docs/protocol.md).
+    8-byte store) or wide LL words (`WIDE_WORD`: 12 payload bytes + the epoch, one 16-byte store), so a reader
+    polls the data itself: no fences, counters or flags (docs/protocol.md).
     Regions, in order, each starting on a 128-byte line:
-      x        [rows, 2 L]            MXFP8 (float8_e4m3fn) latent of each receive row, in LL words
-      sf       [rows, sf_pitch]       E8M0 block scales (uint8), `L // 32` used per row, in LL words
+      x        [rows, x_pitch]        each receive row's data stream in wide LL words: the MXFP8
+                                      (float8_e4m3fn) latent (`L` bytes), then its E8M0 scales (`L // 32`)
       ids      [rows, meta_pitch]     the token's `K` expert ids (int32), one LL word each
       weights  [rows, meta_pitch]     the token's `K` routing weights (float32), one LL word each
       hdr      [rows, 16]             LL word of the source word `(rank << 16) | token`, or -1: row empty
       mirror   [rows] int32           this rank's own copy of each row's source word (written by the dispatch's
                                       copy-out, read by the combine; no peer writes it)
-      comb     [tokens, ranks, 4 L]   BF16 partial of every own token from every destination rank, in LL words
+      comb     [tokens, ranks, comb_pitch]  BF16 partial (`2 L` bytes) of every own token from every destination
+                                      rank, in wide LL words
       ctrl     2 * 128 + 32 * 128     control words (CTRL_*: epochs and error record, then the arrival counters
                                       on a line of their own), then one `ready` line per rank: ready[s] = the
                                       epoch of the last layer whose receive rows rank s has copied out
@@ -179,10 +184,6 @@ class EpLayout:
         return x_pitch(self.shape)
 
     @property
-    def sf_pitch(self) -> int:
-        return sf_pitch(self.shape)
-
-    @property
     def meta_pitch(self) -> int:
         return meta_pitch(self.shape)
 
@@ -214,10 +215,6 @@ class EpLayout:
     @property
     def x(self) -> int:
         return self._regions()["x"][0]
-
-    @property
-    def sf(self) -> int:
-        return self._regions()["sf"][0]
 
     @property
     def ids(self) -> int:
@@ -271,7 +268,6 @@ class EpLayout:
         """Every offset the kernels take, by name (also recorded in the build manifest)."""
         return {
             "x": self.x,
-            "sf": self.sf,
             "ids": self.ids,
             "weights": self.weights,
             "hdr": self.hdr,

@@ -22,8 +22,9 @@ def test_stride_rule():
 
 
 def test_offsets_for_kimi_by_hand():
-    # Kimi K3 (3584 / 112 / K = 16), every peer-written region in LL words (8 bytes per 4 payload bytes),
-    # recomputed from the documented rules by hand.
+    # Kimi K3 (3584 / 112 / K = 16), recomputed from the documented rules by hand: a receive row's data stream
+    # (3584 + 112 payload bytes) in wide LL words (16 bytes per 12 payload bytes: 308 words), ids and weights in
+    # LL words (8 bytes per 4), a combine slot's 7168 payload bytes in 598 wide words padded to 600.
     def align(v):
         return (v + 127) // 128 * 128
 
@@ -32,17 +33,16 @@ def test_offsets_for_kimi_by_hand():
             lay = EpLayout(n, t)
             rows = n * stride(t)
             x = 0
-            sf = align(x + rows * 3584 * 2)
-            ids = align(sf + rows * 112 * 2)
+            ids = align(x + rows * 308 * 16)
             weights = align(ids + rows * 16 * 8)
             hdr = align(weights + rows * 16 * 8)
             mirror = align(hdr + rows * 16)
             comb = align(mirror + rows * 4)
-            ctrl = align(comb + t * n * 3584 * 4)
+            ctrl = align(comb + t * n * 600 * 16)
             peers = align(ctrl + 2 * 128 + 32 * 128)
             total = align(peers + 33 * 8)
             got = lay.offsets()
-            assert (got["x"], got["sf"], got["ids"], got["weights"], got["hdr"]) == (x, sf, ids, weights, hdr)
+            assert (got["x"], got["ids"], got["weights"], got["hdr"]) == (x, ids, weights, hdr)
             assert (got["mirror"], got["comb"], got["ctrl"], got["peers"], got["bytes"]) == (
                 mirror, comb, ctrl, peers, total)
             assert got["ready"] == ctrl + 2 * 128
@@ -63,7 +63,7 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
             s = lay.stride
             # No 128-byte line of a peer-written receive region holds rows of two source ranks: every
             # source block [s * S, (s + 1) * S) rows starts and ends on a line boundary.
-            for name, pitch in (("x", lay.x_pitch), ("sf", lay.sf_pitch), ("ids", lay.meta_pitch),
+            for name, pitch in (("x", lay.x_pitch), ("ids", lay.meta_pitch),
                                 ("weights", lay.meta_pitch), ("hdr", lay.hdr_pitch)):
                 offset = getattr(lay, name)
                 assert (s * pitch) % LINE == 0, (name, n, t)
@@ -73,9 +73,9 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
                     first = offset + source * s * pitch
                     last = offset + (source + 1) * s * pitch - 1
                     assert first % LINE == 0 and (last + 1) % LINE == 0
-            # LL words: twice the payload bytes.
-            assert lay.x_pitch == 2 * shape.latent and lay.comb_pitch == 4 * shape.latent
-            assert lay.sf_pitch >= 2 * shape.num_sf and lay.meta_pitch >= 8 * shape.topk
+            # Wide LL words: 16 bytes per 12 payload bytes; LL words: 8 per 4.
+            assert lay.x_pitch == -(-(shape.latent + shape.num_sf) // 12) * 16
+            assert lay.comb_pitch >= (-(-2 * shape.latent // 12) + 1) * 16 and lay.meta_pitch >= 8 * shape.topk
             # Combine slots [t, d] are whole lines (one writer each).
             assert lay.comb % LINE == 0 and lay.comb_pitch % LINE == 0
             # Each ready word owns a line; control words come before them; the peer table is last.
@@ -134,19 +134,36 @@ def test_rank_and_token_rules():
 
 
 @pytest.mark.parametrize("shape", [KIMI_K3, DEEPSEEK_V3], ids=["kimi_k3", "deepseek_v3"])
-@pytest.mark.parametrize("chunks, pitch", [(2, "x_pitch"), (4, "comb_pitch")])
-def test_lane_offsets_tile_the_row_and_each_warp_store_is_whole_lines(shape, chunks, pitch):
-    """Every thread's `chunks` 16-byte pieces tile an x row / a comb slot exactly once, and each warp store
-    instruction (piece k of 32 lanes) covers 512 contiguous bytes starting on a line."""
-    from jax_latent_ep.layout import WARP_CHUNK, lane_offset
+def test_wide_word_streams_carry_every_piece_once(shape):
+    """The kernels' wide-word maps: the dispatch stages a row's data stream (MXFP8 bytes, then scales) as 4-byte
+    pieces and thread t stores words t, t + threads, ... (each warp instruction covers 512 contiguous bytes on a
+    line); the combine's reducing thread t takes pieces 8 t .. 8 t + 7 of a slot from words k .. k + 3 (k = 8 t // 3)
+    at offset 8 t % 3. Every payload piece lands in exactly one word, and every piece a reducer takes is the one
+    that the sender put there, inside the slot's padded pitch."""
+    from jax_latent_ep.layout import WIDE_WORD, comb_words, row_payload, wide_words
 
     lay = EpLayout(2, 8, shape)
     threads = shape.latent // 16
-    covered = np.zeros(getattr(lay, pitch), np.int32)
-    for warp in range(threads // 32):
-        for k in range(chunks):
-            starts = [lane_offset(warp, lane, chunks) + k * WARP_CHUNK for lane in range(32)]
-            assert starts[0] % LINE == 0 and starts == list(range(starts[0], starts[0] + WARP_CHUNK, 16))
-            for start in starts:
-                covered[start:start + 16] += 1
-    assert (covered == 1).all()
+    # Dispatch rows: words w = tid + k * threads, whole lines per warp instruction.
+    words = wide_words(row_payload(shape))
+    assert words * WIDE_WORD == lay.x_pitch and 3 * words * 4 >= row_payload(shape)
+    for k in range(-(-words // threads)):
+        for warp in range(threads // 32):
+            first = warp * 32 + k * threads
+            if first + 32 <= words:
+                assert (first * WIDE_WORD) % LINE == 0
+    # Combine slots: the sender's word w holds pieces 3 w .. 3 w + 2 of the row (u32 of the BF16 partial).
+    n_words = comb_words(shape)
+    row_u32 = 2 * shape.latent // 4
+    sent = {}
+    for w in range(n_words):
+        for c in range(3):
+            if 3 * w + c < row_u32:
+                sent[(w, c)] = 3 * w + c
+    assert sorted(sent.values()) == list(range(row_u32))
+    for tid in range(threads):
+        k, r = 8 * tid // 3, 8 * tid % 3
+        assert (k + 4) * WIDE_WORD <= lay.comb_pitch  # the four loads stay inside the slot
+        taken = [sent[((k * 3 + r + j) // 3, (r + j) % 3)] for j in range(8)]
+        assert taken == list(range(8 * tid, 8 * tid + 8))
+        assert ((k * 3 + r + 7) // 3 == k + 3) == (r == 2)  # the fourth word is needed exactly when r == 2

@@ -1,4 +1,4 @@
-"""EpCombine: send every received row's BF16 expert output back, as LL words, to its source's combine slot; then
+"""EpCombine: send every received row's BF16 expert output back, as wide LL words, to its source's combine slot; then
 reduce own tokens, polling each partial until it carries this layer's epoch: FP32 sum of the partials in
 ascending rank order over the token's destination set, rounded once to BF16 (the routed latent), optionally
 vLLM's RMSNorm of it.
@@ -42,14 +42,14 @@ from jax_latent_ep.kernels.memory import (
     globaltimer,
     hi_f32,
     load_b32,
-    load_ll2,
     load_relaxed_sys,
     load_v4,
+    load_wide,
     lo_f32,
     mul_rn,
     rms_rstd,
     shfl_bfly_f32,
-    store_ll2,
+    store_wide,
     store_relaxed_sys,
     store_v4,
     warp_or,
@@ -61,6 +61,11 @@ from jax_latent_ep.kernels.memory import (
 #: Dynamic shared memory bytes the launcher must pass (the kernel uses less: 4 mask words and 32 words for the
 #: FP32 warp sums of the RMSNorm).
 SMEM_BYTES = 256
+
+
+def smem_bytes(shape: LatentMoEShape) -> int:
+    """Dynamic shared memory bytes the launcher must pass (`SMEM_BYTES` for every shape)."""
+    return SMEM_BYTES
 
 #: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
 PARAMS = (
@@ -171,9 +176,7 @@ class Combine:
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
         source = load_b32(local + buf.mirror + first_row * 4)
-        line = out + (first_row * latent + column) * 2
-        first = load_v4(line)
-        second = load_v4(line + 16)
+        first = self.row_pieces(out + first_row * (2 * latent), tid)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)
@@ -190,16 +193,15 @@ class Combine:
             if cta < tokens:
                 self.token_mask(ids, cta, lane, shared_mask)
 
-        # ---- Phase 2: send every valid receive row q = c, c + G, ... to its source's slot [token, rank] as LL
-        # words. The source word is CTA-uniform (every thread loads it), so the warps stay converged.
+        # ---- Phase 2: send every valid receive row q = c, c + G, ... to its source's slot [token, rank] as wide
+        # LL words. The source word is CTA-uniform (every thread loads it), so the warps stay converged.
         if cta < rows32:
-            self.send_row(table, buf, source, first, second, epoch, rank, tid)
+            self.send_row(table, buf, source, first, epoch, rank, tid)
         q = cta + grid
         while q < rows32:
             row = Int64(q)
             source_q = load_b32(local + buf.mirror + row * 4)
-            line_q = out + (row * latent + column) * 2
-            self.send_row(table, buf, source_q, load_v4(line_q), load_v4(line_q + 16), epoch, rank, tid)
+            self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             q += grid
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
@@ -213,12 +215,17 @@ class Combine:
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 11, globaltimer(), clock64(), traced)
 
-        # ---- Phase 3: reduce own tokens t = c, c + G, ... < T. For each rank d of the token's destination set,
-        # in ascending order, every thread polls its 64 bytes of slot [t, d] (four 16-byte pieces at
-        # `layout.lane_offset`, as `send_row` stored them) until all 8 LL words carry this
-        # epoch, then adds them. Invariant: a partial is added only once it was stored in this layer (each slot
-        # is stored once per layer, by rank d alone).
-        comb_lane = lay.lane_offset(Int64(warp), Int64(lane), 4)  # this thread's pieces of a slot (send_row's)
+        # ---- Phase 3: reduce own tokens t = c, c + G, ... < T. Thread tid adds BF16 elements [16 tid, 16 tid + 16),
+        # the slot's 4-byte pieces 8 tid .. 8 tid + 7: piece i is piece i % 3 of wide word i // 3, so the thread
+        # reads words k .. k + 2 (k + 3 too when 8 tid % 3 == 2) with k = 8 tid // 3 and takes its pieces from
+        # offset r = 8 tid % 3. For each rank d of the token's destination set, in ascending order, it polls those
+        # words of slot [t, d] until each carries this epoch, then adds. Invariant: a partial is added only once it
+        # was stored in this layer (each slot is stored once per layer, by rank d alone).
+        first_word = Int64((8 * tid) // 3)
+        offset = (8 * tid) % 3
+        needs_fourth = Uint32(0)
+        if offset == 2:
+            needs_fourth = Uint32(1)
         gamma_base = out
         if apply_norm != 0:
             gamma_base = norm_weight
@@ -235,19 +242,26 @@ class Combine:
                 values[j] = Float32(0.0)
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
-                    part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + comb_lane
+                    part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
                     start = globaltimer()
                     polls = Uint32(0)
                     while pending != Uint32(0):
-                        w0, e0, w1, e1 = load_ll2(part)
-                        w2, e2, w3, e3 = load_ll2(part + lay.WARP_CHUNK)
-                        w4, e4, w5, e5 = load_ll2(part + 2 * lay.WARP_CHUNK)
-                        w6, e6, w7, e7 = load_ll2(part + 3 * lay.WARP_CHUNK)
-                        if (e0 == epoch and e1 == epoch and e2 == epoch and e3 == epoch and e4 == epoch
-                                and e5 == epoch and e6 == epoch and e7 == epoch):
+                        a0, a1, a2, ea = load_wide(part)
+                        b0, b1, b2, eb = load_wide(part + lay.WIDE_WORD)
+                        c0, c1, c2, ec = load_wide(part + 2 * lay.WIDE_WORD)
+                        d0, d1, d2, ed = load_wide(part + 3 * lay.WIDE_WORD)  # inside the slot's padding
+                        if ea == epoch and eb == epoch and ec == epoch and (needs_fourth == Uint32(0) or ed == epoch):
                             pending = Uint32(0)
-                            words = [w0, w1, w2, w3, w4, w5, w6, w7]
+                            loaded = [a0, a1, a2, b0, b1, b2, c0, c1, c2, d0, d1, d2]
+                            words = []
+                            for j in cutlass.range_constexpr(8):
+                                piece = loaded[j]
+                                if offset == 1:
+                                    piece = loaded[j + 1]
+                                if offset == 2:
+                                    piece = loaded[j + 2]
+                                words.append(piece)
                             for j in cutlass.range_constexpr(8):
                                 values[2 * j] = add_rn(values[2 * j], lo_f32(words[j]))
                                 values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
@@ -301,19 +315,43 @@ class Combine:
             trace_stamp(ctrl, epoch, 14, globaltimer(), clock64(), traced)
 
     @cute.jit
-    def send_row(self, table: Int64, buf, source: Uint32, first, second, epoch: Uint32, rank: Int32, tid: Int32):
-        """Stores this thread's 32 bytes of a receive row's output (`first`, `second`: 4 words each) as 8 LL words
-        into slot [token, rank] of the source rank named by `source` (nothing if the row is empty). Warp-wide
-        (`peer_of` shuffles): `source` must be uniform over the warp."""
+    def row_pieces(self, row: Int64, tid: Int32):
+        """The 4-byte pieces of the wide words this thread sends from the BF16 output row at `row` (`2 L` bytes):
+        word w = tid + k * threads (k < ceil(comb_words / threads)) carries pieces 3 w .. 3 w + 2; a piece past the
+        row is 0 (never loaded). Returns them in that order."""
+        row_u32 = 2 * self.shape.latent // 4
+        words = lay.comb_words(self.shape)
+        pieces = []
+        for k in cutlass.range_constexpr((words + self.threads - 1) // self.threads):
+            for c in cutlass.range_constexpr(3):
+                index = (tid + k * self.threads) * 3 + c
+                if cutlass.const_expr(((k + 1) * self.threads) * 3 <= row_u32):
+                    pieces.append(load_b32(row + Int64(index) * 4))
+                else:
+                    value = Uint32(0)
+                    if index < row_u32:
+                        value = load_b32(row + Int64(index) * 4)
+                    pieces.append(value)
+        return pieces
+
+    @cute.jit
+    def send_row(self, table: Int64, buf, source: Uint32, pieces, epoch: Uint32, rank: Int32, tid: Int32):
+        """Stores this thread's wide words of a receive row's output (`pieces`, from `row_pieces`) into slot
+        [token, rank] of the source rank named by `source` (nothing if the row is empty); consecutive lanes store
+        consecutive words, so each warp instruction writes 512 contiguous bytes. Warp-wide (`peer_of` shuffles):
+        `source` must be uniform over the warp."""
         if source != Uint32(EMPTY):
             origin = Int32(source >> Uint32(16))
             token = Int64(source & Uint32(0xFFFF))
-            lane_at = lay.lane_offset(Int64(tid // 32), Int64(tid % 32), 4)  # 512 contiguous bytes per instruction
-            dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch + lane_at
-            store_ll2(dest, first[0], first[1], epoch)
-            store_ll2(dest + lay.WARP_CHUNK, first[2], first[3], epoch)
-            store_ll2(dest + 2 * lay.WARP_CHUNK, second[0], second[1], epoch)
-            store_ll2(dest + 3 * lay.WARP_CHUNK, second[2], second[3], epoch)
+            dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch
+            for k in cutlass.range_constexpr(len(pieces) // 3):
+                w = tid + k * self.threads
+                p = pieces[3 * k:3 * k + 3]
+                if cutlass.const_expr((k + 1) * self.threads <= buf.comb_words):
+                    store_wide(dest + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
+                else:
+                    if w < buf.comb_words:
+                        store_wide(dest + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
 
     @cute.jit
     def token_mask(self, ids: Int64, t: Int32, lane: Int32, shared_mask):

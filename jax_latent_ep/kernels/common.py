@@ -2,8 +2,8 @@
 peer table, the layer epoch and its sequence guard, bounded polls and the error record.
 
 The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): every word a peer writes is an
-LL word (`memory.store_ll`: payload + the writer's layer epoch in one 8-byte store), so a reader polls the data
-itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
+LL word (`memory.store_ll`: 4 payload bytes + the writer's layer epoch in one 8-byte store) or a wide LL word
+(`memory.store_wide`: 12 payload bytes + the epoch in one 16-byte store), so a reader polls the data itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
 control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
 counter per kernel (`arrive_in_sequence`, `hand_over_epoch`); a `ready` line per rank tells writers that a rank has copied its
 receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
@@ -52,14 +52,15 @@ class DeviceLayout:
         self.stride = (tokens + (lay.ROW_BLOCK - 1)) // lay.ROW_BLOCK * lay.ROW_BLOCK  # = layout.stride
         regions = lay.region_offsets(self.stride, tokens, ranks, shape)
         self.rows = self.stride * ranks
-        for name in ("x", "sf", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
+        for name in ("x", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
             setattr(self, name, regions[name][0])
         self.ready = self.ctrl + 2 * LINE  # = layout.EpLayout.ready
         self.x_pitch = lay.x_pitch(shape)
-        self.sf_pitch = lay.sf_pitch(shape)
+        self.x_words = lay.wide_words(lay.row_payload(shape))  # wide LL words of a receive row's data stream
         self.meta_pitch = lay.meta_pitch(shape)
         self.hdr_pitch = lay.HDR_PITCH
         self.comb_pitch = lay.comb_pitch(shape)
+        self.comb_words = lay.comb_words(shape)  # wide LL words of a partial
 
 
 @cute.jit

@@ -1,5 +1,5 @@
-"""EpDispatch: MXFP8-quantize this rank's tokens and store them, as LL words, into their receive rows on every
-destination rank (a header word on every rank, -1 where the token does not go); then copy this rank's receive
+"""EpDispatch: MXFP8-quantize this rank's tokens and store them (the data stream as wide LL words, ids and weights
+as LL words) into their receive rows on every destination rank (a header word on every rank, -1 where the token does not go); then copy this rank's receive
 rows into XLA's output arrays, polling each word until it carries this layer's epoch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
@@ -41,9 +41,9 @@ from jax_latent_ep.kernels.memory import (
     load_acquire_sys,
     load_b32,
     load_ll,
-    load_ll2,
     load_relaxed_sys,
     load_v4,
+    load_wide,
     lo_f32,
     hi_f32,
     mul_ftz,
@@ -51,16 +51,17 @@ from jax_latent_ep.kernels.memory import (
     shfl_idx,
     store_b32,
     store_ll,
-    store_ll2,
-    store_v4,
+    store_wide,
     warp_or,
 )
 
 # ---------------------------------------------------------------------------------------------------------
 # Settings
 
-#: Dynamic shared memory bytes the launcher must pass (the kernel uses less: a mask word).
-SMEM_BYTES = 128
+def smem_bytes(shape: LatentMoEShape) -> int:
+    """Dynamic shared memory bytes the launcher must pass: 16 for the destination mask, then the staging buffer of
+    a row's data stream (`3 * x_words` 4-byte pieces), rounded up to 128 (Kimi K3: 3712)."""
+    return lay.align(16 + 4 * 3 * lay.wide_words(lay.row_payload(shape)))
 
 #: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
 PARAMS = (
@@ -162,7 +163,7 @@ class Dispatch:
         self.kernel(
             x, ids, weights, peers, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
             status, timeout_ns, rank, tokens, max_tokens,
-        ).launch(**launch_options(self.threads, SMEM_BYTES, [tokens, 1, 1]))
+        ).launch(**launch_options(self.threads, smem_bytes(self.shape), [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -198,12 +199,16 @@ class Dispatch:
         smem = cutlass.memory.SmemAllocator()
         # [0]: the token's destination mask.
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
+        # The token's data stream (its MXFP8 bytes, then its scales, then zero padding) as 4-byte pieces: each thread
+        # stages what it quantized, and after the barrier takes the three pieces of each wide word it stores.
+        x_words = lay.wide_words(lay.row_payload(shape))
+        stage = smem.allocate_tensor(Int32, cute.make_layout(3 * x_words), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
         stride = Int32(buf.stride)
         column = Int64(tid) * 16
-        # This thread's two 16-byte pieces of an x row (layout.lane_offset: each warp instruction stores 512
-        # contiguous bytes).
-        x_lane = lay.lane_offset(Int64(warp), Int64(lane), 2)
+        # This thread's wide words of a row's data stream: w = tid + k * threads < x_words (consecutive lanes store
+        # consecutive words, so each warp instruction writes 512 contiguous bytes, whole lines).
+        word_slots = (x_words + self.threads - 1) // self.threads
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
         if cutlass.const_expr(TRACE):
@@ -316,11 +321,30 @@ class Dispatch:
             sf_word = e
             for s in cutlass.range_constexpr(1, 4):
                 sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
+            # Stage the row's data stream: piece 4 tid + j = packed[j]; the scale word of blocks 4i..4i+3 is piece
+            # L / 4 + i (i = tid / 8); the pieces past L / 4 + SF / 4 are zero.
+            for j in cutlass.range_constexpr(4):
+                stage[4 * tid + j] = Int32(packed[j])
+            if tid % 8 == 0:
+                stage[latent // 4 + tid // 8] = Int32(sf_word)
+            pad = 3 * x_words - (latent + num_sf) // 4
+            if cutlass.const_expr(pad > 0):
+                if tid < pad:
+                    stage[(latent + num_sf) // 4 + tid] = Int32(0)
 
             source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
-            cute.arch.sync_threads()  # the mask, and warp 0's ready wait, for every thread
+            cute.arch.sync_threads()  # the mask, the staged stream, and warp 0's ready wait, for every thread
             mask = Uint32(shared[0])
+            # This thread's wide words (three pieces each; words past x_words are never stored).
+            pieces = []
+            for k in cutlass.range_constexpr(word_slots):
+                w = tid + k * self.threads
+                if cutlass.const_expr((k + 1) * self.threads > x_words):
+                    if w >= x_words:
+                        w = Int32(0)  # a valid piece index; nothing is stored
+                for c in cutlass.range_constexpr(3):
+                    pieces.append(Uint32(stage[3 * w + c]))
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
                 trace_stamp(ctrl, epoch, 1, t_wait, c_wait, traced)
@@ -329,11 +353,15 @@ class Dispatch:
             for d in cutlass.range_constexpr(ranks):
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
                     base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
-                    x_dst = base + buf.x + slot * buf.x_pitch + x_lane
-                    store_ll2(x_dst, packed[0], packed[1], epoch)
-                    store_ll2(x_dst + lay.WARP_CHUNK, packed[2], packed[3], epoch)
-                    if tid % 8 == 0:
-                        store_ll(base + buf.sf + slot * buf.sf_pitch + Int64(tid // 8) * 8, sf_word, epoch)
+                    row_dst = base + buf.x + slot * buf.x_pitch
+                    for k in cutlass.range_constexpr(word_slots):
+                        w = tid + k * self.threads
+                        p = pieces[3 * k:3 * k + 3]
+                        if cutlass.const_expr((k + 1) * self.threads <= x_words):
+                            store_wide(row_dst + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
+                        else:
+                            if w < x_words:
+                                store_wide(row_dst + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
                     if tid < topk:
                         store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
                         store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
@@ -370,12 +398,21 @@ class Dispatch:
         # per layer, and only this layer's stores carry this epoch).
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
         rows32 = Int32(buf.rows)  # N * S < 2^21
-        sf_words = num_sf // 4
-        has_sf = Uint32(0)
-        sf_col = Int64(0)
-        if tid % 8 == 0 and tid // 8 < sf_words:
-            has_sf = Uint32(1)
-            sf_col = Int64(tid // 8)
+        x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
+        stream_pieces = (latent + num_sf) // 4
+        # This thread's words of a row (w = tid + k * threads); a slot past x_words loads word tid again (always
+        # written in a full row) and is neither checked nor copied.
+        my_words = []
+        has_word = []
+        for k in cutlass.range_constexpr(word_slots):
+            w = tid + k * self.threads
+            has = Uint32(1)
+            if cutlass.const_expr((k + 1) * self.threads > x_words):
+                if w >= x_words:
+                    w = tid
+                    has = Uint32(0)
+            my_words.append(w)
+            has_word.append(has)
         has_meta = Uint32(0)
         meta_col = Int64(0)
         if tid < topk:
@@ -385,8 +422,7 @@ class Dispatch:
         while q < rows32:
             row = Int64(q)
             hdr_at = local + buf.hdr + row * buf.hdr_pitch
-            x_at = local + buf.x + row * buf.x_pitch + x_lane
-            sf_at = local + buf.sf + row * buf.sf_pitch + sf_col * 8
+            row_at = local + buf.x + row * buf.x_pitch
             ids_at = local + buf.ids + row * buf.meta_pitch + meta_col * 8
             w_at = local + buf.weights + row * buf.meta_pitch + meta_col * 8
             pending = Uint32(1)
@@ -394,9 +430,7 @@ class Dispatch:
             polls = Uint32(0)
             while pending != Uint32(0):
                 source, h_epoch = load_ll(hdr_at)
-                a0, ea0, a1, ea1 = load_ll2(x_at)
-                b0, eb0, b1, eb1 = load_ll2(x_at + lay.WARP_CHUNK)
-                sf_v, sf_e = load_ll(sf_at)
+                got = [load_wide(row_at + Int64(my_words[k]) * lay.WIDE_WORD) for k in range(word_slots)]
                 id_v, id_e = load_ll(ids_at)
                 w_v, w_e = load_ll(w_at)
                 if h_epoch == epoch:
@@ -409,18 +443,26 @@ class Dispatch:
                             store_b32(recv_src + row * 4, Uint32(EMPTY))
                             store_b32(local + buf.mirror + row * 4, Uint32(EMPTY))
                     else:
-                        ok = Uint32(0)
-                        if ea0 == epoch and ea1 == epoch and eb0 == epoch and eb1 == epoch:
-                            ok = Uint32(1)
-                            if has_sf != Uint32(0) and sf_e != epoch:
+                        ok = Uint32(1)
+                        for k in cutlass.range_constexpr(word_slots):
+                            if has_word[k] != Uint32(0) and got[k][3] != epoch:
                                 ok = Uint32(0)
-                            if has_meta != Uint32(0) and (id_e != epoch or w_e != epoch):
-                                ok = Uint32(0)
+                        if has_meta != Uint32(0) and (id_e != epoch or w_e != epoch):
+                            ok = Uint32(0)
                         if ok != Uint32(0):
                             pending = Uint32(0)
-                            store_v4(recv_x + row * latent + column, [a0, a1, b0, b1])
-                            if has_sf != Uint32(0):
-                                store_b32(recv_sf + row * num_sf + sf_col * 4, sf_v)
+                            for k in cutlass.range_constexpr(word_slots):
+                                if has_word[k] != Uint32(0):
+                                    for c in cutlass.range_constexpr(3):
+                                        piece = my_words[k] * 3 + c
+                                        if cutlass.const_expr(((k + 1) * self.threads) * 3 <= x_pieces):
+                                            store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                        else:
+                                            if piece < x_pieces:
+                                                store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                            elif piece < stream_pieces:
+                                                store_b32(recv_sf + row * num_sf + Int64(piece - x_pieces) * 4,
+                                                          got[k][c])
                             if has_meta != Uint32(0):
                                 store_b32(recv_ids + (row * topk + meta_col) * 4, id_v)
                                 store_b32(recv_weights + (row * topk + meta_col) * 4, w_v)

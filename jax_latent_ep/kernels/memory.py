@@ -114,19 +114,6 @@ def store_ll(addr, payload, epoch, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def store_ll2(addr, p0, p1, epoch, *, loc=None, ip=None) -> None:
-    """Always issues one `st.relaxed.sys.global.v2.b64` of the LL words {p0, epoch}, {p1, epoch} (addr 16-byte
-    aligned): one 16-byte packet on the fabric, each 8-byte element single-copy atomic on its own (a reader
-    checks both epochs)."""
-    code = (
-        "{ .reg .b64 a, b; mov.b64 a, {$1, $3}; mov.b64 b, {$2, $3}; "
-        "st.relaxed.sys.global.v2.b64 [$0], {a, b}; }"
-    )
-    operands = [_i64(addr, loc, ip), _u32(p0, loc, ip), _u32(p1, loc, ip), _u32(epoch, loc, ip)]
-    _asm(None, operands, code, "l,r,r,r", loc, ip)
-
-
-@dsl_user_op
 def load_ll(addr, *, loc=None, ip=None):
     """Always issues one `ld.relaxed.sys.global.b64` (a fresh read, never cached in L1, never hoisted out of a
     poll loop); returns `(payload, epoch)` of one LL word, both from the same store."""
@@ -142,13 +129,26 @@ def load_ll(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def load_ll2(addr, *, loc=None, ip=None):
-    """Always issues one `ld.relaxed.sys.global.v2.b64` (addr 16-byte aligned); returns `(p0, e0, p1, e1)`: two
-    LL words, each payload with the epoch of its own store."""
+def store_wide(addr, p0, p1, p2, epoch, *, loc=None, ip=None) -> None:
+    """Always issues one `st.relaxed.sys.global.b128` of {p0, p1, p2, epoch} (bytes 0-3, 4-7, 8-11, 12-15; addr
+    16-byte aligned; local or peer memory): one single-copy atomic wide LL word, one 16-byte fabric packet."""
+    code = (
+        "{ .reg .b64 lo, hi; .reg .b128 w; mov.b64 lo, {$1, $2}; mov.b64 hi, {$3, $4}; mov.b128 w, {lo, hi}; "
+        "st.relaxed.sys.global.b128 [$0], w; }"
+    )
+    operands = [_i64(addr, loc, ip)] + [_u32(v, loc, ip) for v in (p0, p1, p2, epoch)]
+    _asm(None, operands, code, "l,r,r,r,r", loc, ip)
+
+
+@dsl_user_op
+def load_wide(addr, *, loc=None, ip=None):
+    """Always issues one `ld.relaxed.sys.global.b128` (a fresh read, never cached in L1, never hoisted out of a
+    poll loop; addr 16-byte aligned); returns `(p0, p1, p2, epoch)` of one wide LL word, all from the same store."""
     struct = _asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [_i64(addr, loc, ip)],
-        "{ .reg .b64 a, b; ld.relaxed.sys.global.v2.b64 {a, b}, [$4]; mov.b64 {$0, $1}, a; mov.b64 {$2, $3}, b; }",
+        "{ .reg .b64 lo, hi; .reg .b128 w; ld.relaxed.sys.global.b128 w, [$4]; mov.b128 {lo, hi}, w; "
+        "mov.b64 {$0, $1}, lo; mov.b64 {$2, $3}, hi; }",
         "=r,=r,=r,=r,l",
         loc,
         ip,
