@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call (2 x H200) comparing this tree with an older one in the same run: kernel-only latency (the
+# harness, N = 1 and 2, buffers of 8 and 128 tokens) and the jitted NVLink layer (one process per GPU), each
+# interleaved old / new; then the floor microbenchmark and the benchmark of every backend at N = 2.
+# OLD: an older tree with its own cubins and FFI library in OLD/jax_latent_ep/_artifacts (a different buffer
+# layout needs its own Python package, so it runs from its own directory). Summary in $OUT/summary.txt.
+#   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> OUT=<dir> [STAGES="floor latency jit bench"] bash benchmarks/gpu_ab.sh
+source "$(dirname "$0")/gpu_common.sh"
+stages="${STAGES:-floor latency jit bench}"
+NEW=$PWD
+run_in() {  # run_in DIR COMMIT command...: the command in DIR with that tree's package
+  local dir=$1 commit=$2; shift 2
+  (cd $dir && PYTHONPATH=$dir "$@" --commit $commit)
+}
+{
+if has floor; then
+log "floor: flag round trip and SM store bandwidth (benchmarks/floor.cu)"
+nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | tail -12
+fi
+if has latency; then
+for mt in 8 128; do
+  for side in old new; do
+    dir=$NEW; commit=${GIT_COMMIT:-unknown}
+    if [ $side = old ]; then dir=$OLD; commit=${OLD_COMMIT:-unknown}; fi
+    echo "-- kernels ($side, $commit), max_tokens $mt (N = 1 2)"
+    run_in $dir $commit timeout 100 python3 -m jax_latent_ep.testing.harness --mode latency --ranks 1 2 \
+      --max-tokens $mt --tag=-$side-max$mt --csv $OUT/latency.csv 2>&1 | grep -E "T=|rror"
+  done
+done
+fi
+if has jit; then
+log "jitted layer, N = 2 (one process per GPU), the NVLink backend of each tree"
+for side in old new new-again old-again; do
+  dir=$NEW; commit=${GIT_COMMIT:-unknown}
+  if [[ $side == old* ]]; then dir=$OLD; commit=${OLD_COMMIT:-unknown}; fi
+  (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,32,128 \
+    --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 --only-procs 2 \
+    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-$side --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" | tail -2)
+done
+fi
+if has bench; then
+log "bench N=2: every backend (SKIP_TEMP), both process modes"
+timeout 280 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
+  --repeats 10 --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+  --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -14
+fi
+log done
+} 2>&1 | tee $OUT/summary.txt
