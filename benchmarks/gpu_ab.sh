@@ -2,12 +2,17 @@
 # One device call (2 x H200) comparing this tree with an older one in the same run: kernel-only latency (the
 # harness, N = 1 and 2, buffers of 8 and 128 tokens) and the jitted NVLink layer (one process per GPU), each
 # interleaved old / new; then the floor microbenchmark and the benchmark of every backend at N = 2.
-# OLD: an older tree with its own cubins and FFI library in OLD/jax_latent_ep/_artifacts (a different buffer
-# layout needs its own Python package, so it runs from its own directory). Summary in $OUT/summary.txt.
-#   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> OUT=<dir> [STAGES="floor latency jit bench"] bash benchmarks/gpu_ab.sh
+# OLD (and MID, if set): an older tree with its own cubins and FFI library in OLD/jax_latent_ep/_artifacts (a
+# different buffer layout needs its own Python package, so it runs from its own directory). Also a correctness
+# stage (check: the harness on this tree's kernels). Summary in $OUT/summary.txt.
+#   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> [MID_COMMIT=<sha> MID=<dir>] OUT=<dir>
+#   [STAGES="floor check latency jit bench"] bash benchmarks/gpu_ab.sh
 source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-floor latency jit bench}"
 NEW=$PWD
+SIDES="old ${MID:+mid} new"
+side_dir() { case $1 in old*) echo $OLD;; mid*) echo $MID;; *) echo $NEW;; esac; }
+side_commit() { case $1 in old*) echo ${OLD_COMMIT:-unknown};; mid*) echo ${MID_COMMIT:-unknown};; *) echo ${GIT_COMMIT:-unknown};; esac; }
 run_in() {  # run_in DIR COMMIT command...: the command in DIR with that tree's package
   local dir=$1 commit=$2; shift 2
   (cd $dir && PYTHONPATH=$dir "$@" --commit $commit)
@@ -17,11 +22,26 @@ if has floor; then
 log "floor: flag round trip and SM store bandwidth (benchmarks/floor.cu)"
 nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | tail -12
 fi
+if has check; then
+log "harness correctness, this tree's kernels"
+( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
+  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
+p0=$!
+( CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C &&
+  CUDA_VISIBLE_DEVICES=1 $H --shape deepseek_v3 --mode virtual --ranks 4 --max-tokens 16 --layers 100 --csv $OUT/check.csv $C ) > $W/h1.log 2>&1 &
+p1=$!
+wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
+grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
+timeout 120 $H --mode devices --ranks 2 --max-tokens 128 --layers 300 --csv $OUT/check.csv $C > $W/h2.log 2>&1
+echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+for case in dispatch_twice combine_twice; do
+  timeout 60 $H --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
+done
+fi
 if has latency; then
 for mt in 8 128; do
-  for side in old new; do
-    dir=$NEW; commit=${GIT_COMMIT:-unknown}
-    if [ $side = old ]; then dir=$OLD; commit=${OLD_COMMIT:-unknown}; fi
+  for side in $SIDES; do
+    dir=$(side_dir $side); commit=$(side_commit $side)
     echo "-- kernels ($side, $commit), max_tokens $mt (N = 1 2)"
     run_in $dir $commit timeout 100 python3 -m jax_latent_ep.testing.harness --mode latency --ranks 1 2 \
       --max-tokens $mt --tag=-$side-max$mt --csv $OUT/latency.csv 2>&1 | grep -E "T=|rror"
@@ -30,9 +50,8 @@ done
 fi
 if has jit; then
 log "jitted layer, N = 2 (one process per GPU), the NVLink backend of each tree"
-for side in old new new-again old-again; do
-  dir=$NEW; commit=${GIT_COMMIT:-unknown}
-  if [[ $side == old* ]]; then dir=$OLD; commit=${OLD_COMMIT:-unknown}; fi
+for side in ${JIT_SIDES:-new old ${MID:+mid} new-again}; do
+  dir=$(side_dir $side); commit=$(side_commit $side)
   (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,32,128 \
     --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 --only-procs 2 \
     --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-$side --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" | tail -2)
