@@ -58,12 +58,14 @@ from jax_latent_ep.kernels.memory import (
 # ---------------------------------------------------------------------------------------------------------
 # Settings
 
-def smem_bytes(shape: LatentMoEShape) -> int:
-    """Dynamic shared memory bytes the launcher must pass: 16 for the destination mask, 128 for the FP32 warp sums
-    of the RMSNorm, then the staging buffer of a row sent back (`3 * comb_words` 4-byte pieces), rounded up to 128
-    (Kimi K3: 7424)."""
-    return lay.align(16 + 128 + 4 * 3 * lay.comb_words(shape))
+#: Dynamic shared memory bytes the launcher must pass (the kernel uses less: 4 mask words and 32 words for the
+#: FP32 warp sums of the RMSNorm).
+SMEM_BYTES = 256
 
+
+def smem_bytes(shape: LatentMoEShape) -> int:
+    """Dynamic shared memory bytes the launcher must pass (`SMEM_BYTES` for every shape)."""
+    return SMEM_BYTES
 
 #: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
 PARAMS = (
@@ -117,7 +119,7 @@ class Combine:
     ):
         self.kernel(
             out, ids, norm_weight, result, peers, status, timeout_ns, eps, rank, tokens, max_tokens, apply_norm
-        ).launch(**launch_options(self.threads, smem_bytes(self.shape), [tokens, 1, 1]))
+        ).launch(**launch_options(self.threads, SMEM_BYTES, [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -153,9 +155,6 @@ class Combine:
         shared_mask = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         # The FP32 bits of the warp sums of the RMSNorm.
         stash = smem.allocate_tensor(Int32, cute.make_layout(32), 16)
-        # A row being sent back, as the 4-byte pieces of its wide words (the BF16 row, then zero padding): each
-        # thread stages its 32 bytes, and after a barrier takes the three pieces of each word it stores.
-        stage = smem.allocate_tensor(Int32, cute.make_layout(3 * lay.comb_words(shape)), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
         column = Int64(tid) * 16
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
@@ -177,13 +176,7 @@ class Combine:
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
         source = load_b32(local + buf.mirror + first_row * 4)
-        line = out + (first_row * latent + column) * 2
-        first = load_v4(line)
-        second = load_v4(line + 16)
-        pad = 3 * lay.comb_words(shape) - latent // 2
-        if cutlass.const_expr(pad > 0):
-            if tid < pad:
-                stage[latent // 2 + tid] = Int32(0)  # never overwritten: the staged rows end before
+        first = self.row_pieces(out + first_row * (2 * latent), tid)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)
@@ -203,13 +196,12 @@ class Combine:
         # ---- Phase 2: send every valid receive row q = c, c + G, ... to its source's slot [token, rank] as wide
         # LL words. The source word is CTA-uniform (every thread loads it), so the warps stay converged.
         if cta < rows32:
-            self.send_row(table, buf, source, first, second, stage, epoch, rank, tid)
+            self.send_row(table, buf, source, first, epoch, rank, tid)
         q = cta + grid
         while q < rows32:
             row = Int64(q)
             source_q = load_b32(local + buf.mirror + row * 4)
-            line_q = out + (row * latent + column) * 2
-            self.send_row(table, buf, source_q, load_v4(line_q), load_v4(line_q + 16), stage, epoch, rank, tid)
+            self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             q += grid
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
@@ -323,31 +315,43 @@ class Combine:
             trace_stamp(ctrl, epoch, 14, globaltimer(), clock64(), traced)
 
     @cute.jit
-    def send_row(self, table: Int64, buf, source: Uint32, first, second, stage, epoch: Uint32, rank: Int32,
-                 tid: Int32):
-        """CTA-wide (two barriers; every thread calls it): stages this thread's 32 bytes of a receive row's output
-        (`first`, `second`: 4 words each, elements [16 tid, 16 tid + 16)) as pieces 8 tid .. 8 tid + 7 of `stage`,
-        then stores the wide words w = tid, tid + threads, ... < comb_words (pieces 3 w .. 3 w + 2) into slot
-        [token, rank] of the source rank named by `source` (nothing if the row is empty). Consecutive lanes store
-        consecutive words: each warp instruction writes 512 contiguous bytes. `source` must be CTA-uniform."""
-        for j in cutlass.range_constexpr(4):
-            stage[8 * tid + j] = Int32(first[j])
-            stage[8 * tid + 4 + j] = Int32(second[j])
-        cute.arch.sync_threads()
+    def row_pieces(self, row: Int64, tid: Int32):
+        """The 4-byte pieces of the wide words this thread sends from the BF16 output row at `row` (`2 L` bytes):
+        word w = tid + k * threads (k < ceil(comb_words / threads)) carries pieces 3 w .. 3 w + 2; a piece past the
+        row is 0 (never loaded). Returns them in that order."""
+        row_u32 = 2 * self.shape.latent // 4
+        words = lay.comb_words(self.shape)
+        pieces = []
+        for k in cutlass.range_constexpr((words + self.threads - 1) // self.threads):
+            for c in cutlass.range_constexpr(3):
+                index = (tid + k * self.threads) * 3 + c
+                if cutlass.const_expr(((k + 1) * self.threads) * 3 <= row_u32):
+                    pieces.append(load_b32(row + Int64(index) * 4))
+                else:
+                    value = Uint32(0)
+                    if index < row_u32:
+                        value = load_b32(row + Int64(index) * 4)
+                    pieces.append(value)
+        return pieces
+
+    @cute.jit
+    def send_row(self, table: Int64, buf, source: Uint32, pieces, epoch: Uint32, rank: Int32, tid: Int32):
+        """Stores this thread's wide words of a receive row's output (`pieces`, from `row_pieces`) into slot
+        [token, rank] of the source rank named by `source` (nothing if the row is empty); consecutive lanes store
+        consecutive words, so each warp instruction writes 512 contiguous bytes. Warp-wide (`peer_of` shuffles):
+        `source` must be uniform over the warp."""
         if source != Uint32(EMPTY):
             origin = Int32(source >> Uint32(16))
             token = Int64(source & Uint32(0xFFFF))
             dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch
-            for k in cutlass.range_constexpr((buf.comb_words + self.threads - 1) // self.threads):
+            for k in cutlass.range_constexpr(len(pieces) // 3):
                 w = tid + k * self.threads
+                p = pieces[3 * k:3 * k + 3]
                 if cutlass.const_expr((k + 1) * self.threads <= buf.comb_words):
-                    store_wide(dest + Int64(w) * lay.WIDE_WORD, Uint32(stage[3 * w]), Uint32(stage[3 * w + 1]),
-                               Uint32(stage[3 * w + 2]), epoch)
+                    store_wide(dest + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
                 else:
                     if w < buf.comb_words:
-                        store_wide(dest + Int64(w) * lay.WIDE_WORD, Uint32(stage[3 * w]), Uint32(stage[3 * w + 1]),
-                                   Uint32(stage[3 * w + 2]), epoch)
-        cute.arch.sync_threads()  # the stage is rewritten by the next row
+                        store_wide(dest + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
 
     @cute.jit
     def token_mask(self, ids: Int64, t: Int32, lane: Int32, shared_mask):

@@ -51,7 +51,6 @@ from jax_latent_ep.kernels.memory import (
     shfl_idx,
     store_b32,
     store_ll,
-    store_v4,
     store_wide,
     warp_or,
 )
@@ -400,6 +399,7 @@ class Dispatch:
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
         rows32 = Int32(buf.rows)  # N * S < 2^21
         x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
+        stream_pieces = (latent + num_sf) // 4
         # This thread's words of a row (w = tid + k * threads); a slot past x_words loads word tid again (always
         # written in a full row) and is neither checked nor copied.
         my_words = []
@@ -426,7 +426,6 @@ class Dispatch:
             ids_at = local + buf.ids + row * buf.meta_pitch + meta_col * 8
             w_at = local + buf.weights + row * buf.meta_pitch + meta_col * 8
             pending = Uint32(1)
-            full = Uint32(0)
             start = globaltimer()
             polls = Uint32(0)
             while pending != Uint32(0):
@@ -452,11 +451,18 @@ class Dispatch:
                             ok = Uint32(0)
                         if ok != Uint32(0):
                             pending = Uint32(0)
-                            full = Uint32(1)
                             for k in cutlass.range_constexpr(word_slots):
                                 if has_word[k] != Uint32(0):
                                     for c in cutlass.range_constexpr(3):
-                                        stage[my_words[k] * 3 + c] = Int32(got[k][c])
+                                        piece = my_words[k] * 3 + c
+                                        if cutlass.const_expr(((k + 1) * self.threads) * 3 <= x_pieces):
+                                            store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                        else:
+                                            if piece < x_pieces:
+                                                store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                            elif piece < stream_pieces:
+                                                store_b32(recv_sf + row * num_sf + Int64(piece - x_pieces) * 4,
+                                                          got[k][c])
                             if has_meta != Uint32(0):
                                 store_b32(recv_ids + (row * topk + meta_col) * 4, id_v)
                                 store_b32(recv_weights + (row * topk + meta_col) * 4, w_v)
@@ -467,16 +473,6 @@ class Dispatch:
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
-            # A full row's data stream is staged (every thread has seen the same header): copy it out in 16-byte
-            # pieces, MXFP8 bytes [16 tid, 16 tid + 16), and scales [16 i, 16 i + 16) from threads i < SF / 16.
-            cute.arch.sync_threads()
-            if full != Uint32(0):
-                x_words4 = [Uint32(stage[4 * tid + j]) for j in range(4)]
-                store_v4(recv_x + row * latent + column, x_words4)
-                if tid < num_sf // 16:
-                    sf_words4 = [Uint32(stage[x_pieces + 4 * tid + j]) for j in range(4)]
-                    store_v4(recv_sf + row * num_sf + Int64(tid) * 16, sf_words4)
-            cute.arch.sync_threads()  # the stage is rewritten by the next row
             q += grid
             if cutlass.const_expr(TRACE):
                 # 5: CTA 0's first row (source 0's token 0) copied; 7: the same in the CTA whose first row is
