@@ -24,16 +24,7 @@ nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw
 fi
 if has check; then
 log "harness correctness, this tree's kernels"
-( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
-  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
-p0=$!
-( CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C &&
-  CUDA_VISIBLE_DEVICES=1 $H --shape deepseek_v3 --mode virtual --ranks 4 --max-tokens 16 --layers 100 --csv $OUT/check.csv $C ) > $W/h1.log 2>&1 &
-p1=$!
-wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
-grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
-timeout 120 $H --mode devices --ranks 2 --max-tokens 128 --layers 300 --csv $OUT/check.csv $C > $W/h2.log 2>&1
-echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+harness_check $OUT/check.csv
 for case in dispatch_twice combine_twice; do
   timeout 60 $H --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
 done

@@ -9,16 +9,7 @@ stages="${STAGES:-check sequence latency timeline}"  # also: stress
 {
 if has check; then
 log harness correctness
-( CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $W/results.csv $C &&
-  CUDA_VISIBLE_DEVICES=0 $H --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $W/results.csv $C ) > $W/h0.log 2>&1 &
-p0=$!
-( CUDA_VISIBLE_DEVICES=1 $H --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $W/results.csv $C &&
-  CUDA_VISIBLE_DEVICES=1 $H --shape deepseek_v3 --mode virtual --ranks 4 --max-tokens 16 --layers 100 --csv $W/results.csv $C ) > $W/h1.log 2>&1 &
-p1=$!
-wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
-grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
-timeout 120 $H --mode devices --ranks 2 --max-tokens 64 --layers 1000 --csv $W/results.csv $C > $W/h2.log 2>&1
-echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+DEVICE_MAX_TOKENS=64 CHECK_LAYERS=1000 harness_check $W/results.csv
 fi
 if has sequence; then
 for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do

@@ -29,15 +29,7 @@ fi
 if has check; then
 CA="--artifacts ${CHECK_ARTS:-jax_latent_ep/_artifacts}"
 log "harness correctness ($CA)"
-( CUDA_VISIBLE_DEVICES=0 $H $CA --mode virtual --ranks 1 --max-tokens 128 --layers 200 --csv $OUT/check.csv $C &&
-  CUDA_VISIBLE_DEVICES=0 $H $CA --mode virtual --ranks 8 --max-tokens 16 --layers 200 --csv $OUT/check.csv $C ) > $W/h0.log 2>&1 &
-p0=$!
-CUDA_VISIBLE_DEVICES=1 $H $CA --mode virtual --ranks 4 --max-tokens 32 --layers 200 --csv $OUT/check.csv $C > $W/h1.log 2>&1 &
-p1=$!
-wait $p0; echo "virtual (GPU 0) rc=$?"; wait $p1; echo "virtual (GPU 1) rc=$?"
-grep -E -- "->|Error" $W/h0.log $W/h1.log | cut -c1-150
-timeout 120 $H $CA --mode devices --ranks 2 --max-tokens 128 --layers ${CHECK_LAYERS:-1000} --csv $OUT/check.csv $C > $W/h2.log 2>&1
-echo "devices rc=$?"; grep -E -- "->|Error" $W/h2.log | cut -c1-150
+CHECK_LAYERS=${CHECK_LAYERS:-1000} harness_check $OUT/check.csv $CA
 for case in dispatch_twice combine_twice; do
   timeout 60 $H $CA --mode sequence --sequence-case $case --csv $OUT/sequence.csv $C 2>&1 | tail -1
 done
