@@ -82,10 +82,15 @@ def row_payload(shape: LatentMoEShape) -> int:
     return shape.latent + shape.num_sf
 
 
+def x_words(shape: LatentMoEShape) -> int:
+    """Wide LL words of a receive row's data stream: `ceil((L + L / 32) / 12)` (Kimi K3: 308)."""
+    return wide_words(row_payload(shape))
+
+
 def x_pitch(shape: LatentMoEShape) -> int:
-    """Bytes of a receive row's data (MXFP8 elements, then scales) in wide LL words: `ceil((L + L / 32) / 12)`
-    words of 16 bytes (Kimi K3: 308 words, 4928 bytes for 3696 payload bytes; 8 rows fill whole lines)."""
-    return wide_words(row_payload(shape)) * WIDE_WORD
+    """Bytes of a receive row's data (MXFP8 elements, then scales) in wide LL words: `x_words` words of 16 bytes
+    (Kimi K3: 4928 bytes for 3696 payload bytes; 8 rows fill whole lines)."""
+    return x_words(shape) * WIDE_WORD
 
 
 def meta_pitch(shape: LatentMoEShape) -> int:

@@ -56,7 +56,7 @@ class DeviceLayout:
             setattr(self, name, regions[name][0])
         self.ready = self.ctrl + 2 * LINE  # = layout.EpLayout.ready
         self.x_pitch = lay.x_pitch(shape)
-        self.x_words = lay.wide_words(lay.row_payload(shape))  # wide LL words of a receive row's data stream
+        self.x_words = lay.x_words(shape)  # wide LL words of a receive row's data stream
         self.meta_pitch = lay.meta_pitch(shape)
         self.hdr_pitch = lay.HDR_PITCH
         self.comb_pitch = lay.comb_pitch(shape)

@@ -61,7 +61,7 @@ from jax_latent_ep.kernels.memory import (
 def smem_bytes(shape: LatentMoEShape) -> int:
     """Dynamic shared memory bytes the launcher must pass: 16 for the destination mask, then the staging buffer of
     a row's data stream (`3 * x_words` 4-byte pieces), rounded up to 128 (Kimi K3: 3712)."""
-    return lay.align(16 + 4 * 3 * lay.wide_words(lay.row_payload(shape)))
+    return lay.align(16 + 4 * 3 * lay.x_words(shape))
 
 #: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
 PARAMS = (
@@ -201,14 +201,12 @@ class Dispatch:
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         # The token's data stream (its MXFP8 bytes, then its scales, then zero padding) as 4-byte pieces: each thread
         # stages what it quantized, and after the barrier takes the three pieces of each wide word it stores.
-        x_words = lay.wide_words(lay.row_payload(shape))
+        x_words = lay.x_words(shape)
         stage = smem.allocate_tensor(Int32, cute.make_layout(3 * x_words), 16)
         buf = DeviceLayout(max_tokens, ranks, shape)
         stride = Int32(buf.stride)
         column = Int64(tid) * 16
-        # This thread's wide words of a row's data stream: w = tid + k * threads < x_words (consecutive lanes store
-        # consecutive words, so each warp instruction writes 512 contiguous bytes, whole lines).
-        word_slots = (x_words + self.threads - 1) // self.threads
+        word_slots = (x_words + self.threads - 1) // self.threads  # wide words per thread (`my_words`)
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
         if cutlass.const_expr(TRACE):
@@ -336,15 +334,9 @@ class Dispatch:
             slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
             cute.arch.sync_threads()  # the mask, the staged stream, and warp 0's ready wait, for every thread
             mask = Uint32(shared[0])
-            # This thread's wide words (three pieces each; words past x_words are never stored).
-            pieces = []
-            for k in cutlass.range_constexpr(word_slots):
-                w = tid + k * self.threads
-                if cutlass.const_expr((k + 1) * self.threads > x_words):
-                    if w >= x_words:
-                        w = Int32(0)  # a valid piece index; nothing is stored
-                for c in cutlass.range_constexpr(3):
-                    pieces.append(Uint32(stage[3 * w + c]))
+            # The three pieces of each of this thread's wide words.
+            my_words, has_word = self.my_words(tid)
+            pieces = [Uint32(stage[3 * my_words[k] + c]) for k in range(word_slots) for c in range(3)]
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
                 trace_stamp(ctrl, epoch, 1, t_wait, c_wait, traced)
@@ -355,13 +347,9 @@ class Dispatch:
                     base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
                     row_dst = base + buf.x + slot * buf.x_pitch
                     for k in cutlass.range_constexpr(word_slots):
-                        w = tid + k * self.threads
                         p = pieces[3 * k:3 * k + 3]
-                        if cutlass.const_expr((k + 1) * self.threads <= x_words):
-                            store_wide(row_dst + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
-                        else:
-                            if w < x_words:
-                                store_wide(row_dst + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
+                        if has_word[k] != Uint32(0):
+                            store_wide(row_dst + Int64(my_words[k]) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
                     if tid < topk:
                         store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
                         store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
@@ -400,19 +388,7 @@ class Dispatch:
         rows32 = Int32(buf.rows)  # N * S < 2^21
         x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
         stream_pieces = (latent + num_sf) // 4
-        # This thread's words of a row (w = tid + k * threads); a slot past x_words loads word tid again (always
-        # written in a full row) and is neither checked nor copied.
-        my_words = []
-        has_word = []
-        for k in cutlass.range_constexpr(word_slots):
-            w = tid + k * self.threads
-            has = Uint32(1)
-            if cutlass.const_expr((k + 1) * self.threads > x_words):
-                if w >= x_words:
-                    w = tid
-                    has = Uint32(0)
-            my_words.append(w)
-            has_word.append(has)
+        my_words, has_word = self.my_words(tid)  # the words of each row this thread polls and copies out
         has_meta = Uint32(0)
         meta_col = Int64(0)
         if tid < topk:
@@ -486,6 +462,27 @@ class Dispatch:
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, grid, tid)
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 6, globaltimer(), clock64(), traced)
+
+
+    @cute.jit
+    def my_words(self, tid: Int32):
+        """This thread's wide words of a row's data stream, stored in phase 2 and copied out in phase 3: `(words,
+        has)`, lists over slots k < ceil(x_words / threads) of w = tid + k * threads, so that consecutive lanes take
+        consecutive words (each warp instruction stores 512 contiguous bytes, whole lines). A slot past x_words has
+        `has` 0 and names word tid instead: a valid word (always written in a full row) that this slot neither
+        stores, checks nor copies."""
+        x_words = lay.x_words(self.shape)
+        words, has = [], []
+        for k in cutlass.range_constexpr((x_words + self.threads - 1) // self.threads):
+            w = tid + k * self.threads
+            valid = Uint32(1)
+            if cutlass.const_expr((k + 1) * self.threads > x_words):
+                if w >= x_words:
+                    w = tid
+                    valid = Uint32(0)
+            words.append(w)
+            has.append(valid)
+        return words, has
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).
