@@ -405,46 +405,20 @@ def test_two_backends_coexist():
 
 _LAYERS_SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
-    import jax, jax.numpy as jnp, numpy as np
-    from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import sys, time
+    import jax, numpy as np
     from jax_latent_ep.config import KIMI_K3
     from jax_latent_ep.nvlink import NvlinkBackend
     from jax_latent_ep.reference import XlaBackend
     from jax_latent_ep.testing import check
-    from jax_latent_ep.testing.expert import toy_expert
+    from jax_latent_ep.testing.model import bf16_ulp_diff
 
     n, tokens, max_tokens, layers = (int(v) for v in sys.argv[1:5])
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
     case = check.make_case(7, KIMI_K3, n, tokens, max_tokens)
-    local = KIMI_K3.num_local_experts(n)
-
-    def make(ep, scan):
-        def layer(x, ids, w):
-            recv = ep.dispatch(x, ids, w)
-            out = toy_expert(recv, lax.axis_index("ep"), local)
-            return ep.combine(out, ids)  # routed latent: bit-exact on both backends, layer after layer
-
-        def f(x, ids, w, nw):
-            if scan:
-                x, _ = lax.scan(lambda c, _: (layer(c, ids, w), None), x, None, length=layers)
-            else:
-                for _ in range(layers):
-                    x = layer(x, ids, w)
-            recv = ep.dispatch(x, ids, w)
-            out = toy_expert(recv, lax.axis_index("ep"), local)
-            return x, ep.combine(out, ids, nw, 1e-5)
-
-        spec = P("ep")
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec))
-
-    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
-    flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
-    args = [put(flat(case.x), P("ep")), put(flat(case.ids), P("ep")), put(flat(case.weights), P("ep")),
-            put(case.norm_weight, P())]
+    make = lambda ep, scan: check.chained_layers(ep, mesh, layers, scan)  # routed: bit-exact layer after layer
+    args = check.sharded_inputs(case, mesh, "ep")
     xla = XlaBackend(mesh, "ep", max_tokens, KIMI_K3)
-    from jax_latent_ep.testing.model import bf16_ulp_diff
     with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3) as nv:
         for scan in (False, True):
             want = [np.asarray(a) for a in make(xla, scan)(*args)]
@@ -492,42 +466,20 @@ _PATH_SCRIPT = textwrap.dedent(
     """
     import sys
     import jax, numpy as np
-    from jax import lax
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from jax_latent_ep import ffi
     from jax_latent_ep.config import KIMI_K3
     from jax_latent_ep.nvlink import NvlinkBackend
     from jax_latent_ep.reference import XlaBackend
     from jax_latent_ep.testing import check
-    from jax_latent_ep.testing.expert import toy_expert
     from jax_latent_ep.testing.model import bf16_ulp_diff
 
     n, tokens, max_tokens, layers = (int(v) for v in sys.argv[1:5])
     out_path = sys.argv[5]
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
     case = check.make_case(9, KIMI_K3, n, tokens, max_tokens)
-    local = KIMI_K3.num_local_experts(n)
-
-    def make(ep, scan):
-        def layer(x, ids, w):
-            return ep.combine(toy_expert(ep.dispatch(x, ids, w), lax.axis_index("ep"), local), ids)
-
-        def f(x, ids, w, nw):
-            if scan:
-                x, _ = lax.scan(lambda c, _: (layer(c, ids, w), None), x, None, length=layers)
-            else:
-                for _ in range(layers):
-                    x = layer(x, ids, w)
-            return x, ep.combine(toy_expert(ep.dispatch(x, ids, w), lax.axis_index("ep"), local), ids, nw, 1e-5)
-
-        spec = P("ep")
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec))
-
-    def fresh():  # new device buffers, same values: the executable's buffer addresses change between runs
-        put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
-        flat = lambda a: a.reshape(n * a.shape[1], *a.shape[2:])
-        return [put(flat(case.x), P("ep")), put(flat(case.ids), P("ep")), put(flat(case.weights), P("ep")),
-                put(case.norm_weight, P())]
+    make = lambda ep, scan: check.chained_layers(ep, mesh, layers, scan)
+    # New device buffers, same values: the executable's buffer addresses change between runs.
+    fresh = lambda: check.sharded_inputs(case, mesh, "ep")
 
     inputs = [fresh(), fresh()]
     xla = XlaBackend(mesh, "ep", max_tokens, KIMI_K3)

@@ -131,3 +131,23 @@ def test_non_finite_tokens(backend):
     for r in range(n):
         rows = slice(r * ep.rows, (r + 1) * ep.rows)
         check.compare_received(tuple(a[rows] for a in recv), want, r, "non-finite tokens")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_chained_layers_program_matches_the_model(scan):
+    """`check.chained_layers` (the multi-layer program of the GPU subprocess tests) with one routed layer, on the
+    XLA backend over 2 CPU devices: its routed output bit for bit and its normed output within 1 bf16 ulp of the
+    model's two layers, on fresh random data."""
+    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+
+    n, t, max_tokens = 2, 5, 8
+    mesh = jax.make_mesh((n,), ("ep",), devices=_devices("xla", n))
+    case = check.make_case(zlib.crc32(f"chained/{scan}".encode()), SMALL, n, t, max_tokens)
+    ep = XlaBackend(mesh, "ep", max_tokens, SMALL)
+    routed, normed = (np.asarray(a) for a in check.chained_layers(ep, mesh, 1, scan)(*check.sharded_inputs(
+        case, mesh, "ep")))
+    _, want_routed, _, want_normed = check.model_two_layers(case)
+    assert np.any(want_routed.astype(np.float32) != 0)
+    assert np.array_equal(routed.view(np.uint16), want_routed.reshape(n * t, -1).view(np.uint16))
+    assert bf16_ulp_diff(normed, want_normed.reshape(n * t, -1)).max() <= 1

@@ -90,6 +90,44 @@ def two_layers(ep):
     return f
 
 
+def chained_layers(ep, mesh, layers: int, scan: bool):
+    """A jitted program over `mesh`'s `ep.axis_name` axis: `layers` chained layers (dispatch, toy expert, combine
+    without norm; unrolled, or in one `lax.scan` with `scan`), then one normed layer.
+
+    Takes `(x, ids, weights, norm_weight)` as `sharded_inputs` places them (x bf16 [N*T, L], ids int32 [N*T, K],
+    weights f32 [N*T, K] sharded over ranks; norm_weight bf16 [L] replicated) and returns `(routed, normed)`, bf16
+    [N*T, L] each: the last unnormed layer's output and the normed layer's."""
+    local = ep.shape.num_local_experts(ep.ranks)
+    axis = ep.axis_name
+
+    def layer(x, ids, weights, *norm):
+        return ep.combine(toy_expert(ep.dispatch(x, ids, weights), lax.axis_index(axis), local), ids, *norm)
+
+    def f(x, ids, weights, norm_weight):
+        if scan:
+            x, _ = lax.scan(lambda c, _: (layer(c, ids, weights), None), x, None, length=layers)
+        else:
+            for _ in range(layers):
+                x = layer(x, ids, weights)
+        return x, layer(x, ids, weights, norm_weight, EPS)
+
+    spec = jax.sharding.PartitionSpec(axis)
+    replicated = jax.sharding.PartitionSpec()
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, spec, replicated), out_specs=spec))
+
+
+def sharded_inputs(case: Case, mesh, axis: str):
+    """New device buffers holding `case`'s inputs as `chained_layers` takes them: `[x, ids, weights, norm_weight]`
+    (the per-rank arrays flattened over ranks and sharded over `axis`; norm_weight replicated)."""
+    P = jax.sharding.PartitionSpec
+
+    def put(a, spec):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    flat = [a.reshape(case.ranks * a.shape[1], *a.shape[2:]) for a in (case.x, case.ids, case.weights)]
+    return [put(a, P(axis)) for a in flat] + [put(case.norm_weight, P())]
+
+
 def model_two_layers(case: Case):
     """The model's results of `two_layers`: (recv1, routed, recv2, normed), arrays stacked over ranks."""
     kw = dict(shape=case.shape, max_tokens=case.max_tokens)
