@@ -167,3 +167,45 @@ def test_wide_word_streams_carry_every_piece_once(shape):
         taken = [sent[((k * 3 + r + j) // 3, (r + j) % 3)] for j in range(8)]
         assert taken == list(range(8 * tid, 8 * tid + 8))
         assert ((k * 3 + r + 7) // 3 == k + 3) == (r == 2)  # the fourth word is needed exactly when r == 2
+
+
+def test_warp_regroup_maps_move_every_piece_once():
+    """The 4-shuffle regroups of a warp's window (32 wide words of 3 pieces = 24 chunks of 4 pieces), simulated
+    lane by lane as `shfl.sync.idx` does it: words -> chunks (the dispatch's copy-out) gives every chunk lane its
+    four consecutive pieces, and chunks -> words (the combine's sender) gives every word lane its three; in each
+    shuffle a lane sends one value and receives at most one piece it uses."""
+    from jax_latent_ep.layout import (
+        WARP_CHUNKS,
+        chunk_sent_piece,
+        chunk_source_lane,
+        word_piece_shuffle,
+        word_source_lane,
+    )
+
+    rng = np.random.default_rng()
+    window = rng.integers(0, 2**32, size=96, dtype=np.uint64)  # the window's pieces, in stream order
+    assert WARP_CHUNKS == 24
+    # Words -> chunks: lane s holds pieces 3 s .. 3 s + 2 and offers piece chunk_sent_piece(s, i) in shuffle i.
+    words = window.reshape(32, 3)
+    chunks = np.zeros((WARP_CHUNKS, 4), np.uint64)
+    for i in range(4):
+        offered = [words[s, chunk_sent_piece(s, i)] if chunk_sent_piece(s, i) < 3 else None for s in range(32)]
+        for lane in range(WARP_CHUNKS):
+            value = offered[chunk_source_lane(lane, i)]
+            assert value is not None
+            chunks[lane, i] = value
+    np.testing.assert_array_equal(chunks.reshape(-1), window)
+    # Chunks -> words: lane s holds pieces 4 s .. 4 s + 3 (lanes >= 24 hold nothing) and offers component i.
+    held = window.reshape(WARP_CHUNKS, 4)
+    got = np.zeros((32, 3), np.uint64)
+    for lane in range(32):
+        received = {}
+        for i in range(4):
+            source = word_source_lane(lane, i)
+            assert 0 <= source < 32
+            if (i + lane) % 4 < 3:
+                assert source < WARP_CHUNKS
+                received[i] = held[source, i]
+        for c in range(3):
+            got[lane, c] = received[word_piece_shuffle(lane, c)]
+    np.testing.assert_array_equal(got.reshape(-1), window)
