@@ -77,38 +77,6 @@ def wide_words(payload_bytes: int) -> int:
     return (payload_bytes + WIDE_PAYLOAD - 1) // WIDE_PAYLOAD
 
 
-# A warp's 32 consecutive wide words hold 96 pieces = 24 16-byte chunks of the plain stream (384 bytes; a warp's
-# first word is always at a multiple of 32 words, so the chunks are 16-byte aligned). The kernels regroup words
-# into chunks (the dispatch's copy-out) and chunks into words (the combine's sender) with 4 warp shuffles each:
-# shuffle i moves exactly the pieces p with p % 4 == i, of which every lane sends at most one and every lane
-# receives at most one (three consecutive pieces, and four, have distinct residues mod 4). The maps below take
-# Python ints (tests) or run-time DSL integers (kernels: only +, *, // and % of non-negative values).
-#: 16-byte chunks of the plain stream that a warp's 32 wide words hold.
-WARP_CHUNKS = 32 * WIDE_PAYLOAD // 16
-
-
-def chunk_source_lane(lane, i):
-    """Words -> chunks, shuffle `i` (0..3): chunk lane `lane` (< WARP_CHUNKS) takes its piece `i` (piece
-    `4 lane + i` of the window) from this lane."""
-    return (4 * lane + i) // 3
-
-
-def chunk_sent_piece(lane, i):
-    """Words -> chunks, shuffle `i`: the piece (0..2 of its word) that word lane `lane` offers; 3: none."""
-    return (i + lane) % 4
-
-
-def word_source_lane(lane, i):
-    """Chunks -> words, shuffle `i` (every chunk lane offers its component `i`): word lane `lane` takes the
-    window's piece `3 lane + (i + lane) % 4` from this lane (when `(i + lane) % 4 < 3`)."""
-    return (3 * lane + (i + lane) % 4) // 4
-
-
-def word_piece_shuffle(lane, c):
-    """Chunks -> words: the shuffle that delivered piece `c` (0..2) of word lane `lane`."""
-    return (3 * lane + c) % 4
-
-
 def row_payload(shape: LatentMoEShape) -> int:
     """Payload bytes of a receive row's data stream: the `L` MXFP8 elements, then the `L / 32` E8M0 scales."""
     return shape.latent + shape.num_sf

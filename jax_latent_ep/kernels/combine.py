@@ -49,7 +49,6 @@ from jax_latent_ep.kernels.memory import (
     mul_rn,
     rms_rstd,
     shfl_bfly_f32,
-    shfl_idx,
     store_wide,
     store_relaxed_sys,
     store_v4,
@@ -177,7 +176,7 @@ class Combine:
         if cta >= rows32:
             first_row = Int64(0)  # a valid address; nothing is sent
         source = load_b32(local + buf.mirror + first_row * 4)
-        first = self.row_chunks(out + first_row * (2 * latent), warp, lane)
+        first = self.row_pieces(out + first_row * (2 * latent), tid)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)
@@ -202,7 +201,7 @@ class Combine:
         while q < rows32:
             row = Int64(q)
             source_q = load_b32(local + buf.mirror + row * 4)
-            self.send_row(table, buf, source_q, self.row_chunks(out + row * (2 * latent), warp, lane), epoch, rank, tid)
+            self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             q += grid
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
@@ -316,47 +315,38 @@ class Combine:
             trace_stamp(ctrl, epoch, 14, globaltimer(), clock64(), traced)
 
     @cute.jit
-    def row_chunks(self, row: Int64, warp: Int32, lane: Int32):
-        """The 16-byte chunks of the BF16 output row at `row` (`2 L` bytes) that this lane loads for its warp's wide
-        words: for each slot k < ceil(comb_words / threads), the warp's words `k * threads + 32 warp + 0..31` hold
-        the row's chunks `3 (k * threads + 32 warp) / 4 + 0..23`, and lane `lane < WARP_CHUNKS` loads one of them
-        (one 16-byte load); a chunk past the row, or a lane >= WARP_CHUNKS, gets zeros. Returns 4 words per slot."""
-        row_chunks = 2 * self.shape.latent // 16
-        chunks = []
-        for k in cutlass.range_constexpr((lay.comb_words(self.shape) + self.threads - 1) // self.threads):
-            index = (3 * (k * self.threads + 32 * warp)) // 4 + lane
-            c0, c1, c2, c3 = Uint32(0), Uint32(0), Uint32(0), Uint32(0)
-            if lane < lay.WARP_CHUNKS and index < row_chunks:
-                c0, c1, c2, c3 = load_v4(row + Int64(index) * 16)
-            chunks.extend([c0, c1, c2, c3])
-        return chunks
+    def row_pieces(self, row: Int64, tid: Int32):
+        """The 4-byte pieces of the wide words this thread sends from the BF16 output row at `row` (`2 L` bytes):
+        word w = tid + k * threads (k < ceil(comb_words / threads)) carries pieces 3 w .. 3 w + 2; a piece past the
+        row is 0 (never loaded). Returns them in that order."""
+        row_u32 = 2 * self.shape.latent // 4
+        words = lay.comb_words(self.shape)
+        pieces = []
+        for k in cutlass.range_constexpr((words + self.threads - 1) // self.threads):
+            for c in cutlass.range_constexpr(3):
+                index = (tid + k * self.threads) * 3 + c
+                if cutlass.const_expr(((k + 1) * self.threads) * 3 <= row_u32):
+                    pieces.append(load_b32(row + Int64(index) * 4))
+                else:
+                    value = Uint32(0)
+                    if index < row_u32:
+                        value = load_b32(row + Int64(index) * 4)
+                    pieces.append(value)
+        return pieces
 
     @cute.jit
-    def send_row(self, table: Int64, buf, source: Uint32, chunks, epoch: Uint32, rank: Int32, tid: Int32):
-        """Stores this thread's wide words of a receive row's output (`chunks`, from `row_chunks`) into slot
-        [token, rank] of the source rank named by `source` (nothing if the row is empty): the warp regroups each
-        slot's chunks into words with 4 shuffles (`layout.word_source_lane`), and consecutive lanes store
-        consecutive words, so each warp instruction writes 512 contiguous bytes. Warp-wide (shuffles): `source`
-        must be uniform over the warp."""
+    def send_row(self, table: Int64, buf, source: Uint32, pieces, epoch: Uint32, rank: Int32, tid: Int32):
+        """Stores this thread's wide words of a receive row's output (`pieces`, from `row_pieces`) into slot
+        [token, rank] of the source rank named by `source` (nothing if the row is empty); consecutive lanes store
+        consecutive words, so each warp instruction writes 512 contiguous bytes. Warp-wide (`peer_of` shuffles):
+        `source` must be uniform over the warp."""
         if source != Uint32(EMPTY):
-            lane = tid % 32
             origin = Int32(source >> Uint32(16))
             token = Int64(source & Uint32(0xFFFF))
             dest = peer_of(table, origin) + buf.comb + (token * self.ranks + rank) * buf.comb_pitch
-            for k in cutlass.range_constexpr(len(chunks) // 4):
+            for k in cutlass.range_constexpr(len(pieces) // 3):
                 w = tid + k * self.threads
-                moved = [shfl_idx(chunks[4 * k + i], Uint32(lay.word_source_lane(lane, i))) for i in range(4)]
-                p = []
-                for c in cutlass.range_constexpr(3):
-                    which = lay.word_piece_shuffle(lane, c)
-                    piece = moved[0]
-                    if which == 1:
-                        piece = moved[1]
-                    if which == 2:
-                        piece = moved[2]
-                    if which == 3:
-                        piece = moved[3]
-                    p.append(piece)
+                p = pieces[3 * k:3 * k + 3]
                 if cutlass.const_expr((k + 1) * self.threads <= buf.comb_words):
                     store_wide(dest + Int64(w) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
                 else:

@@ -51,9 +51,7 @@ from jax_latent_ep.kernels.memory import (
     shfl_idx,
     store_b32,
     store_ll,
-    store_v4,
     store_wide,
-    warp_all,
     warp_or,
 )
 
@@ -382,17 +380,15 @@ class Dispatch:
 
         # ---- Phase 3: copy the receive rows q = c, c + G, ... out of the local buffer into XLA's outputs. Every
         # thread polls the row's header and its own words of the row together (one round trip once they have
-        # landed) until the whole warp has seen the header carry this epoch and, in a full row, every word it copies
-        # carry it (a warp vote, so the copy below runs converged): an empty row (-1) gets the constants (ids = the
-        # next rank's first expert, weights 0); a full row's words are regrouped into 16-byte chunks of the plain
-        # stream with 4 shuffles (`layout.chunk_source_lane`) and stored whole.
+        # landed) until the header carries this epoch: an empty row (-1) gets the constants (ids = the next
+        # rank's first expert, weights 0); a full row is copied once every word this thread copies carries it.
         # Invariant: every word copied was stored in this layer by the row's source (each word is stored once
         # per layer, and only this layer's stores carry this epoch).
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
         rows32 = Int32(buf.rows)  # N * S < 2^21
-        x_chunks = latent // 16  # chunks [0, L / 16) of a data stream are MXFP8 bytes, then SF / 16 chunks of scales
-        stream_chunks = (latent + num_sf) // 16
-        my_words, has_word = self.my_words(tid)  # the words of each row this thread polls
+        x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
+        stream_pieces = (latent + num_sf) // 4
+        my_words, has_word = self.my_words(tid)  # the words of each row this thread polls and copies out
         has_meta = Uint32(0)
         meta_col = Int64(0)
         if tid < topk:
@@ -413,19 +409,9 @@ class Dispatch:
                 got = [load_wide(row_at + Int64(my_words[k]) * lay.WIDE_WORD) for k in range(word_slots)]
                 id_v, id_e = load_ll(ids_at)
                 w_v, w_e = load_ll(w_at)
-                done = Uint32(0)
                 if h_epoch == epoch:
-                    done = Uint32(1)
-                    if source != Uint32(EMPTY):
-                        for k in cutlass.range_constexpr(word_slots):
-                            if has_word[k] != Uint32(0) and got[k][3] != epoch:
-                                done = Uint32(0)
-                        if has_meta != Uint32(0) and (id_e != epoch or w_e != epoch):
-                            done = Uint32(0)
-                if warp_all(done) != Uint32(0):
-                    # Every lane of the warp saw this layer's header, stored once per layer: `source` is warp-uniform.
-                    pending = Uint32(0)
                     if source == Uint32(EMPTY):
+                        pending = Uint32(0)
                         if has_meta != Uint32(0):
                             store_b32(recv_ids + (row * topk + meta_col) * 4, invalid)
                             store_b32(recv_weights + (row * topk + meta_col) * 4, Uint32(0))
@@ -433,14 +419,32 @@ class Dispatch:
                             store_b32(recv_src + row * 4, Uint32(EMPTY))
                             store_b32(local + buf.mirror + row * 4, Uint32(EMPTY))
                     else:
+                        ok = Uint32(1)
                         for k in cutlass.range_constexpr(word_slots):
-                            self.copy_chunk(got[k], k, warp, lane, row, recv_x, recv_sf, x_chunks, stream_chunks)
-                        if has_meta != Uint32(0):
-                            store_b32(recv_ids + (row * topk + meta_col) * 4, id_v)
-                            store_b32(recv_weights + (row * topk + meta_col) * 4, w_v)
-                        if tid == 0:
-                            store_b32(recv_src + row * 4, source)
-                            store_b32(local + buf.mirror + row * 4, source)
+                            if has_word[k] != Uint32(0) and got[k][3] != epoch:
+                                ok = Uint32(0)
+                        if has_meta != Uint32(0) and (id_e != epoch or w_e != epoch):
+                            ok = Uint32(0)
+                        if ok != Uint32(0):
+                            pending = Uint32(0)
+                            for k in cutlass.range_constexpr(word_slots):
+                                if has_word[k] != Uint32(0):
+                                    for c in cutlass.range_constexpr(3):
+                                        piece = my_words[k] * 3 + c
+                                        if cutlass.const_expr(((k + 1) * self.threads) * 3 <= x_pieces):
+                                            store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                        else:
+                                            if piece < x_pieces:
+                                                store_b32(recv_x + row * latent + Int64(piece) * 4, got[k][c])
+                                            elif piece < stream_pieces:
+                                                store_b32(recv_sf + row * num_sf + Int64(piece - x_pieces) * 4,
+                                                          got[k][c])
+                            if has_meta != Uint32(0):
+                                store_b32(recv_ids + (row * topk + meta_col) * 4, id_v)
+                                store_b32(recv_weights + (row * topk + meta_col) * 4, w_v)
+                            if tid == 0:
+                                store_b32(recv_src + row * 4, source)
+                                store_b32(local + buf.mirror + row * 4, source)
                 if pending != Uint32(0):
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
@@ -459,31 +463,6 @@ class Dispatch:
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 6, globaltimer(), clock64(), traced)
 
-
-    @cute.jit
-    def copy_chunk(self, word, k: int, warp: Int32, lane: Int32, row: Int64, recv_x: Int64, recv_sf: Int64,
-                   x_chunks: int, stream_chunks: int):
-        """Warp-wide (every lane calls it, converged): regroups the warp's wide words of slot `k` (`word`: this
-        lane's `(p0, p1, p2, epoch)` of word `k * threads + 32 warp + lane`) into the 16-byte chunks of the plain
-        stream they hold, and lane `lane < WARP_CHUNKS` stores chunk `3 (k * threads + 32 warp) / 4 + lane` of row
-        `row` into `recv_x` (chunks < `x_chunks`) or `recv_sf` (then < `stream_chunks`); one 16-byte store each."""
-        first_word = k * self.threads + 32 * warp
-        if first_word < lay.x_words(self.shape):  # warp-uniform: the warp holds words of the stream
-            chunk = []
-            for i in cutlass.range_constexpr(4):
-                offer = word[0]
-                sent = lay.chunk_sent_piece(lane, i)
-                if sent == 1:
-                    offer = word[1]
-                if sent == 2:
-                    offer = word[2]
-                chunk.append(shfl_idx(offer, Uint32(lay.chunk_source_lane(lane, i))))
-            index = (3 * first_word) // 4 + lane
-            if lane < lay.WARP_CHUNKS:
-                if index < x_chunks:
-                    store_v4(recv_x + row * self.shape.latent + Int64(index) * 16, chunk)
-                elif index < stream_chunks:
-                    store_v4(recv_sf + row * self.shape.num_sf + Int64(index - x_chunks) * 16, chunk)
 
     @cute.jit
     def my_words(self, tid: Int32):

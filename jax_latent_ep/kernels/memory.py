@@ -229,14 +229,6 @@ def warp_or(value, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def warp_all(value, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `vote.sync.all.pred` over the full warp (every lane must call it): 1 iff `value` is
-    nonzero on every lane, the same on every lane (so a branch on it keeps the warp converged)."""
-    code = "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.all.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; }"
-    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], code, "=r,r", loc, ip))
-
-
-@dsl_user_op
 def shfl_bfly(value, offset: int, *, loc=None, ip=None) -> Uint32:
     """Always issues one `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ offset`."""
     return Uint32(
