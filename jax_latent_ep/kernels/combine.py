@@ -29,6 +29,7 @@ from jax_latent_ep.kernels.common import (
     fail,
     load_peer_table,
     peer_of,
+    peer_row,
     poll_expired,
     trace_stamp,
 )
@@ -159,7 +160,9 @@ class Combine:
         column = Int64(tid) * 16
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
-        rows32 = Int32(buf.rows)  # N * S < 2^21
+        stride = Int32(buf.stride)
+        # Rows sent: the other ranks' rows, (N - 1) * S (this rank's own rows are reduced straight from `out`).
+        peer_rows = Int32(ranks - 1) * stride
         if cutlass.const_expr(TRACE):
             traced = Int32(0)
             if tid == 0 and cta == 0:
@@ -172,8 +175,8 @@ class Combine:
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
-        first_row = Int64(cta)
-        if cta >= rows32:
+        first_row = Int64(peer_row(cta, rank, stride))
+        if cta >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
         source = load_b32(local + buf.mirror + first_row * 4)
         first = self.row_pieces(out + first_row * (2 * latent), tid)
@@ -193,16 +196,17 @@ class Combine:
             if cta < tokens:
                 self.token_mask(ids, cta, lane, shared_mask)
 
-        # ---- Phase 2: send every valid receive row q = c, c + G, ... to its source's slot [token, rank] as wide
-        # LL words. The source word is CTA-uniform (every thread loads it), so the warps stay converged.
-        if cta < rows32:
+        # ---- Phase 2: send every valid receive row of another rank (the r-th for r = c, c + G, ...) to its source's
+        # slot [token, rank] as wide LL words. The source word is CTA-uniform (every thread loads it), so the warps
+        # stay converged.
+        if cta < peer_rows:
             self.send_row(table, buf, source, first, epoch, rank, tid)
-        q = cta + grid
-        while q < rows32:
-            row = Int64(q)
+        r = cta + grid
+        while r < peer_rows:
+            row = Int64(peer_row(r, rank, stride))
             source_q = load_b32(local + buf.mirror + row * 4)
             self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
-            q += grid
+            r += grid
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
             trace_stamp(ctrl, epoch, 9, t_wait, c_wait, traced)
@@ -220,7 +224,8 @@ class Combine:
         # reads words k .. k + 2 (k + 3 too when 8 tid % 3 == 2) with k = 8 tid // 3 and takes its pieces from
         # offset r = 8 tid % 3. For each rank d of the token's destination set, in ascending order, it polls those
         # words of slot [t, d] until each carries this epoch, then adds. Invariant: a partial is added only once it
-        # was stored in this layer (each slot is stored once per layer, by rank d alone).
+        # was stored in this layer (each slot is stored once per layer, by rank d alone). This rank's own partial
+        # (d = rank) is its own receive row of the token in `out`, loaded without a poll (an input of this kernel).
         first_word = Int64((8 * tid) // 3)
         offset = (8 * tid) % 3
         needs_fourth = Uint32(0)
@@ -237,11 +242,19 @@ class Combine:
             cute.arch.sync_threads()
             mask = Uint32(shared_mask[0])
             gamma = load_v4(gamma_base + column * 2) + load_v4(gamma_base + column * 2 + 16)
+            own = out + ((Int64(rank) * buf.stride + t) * latent + column) * 2
+            if (mask >> Uint32(rank)) & Uint32(1) == Uint32(0):
+                own = gamma_base  # a valid address; not added
+            own_words = load_v4(own) + load_v4(own + 16)
             values = cute.make_rmem_tensor(16, Float32)
             for j in cutlass.range_constexpr(16):
                 values[j] = Float32(0.0)
             for d in cutlass.range_constexpr(ranks):
-                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
+                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) == rank:
+                    for j in cutlass.range_constexpr(8):
+                        values[2 * j] = add_rn(values[2 * j], lo_f32(own_words[j]))
+                        values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(own_words[j]))
+                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
                     start = globaltimer()

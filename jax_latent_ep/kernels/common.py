@@ -85,6 +85,18 @@ def peer_of(table: Int64, target: Int32) -> Int64:
 
 
 @cute.jit
+def peer_row(r: Int32, rank: Int32, stride: Int32) -> Int32:
+    """Receive row of the `r`-th row of the other ranks (`r < (N - 1) * S`, in rank order): row `r % S` of rank
+    `p = r // S`, or of `p + 1` from this rank on. A rank's own receive rows never pass through its buffer (the
+    dispatch writes them straight into XLA's outputs, the combine reads them from `out`), so the copy-out and the
+    sends walk only these rows."""
+    p = r // stride
+    if p >= rank:
+        p = p + 1
+    return p * stride + r % stride
+
+
+@cute.jit
 def trace_stamp(ctrl: Int64, epoch: Uint32, index: cutlass.Constexpr[int], stamp: Int64, cycles: Int64, on: Int32):
     """Trace builds: if `on != 0`, stores `stamp` (`%globaltimer`) and `cycles` (`%clock64`) as stamp `index` of
     layer `epoch` (a ring of `layout.TRACE_LAYERS` layers: line pair `epoch % TRACE_LAYERS`)."""

@@ -28,6 +28,7 @@ from jax_latent_ep.kernels.common import (
     fail,
     load_peer_table,
     peer_of,
+    peer_row,
     poll_expired,
     reached,
     trace_stamp,
@@ -51,6 +52,7 @@ from jax_latent_ep.kernels.memory import (
     shfl_idx,
     store_b32,
     store_ll,
+    store_v4,
     store_wide,
     warp_or,
 )
@@ -209,6 +211,7 @@ class Dispatch:
         word_slots = (x_words + self.threads - 1) // self.threads  # wide words per thread (`my_words`)
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = local + buf.ctrl
+        invalid = Uint32(((rank + 1) % ranks) * self.local_experts)  # the ids of an empty row
         if cutlass.const_expr(TRACE):
             traced = Int32(0)
             if tid == 0 and cta == 0:
@@ -343,7 +346,7 @@ class Dispatch:
                 trace_stamp(ctrl, epoch, 2, globaltimer(), clock64(), traced)
 
             for d in cutlass.range_constexpr(ranks):
-                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0):
+                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
                     row_dst = base + buf.x + slot * buf.x_pitch
                     for k in cutlass.range_constexpr(word_slots):
@@ -353,21 +356,39 @@ class Dispatch:
                     if tid < topk:
                         store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
                         store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
-            # Headers: lane d tells rank d whether the row holds the token (its source word) or nothing (-1).
-            if warp == 0 and lane < ranks:
+            # This rank's own receive row of the token goes straight into XLA's outputs from the registers (no
+            # buffer word, no poll): the MXFP8 bytes, the scales, ids, weights and source; the constants of an empty
+            # row if the token has no expert here.
+            own_row = Int64(rank) * buf.stride + token
+            if (mask >> Uint32(rank)) & Uint32(1) != Uint32(0):
+                store_v4(recv_x + own_row * latent + column, packed)
+                if tid % 8 == 0:
+                    store_b32(recv_sf + own_row * num_sf + Int64(tid // 8) * 4, sf_word)
+                self.write_own_meta(own_row, tid, expert_word, weight_word, source_word, recv_ids, recv_weights,
+                                    recv_src, local + buf.mirror)
+            else:
+                self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
+                                    recv_src, local + buf.mirror)
+            # Headers: lane d tells peer d whether the row holds the token (its source word) or nothing (-1).
+            if warp == 0 and lane < ranks and lane != rank:
                 header = Uint32(EMPTY)
                 if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
                     header = source_word
                 store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
-        # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every rank.
+        # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every peer, the constants of
+        # an empty row in this rank's own outputs.
         j = cta
         if cta < tokens:
             j = cta + grid
-        if warp == 0 and lane < ranks:
+        if warp == 0:
             while j < stride:
-                store_ll(table + buf.hdr + (Int64(rank) * buf.stride + j) * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                own_row = Int64(rank) * buf.stride + j
+                if lane < ranks and lane != rank:
+                    store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
+                                    recv_src, local + buf.mirror)
                 j += grid
 
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
@@ -384,8 +405,6 @@ class Dispatch:
         # rank's first expert, weights 0); a full row is copied once every word this thread copies carries it.
         # Invariant: every word copied was stored in this layer by the row's source (each word is stored once
         # per layer, and only this layer's stores carry this epoch).
-        invalid = Uint32(((rank + 1) % ranks) * self.local_experts)
-        rows32 = Int32(buf.rows)  # N * S < 2^21
         x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
         stream_pieces = (latent + num_sf) // 4
         my_words, has_word = self.my_words(tid)  # the words of each row this thread polls and copies out
@@ -394,8 +413,10 @@ class Dispatch:
         if tid < topk:
             has_meta = Uint32(1)
             meta_col = Int64(tid)
-        q = cta
-        while q < rows32:
+        peer_rows = Int32(ranks - 1) * stride  # the rows of the other ranks: (N - 1) * S
+        r = cta
+        while r < peer_rows:
+            q = peer_row(r, rank, stride)
             row = Int64(q)
             hdr_at = local + buf.hdr + row * buf.hdr_pitch
             row_at = local + buf.x + row * buf.x_pitch
@@ -449,20 +470,30 @@ class Dispatch:
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
-            q += grid
+            r += grid
             if cutlass.const_expr(TRACE):
-                # 5: CTA 0's first row (source 0's token 0) copied; 7: the same in the CTA whose first row is
-                # source 1's token 0 (a peer's row when N > 1).
-                if q == cta + grid:
+                # 5: CTA 0's first row (the first peer's token 0) copied.
+                if r == cta + grid:
                     trace_stamp(ctrl, epoch, 5, globaltimer(), clock64(), traced)
-                    if tid == 0 and cta == stride:
-                        trace_stamp(ctrl, epoch, 7, globaltimer(), clock64(), Int32(1))
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, grid, tid)
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 6, globaltimer(), clock64(), traced)
 
+
+    @cute.jit
+    def write_own_meta(self, own_row: Int64, tid: Int32, expert_word: Uint32, weight_word: Uint32, source: Uint32,
+                       recv_ids: Int64, recv_weights: Int64, recv_src: Int64, mirror: Int64):
+        """Threads tid < K store expert / weight `tid` of this rank's own receive row `own_row` (their values, or
+        the constants of an empty row), thread 0 its source word into `recv_src` and the combine's `mirror`."""
+        topk = self.shape.topk
+        if tid < topk:
+            store_b32(recv_ids + (own_row * topk + Int64(tid)) * 4, expert_word)
+            store_b32(recv_weights + (own_row * topk + Int64(tid)) * 4, weight_word)
+        if tid == 0:
+            store_b32(recv_src + own_row * 4, source)
+            store_b32(mirror + own_row * 4, source)
 
     @cute.jit
     def my_words(self, tid: Int32):
