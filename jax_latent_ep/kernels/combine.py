@@ -175,11 +175,14 @@ class Combine:
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
-        first_row = Int64(peer_row(cta, rank, stride))
-        if cta >= peer_rows:
+        # The last CTAs send the first rows (r = G - 1 - c, then + G), as in the dispatch's copy-out: with
+        # G >= (N - 1) S + T the CTAs that reduce tokens send nothing.
+        first = grid - 1 - cta
+        first_row = Int64(peer_row(first, rank, stride))
+        if first >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
         source = load_b32(local + buf.mirror + first_row * 4)
-        first = self.row_pieces(out + first_row * (2 * latent), tid)
+        pieces = self.row_pieces(out + first_row * (2 * latent), tid)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)
@@ -196,12 +199,12 @@ class Combine:
             if cta < tokens:
                 self.token_mask(ids, cta, lane, shared_mask)
 
-        # ---- Phase 2: send every valid receive row of another rank (the r-th for r = c, c + G, ...) to its source's
+        # ---- Phase 2: send every valid receive row of another rank (the r-th for r = G - 1 - c, then + G) to its source's
         # slot [token, rank] as wide LL words. The source word is CTA-uniform (every thread loads it), so the warps
         # stay converged.
-        if cta < peer_rows:
-            self.send_row(table, buf, source, first, epoch, rank, tid)
-        r = cta + grid
+        if first < peer_rows:
+            self.send_row(table, buf, source, pieces, epoch, rank, tid)
+        r = first + grid
         while r < peer_rows:
             row = Int64(peer_row(r, rank, stride))
             source_q = load_b32(local + buf.mirror + row * 4)

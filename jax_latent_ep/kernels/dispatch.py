@@ -414,7 +414,9 @@ class Dispatch:
             has_meta = Uint32(1)
             meta_col = Int64(tid)
         peer_rows = Int32(ranks - 1) * stride  # the rows of the other ranks: (N - 1) * S
-        r = cta
+        # The last CTAs take the first rows (r = G - 1 - c, then + G): with G >= (N - 1) S + T no CTA that stored a
+        # token also polls a row, so no poll waits behind its CTA's stores to peers.
+        r = grid - 1 - cta
         while r < peer_rows:
             q = peer_row(r, rank, stride)
             row = Int64(q)
@@ -472,9 +474,9 @@ class Dispatch:
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
             r += grid
             if cutlass.const_expr(TRACE):
-                # 5: CTA 0's first row (the first peer's token 0) copied.
-                if r == cta + grid:
-                    trace_stamp(ctrl, epoch, 5, globaltimer(), clock64(), traced)
+                # 5: CTA G - 1's first row (the first peer's token 0) copied.
+                if r == 2 * grid - 1 - cta and tid == 0 and cta == grid - 1:
+                    trace_stamp(ctrl, epoch, 5, globaltimer(), clock64(), Int32(1))
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_C, epoch, arrived, grid, tid)
