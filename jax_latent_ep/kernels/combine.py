@@ -175,9 +175,11 @@ class Combine:
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
-        # The last CTAs send the first rows (r = G - 1 - c, then + G), as in the dispatch's copy-out: with
-        # G >= (N - 1) S + T the CTAs that reduce tokens send nothing.
-        first = grid - 1 - cta
+        # CTA c sends the rows r = c, c + G, ...: the first CTAs to be scheduled send (inside a jitted program the
+        # last CTAs of a grid may wait for SMs that the expert stage still holds; the reduce waits for the sends
+        # anyway). 2 x H200, N = 2, T = 128 in jit: 13.7 us against 14.1-14.2 with the last CTAs sending
+        # (`benchmarks/results/raw/gpu_ab_59d664b`).
+        first = cta
         first_row = Int64(peer_row(first, rank, stride))
         if first >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
@@ -199,7 +201,7 @@ class Combine:
             if cta < tokens:
                 self.token_mask(ids, cta, lane, shared_mask)
 
-        # ---- Phase 2: send every valid receive row of another rank (the r-th for r = G - 1 - c, then + G) to its source's
+        # ---- Phase 2: send every valid receive row of another rank (the r-th for r = c, c + G, ...) to its source's
         # slot [token, rank] as wide LL words. The source word is CTA-uniform (every thread loads it), so the warps
         # stay converged.
         if first < peer_rows:
