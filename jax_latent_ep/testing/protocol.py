@@ -18,6 +18,11 @@
 #                               rank q // S, slot [q % S][r]
 #                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
 #
+# `own_rows="bypass"` (the kernels): rank r's own rows (q // S == r) and slots ([t][r]) have no words: the store
+# skips d == r, and the copy, send and slot steps of own rows are no-ops (the kernel writes the outputs from its
+# registers and reads its own partial from `out`); the kernels also walk only the other ranks' rows, which the
+# no-op steps stand for. `own_rows="buffer"`: the earlier kernels.
+#
 # Memory. Every store into a peer-written word (LL words, ready lines) is issued into a pending set and lands
 # later, at any moment, in any order with the other pending stores, except that the stores of one rank into
 # one word land in the order they were issued (coherence; every word has one writer). An LL store lands whole
@@ -110,6 +115,10 @@ class Config:
     route: tuple | str | None = None
     calls: tuple | None = None
     guard: str = "counter"
+    # "bypass" (the kernels since session 6): a rank's own receive rows and combine slots skip its buffer (the
+    # dispatch writes them into the outputs, the combine adds its own partial from `out`), so only words between
+    # two ranks exist; "buffer": the earlier kernels, own rows stored, polled and sent like the others.
+    own_rows: str = "bypass"
     # broken variants (docs/protocol.md)
     wait_ready: bool = True  # False: (a) dispatch stores without waiting for the ready lines
     ready_in: str = "combine"  # "dispatch": (b) ready[r] = e stored at the start of dispatch e
@@ -136,6 +145,7 @@ class Config:
         assert self.stride >= t and self.dispatch_grid >= t and self.combine_grid >= 1
         assert self.guard in GUARDS and self.ready_in in ("combine", "dispatch")
         assert self.send_source in ("mirror", "header")
+        assert self.own_rows in ("bypass", "buffer")
         assert len(self.calls) == self.ranks and all(set(c) <= {"D", "C"} for c in self.calls)
         if self.route != "any":
             assert len(self.route) >= self.layers
@@ -243,6 +253,7 @@ class Model:
         self.n, self.t, self.s, self.W = n, t, s, W
         self.ns = n * s
         self.any_route = cfg.route == "any"
+        self.bypass = cfg.own_rows == "bypass"
         self.masks = tuple(range(1, 1 << n))
         self.plans = [sequence(c) for c in cfg.calls]
         self.gmax = max(cfg.dispatch_grid, cfg.combine_grid)
@@ -282,7 +293,21 @@ class Model:
             assert len(cfg.route) >= self.layers
 
     def _slot_words(self, r, tok, mask):
-        return tuple(self.comb(r, tok, d, i) for d in range(self.n) if mask >> d & 1 for i in range(self.W))
+        return tuple(
+            self.comb(r, tok, d, i)
+            for d in range(self.n)
+            if mask >> d & 1 and not (self.bypass and d == r)
+            for i in range(self.W)
+        )
+
+    def _own(self, r, op) -> bool:
+        """`own_rows="bypass"`: the step `op` of rank `r` touches its own row or slot, which has no buffer word
+        (the step does nothing)."""
+        if not self.bypass:
+            return False
+        if op[0] in ("copy", "hdr", "data", "send"):
+            return op[1] // self.s == r
+        return op[0] == "slot" and op[2] == r
 
     # ------------------------------------------------------------------------------------------------------
     # addresses
@@ -421,6 +446,11 @@ class Model:
                         continue
                     layer = (word >> 8) - 1
                     e = self.epoch(layer)
+                    if self._own(r, op):  # touches nothing: enabled at once
+                        if good and self.eager:
+                            return [step + ((),)]
+                        out.append(step + ((),))
+                        continue
                     if name == "store":
                         landed = ()
                         if cfg.wait_ready:
@@ -689,12 +719,17 @@ class Model:
                     else:
                         dests = self.route(w, r, layer, j)
                 for d in range(n):
+                    if self.bypass and d == r:
+                        continue  # the own row goes straight into the outputs
                     if dests >> d & 1:
                         for i in range(self.W):
                             new.extend(self._ll_stores(self.data(d, q, i), layer, 0))
                         new.extend(self._ll_stores(self.hdr(d, q), layer, 1))
                     else:
                         new.extend(self._ll_stores(self.hdr(d, q), layer, 0))
+        elif self._own(r, (op,) + step[4:]):
+            if op == "hdr":
+                pc += self.W  # and its data polls
         elif op in ("copy", "hdr", "data"):
             q = step[4]
             if op == "data":
@@ -750,7 +785,7 @@ class Model:
         # skip the slot polls of ranks outside the token's destination set
         prog = self.programs[kind][c]
         while pc < len(prog) and prog[pc][0] == "slot":
-            if self.route(w, r, layer, prog[pc][1]) >> prog[pc][2] & 1:
+            if self.route(w, r, layer, prog[pc][1]) >> prog[pc][2] & 1 and not self._own(r, prog[pc]):
                 break
             pc += 1
         w[at] = pc | (layer + 1) << 8
