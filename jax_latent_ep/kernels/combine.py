@@ -1,14 +1,14 @@
-"""EpCombine: send every received row's BF16 expert output back, as wide LL words, to its source's combine slot; then
-reduce own tokens, polling each partial until it carries this layer's epoch: FP32 sum of the partials in
-ascending rank order over the token's destination set, rounded once to BF16 (the routed latent), optionally
-vLLM's RMSNorm of it.
+"""EpCombine: send every row received from another rank, its BF16 expert output, back as wide LL words to its
+source's combine slot; then reduce own tokens, polling each peer's partial until it carries this layer's epoch
+(this rank's own partial is its own row of `out`): FP32 sum of the partials in ascending rank order over the
+token's destination set, rounded once to BF16 (the routed latent), optionally vLLM's RMSNorm of it.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): out, ids, norm_weight, result, peers, status (i64 addresses),
 timeout_ns (i64), eps (f32), rank, tokens, max_tokens, apply_norm (i32).
-Grid: G >= 1 CTAs; rows q = c, c + G, ... are sent; own tokens t = c, c + G, ... < T are reduced.
-Block: L // 16 threads.
+Grid: G >= 1 CTAs; the other ranks' rows r = c, c + G, ... < (N - 1) * S are sent; own tokens t = c, c + G, ...
+< T are reduced. Block: L // 16 threads.
 """
 
 from __future__ import annotations

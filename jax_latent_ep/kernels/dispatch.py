@@ -1,13 +1,15 @@
 """EpDispatch: MXFP8-quantize this rank's tokens and store them (the data stream as wide LL words, ids and weights
-as LL words) into their receive rows on every destination rank (a header word on every rank, -1 where the token does not go); then copy this rank's receive
-rows into XLA's output arrays, polling each word until it carries this layer's epoch.
+as LL words) into their receive rows on every destination peer (a header word on every peer, -1 where the token
+does not go) and, for this rank's own row, straight into XLA's outputs; then copy the peers' rows into XLA's
+output arrays, polling each word until it carries this layer's epoch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): x, ids, weights, peers, recv_x, recv_sf, recv_ids,
 recv_weights, recv_src, status (i64 addresses), timeout_ns (i64), rank, tokens, max_tokens (i32).
 Grid: G >= T CTAs (a run-time choice); CTA c < S stores source rows j = c, c + G, ... < S (token j if j < T,
-else an empty header); every CTA copies receive rows q = c, c + G, ... < N * S out. Block: L // 16 threads.
+else an empty row); the (N - 1) * S rows of the other ranks are copied out, the r-th by CTA (G - 1 - r) mod G.
+Block: L // 16 threads.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def block_threads(shape: LatentMoEShape) -> int:
     return shape.latent // 16
 
 
-#: Registers per thread the kernels are held to (ptxas `.minnctapersm`, see `min_ctas_per_sm`). At 48 (40 used)
+#: Registers per thread the occupancy bound is computed for (ptxas `.minnctapersm`, see `min_ctas_per_sm`; ptxas may
+#: use up to 65536 // (4 * 224) = 72 for Kimi K3, and the kernels with own-row bypass use 66-72). At 48 (40 used)
 #: both kernels spilled 40-56 bytes to local memory; at 64 neither spills (58 / 66 used) and a jitted layer at
 #: N = 2 measured 6.5 / 7.2 / 10.8 / 17.1 us at T = 1 / 8 / 32 / 128 against 8.2 / 8.6 / 11.5 / 17.9 in the
 #: same run (`benchmarks/results/raw/gpu_iter_839d6f7_r64`). The price: fewer co-resident CTAs (4 per SM for

@@ -664,8 +664,8 @@ def _graph_time(system: System, body, graph_layers, replays):
 #: Stamps of a trace build, by index (CTA 0, thread 0 unless said).
 TRACE_STAMPS = {
     0: "dispatch entry", 1: "dispatch griddepcontrol.wait returned", 2: "dispatch inputs, ready wait, mask done",
-    3: "dispatch token 0 stored (issued)", 4: "dispatch launch_dependents", 5: "dispatch first peer row copied out (CTA G - 1)",
-    6: "dispatch end", 7: "(unused)",
+    3: "dispatch token 0 stored (issued)", 4: "dispatch launch_dependents",
+    5: "dispatch first peer row copied out (CTA G - 1)", 6: "dispatch end",
     8: "combine entry", 9: "combine griddepcontrol.wait returned", 10: "combine sends issued",
     11: "combine launch_dependents", 12: "combine token 0 partials arrived", 13: "combine token 0 stored",
     14: "combine end",
@@ -684,7 +684,7 @@ def trace_report(system: System):
         lines.append(f"  rank {r.rank} (timer ns from dispatch entry; cycles from the kernel's entry):")
         for i, name in TRACE_STAMPS.items():
             base = 0 if i < 8 else 8
-            cyc = cycles[:, i] - cycles[:, base] if i not in (5, 7) else np.zeros(len(cycles), np.int64)  # 5: another CTA's clock
+            cyc = cycles[:, i] - cycles[:, base] if i != 5 else np.zeros(len(cycles), np.int64)  # 5: another CTA's clock
             lines.append(f"    {i:2d} {name:<58s} {np.median(rel[:, i]):8.0f} ns  {np.median(cyc):8.0f} cyc")
         gaps = {
             "combine wait returned - dispatch end": timer[:, 9] - timer[:, 6],
