@@ -359,6 +359,13 @@ class Dispatch:
                     if tid < topk:
                         store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
                         store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
+            # Headers: lane d tells peer d whether the row holds the token (its source word) or nothing (-1); issued
+            # before the own row's stores, as the peers' copy-out waits for them.
+            if warp == 0 and lane < ranks and lane != rank:
+                header = Uint32(EMPTY)
+                if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
+                    header = source_word
+                store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
             # This rank's own receive row of the token goes straight into XLA's outputs from the registers (no
             # buffer word, no poll): the MXFP8 bytes, the scales, ids, weights and source; the constants of an empty
             # row if the token has no expert here.
@@ -372,12 +379,6 @@ class Dispatch:
             else:
                 self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
                                     recv_src, local + buf.mirror)
-            # Headers: lane d tells peer d whether the row holds the token (its source word) or nothing (-1).
-            if warp == 0 and lane < ranks and lane != rank:
-                header = Uint32(EMPTY)
-                if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
-                    header = source_word
-                store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
         # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every peer, the constants of
