@@ -54,12 +54,14 @@ from jax_latent_ep.layout import stride
 from jax_latent_ep.symmetric import SymmetricBuffers, _distributed_client, publish_failure
 from jax_latent_ep.types import Received
 
-#: Default dispatch grid: at least one CTA per token, at least min(N*S, 256) CTAs to copy receive rows out (a
-#: CTA polls its rows one after another: one row each up to N * S = 256). 256 against 128 at N = 2, buffer of
-#: 128 tokens (2 x H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`): 7.26 / 7.65 / 8.62 / 14.84 us against
-#: 7.62 / 7.93 / 9.05 / 15.03 at T = 1 / 5 / 32 / 128.
+#: Default dispatch grid: at least one CTA per token, at least min(N*S, 256) CTAs (a CTA polls its rows one after
+#: another). The copy-out walks the other ranks' (N - 1) * S rows from the last CTA down, so with N * S >= (N - 1)
+#: * S + T CTAs no CTA that stores a token also polls a row. 256 against 128 at N = 2, buffer of 128 tokens (2 x
+#: H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`, before the own-row bypass): 7.26 / 7.65 / 8.62 / 14.84 us
+#: against 7.62 / 7.93 / 9.05 / 15.03 at T = 1 / 5 / 32 / 128.
 DISPATCH_MIN_CTAS = 256
-#: Default combine grid: at least one CTA per own token, at least min(N*S, 256) CTAs to send receive rows.
+#: Default combine grid: at least one CTA per own token, at least min(N*S, 256) CTAs (the first (N - 1) * S send
+#: the other ranks' rows, one each).
 COMBINE_MIN_CTAS = 256
 
 _instances = itertools.count(1)

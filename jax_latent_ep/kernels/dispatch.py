@@ -480,7 +480,7 @@ class Dispatch:
             r += grid
             if cutlass.const_expr(TRACE):
                 # 5: CTA G - 1's first row (the first peer's token 0) copied.
-                if r == 2 * grid - 1 - cta and tid == 0 and cta == grid - 1:
+                if r == grid and tid == 0 and cta == grid - 1:  # CTA G - 1 starts at r = 0
                     trace_stamp(ctrl, epoch, 5, globaltimer(), clock64(), Int32(1))
 
         # ---- End: the layer is dispatched; the last CTA hands its epoch to the combine (EPOCH_C).

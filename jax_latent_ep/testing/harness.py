@@ -684,7 +684,8 @@ def trace_report(system: System):
         lines.append(f"  rank {r.rank} (timer ns from dispatch entry; cycles from the kernel's entry):")
         for i, name in TRACE_STAMPS.items():
             base = 0 if i < 8 else 8
-            cyc = cycles[:, i] - cycles[:, base] if i != 5 else np.zeros(len(cycles), np.int64)  # 5: another CTA's clock
+            # stamp 5 is another CTA's (another SM's clock)
+            cyc = cycles[:, i] - cycles[:, base] if i != 5 else np.zeros(len(cycles), np.int64)
             lines.append(f"    {i:2d} {name:<58s} {np.median(rel[:, i]):8.0f} ns  {np.median(cyc):8.0f} cyc")
         gaps = {
             "combine wait returned - dispatch end": timer[:, 9] - timer[:, 6],
