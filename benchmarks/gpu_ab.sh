@@ -5,14 +5,22 @@
 # OLD (and MID, if set): an older tree with its own cubins and FFI library in OLD/jax_latent_ep/_artifacts (a
 # different buffer layout needs its own Python package, so it runs from its own directory). Also a correctness
 # stage (check: the harness on this tree's kernels). Summary in $OUT/summary.txt.
-#   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> [MID_COMMIT=<sha> MID=<dir>] OUT=<dir>
+# EXTRA="name=dir ...": more trees of this commit (build variants, e.g. other build-time settings), each run like
+# OLD under its own name (a name must not start with old, mid or new).
+#   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> [MID_COMMIT=<sha> MID=<dir>] [EXTRA="name=dir ..."] OUT=<dir>
 #   [STAGES="floor check latency jit bench"] bash benchmarks/gpu_ab.sh
 source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-floor latency jit bench}"
 NEW=$PWD
-SIDES="old ${MID:+mid} new"
-side_dir() { case $1 in old*) echo $OLD;; mid*) echo $MID;; *) echo $NEW;; esac; }
-side_commit() { case $1 in old*) echo ${OLD_COMMIT:-unknown};; mid*) echo ${MID_COMMIT:-unknown};; *) echo ${GIT_COMMIT:-unknown};; esac; }
+EXTRA="${EXTRA:-}"
+SIDES="${OLD:+old} ${MID:+mid} $(for e in $EXTRA; do printf '%s ' ${e%%=*}; done)new"
+extra_dir() {  # extra_dir SIDE: the directory of an EXTRA side (SIDE may carry a suffix, e.g. -again), else empty
+  local e; for e in $EXTRA; do [[ $1 == ${e%%=*}* ]] && { echo ${e#*=}; return; }; done
+}
+side_dir() { case $1 in old*) echo $OLD;; mid*) echo $MID;; new*) echo $NEW;; *) extra_dir $1;; esac; }
+side_commit() {
+  case $1 in old*) echo ${OLD_COMMIT:-unknown};; mid*) echo ${MID_COMMIT:-unknown};; *) echo ${GIT_COMMIT:-unknown};; esac
+}
 run_in() {  # run_in DIR COMMIT command...: the command in DIR with that tree's package
   local dir=$1 commit=$2; shift 2
   (cd $dir && PYTHONPATH=$dir "$@" --commit $commit)
