@@ -30,7 +30,6 @@ from jax_latent_ep.kernels.common import (
     load_peer_table,
     peer_of,
     peer_row,
-    poll_backoff,
     poll_expired,
     trace_stamp,
 )
@@ -288,7 +287,6 @@ class Combine:
                             polls = polls + Uint32(1)
                             if poll_expired(start, polls, timeout_ns) != Uint32(0):
                                 fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
-                            poll_backoff(polls)
             if cutlass.const_expr(TRACE):
                 if t == cta:
                     trace_stamp(ctrl, epoch, 12, globaltimer(), clock64(), traced)

@@ -27,7 +27,6 @@ from jax_latent_ep.kernels.memory import (
     fence_sc_sys,
     globaltimer,
     load_u64,
-    nanosleep,
     shfl_idx_u64,
     store_relaxed_sys,
     store_u64,
@@ -40,12 +39,6 @@ LINE = lay.LINE
 #: stamp `%globaltimer` and `%clock64` at their phase boundaries into the trace lines of the rank's control
 #: region (`layout.TRACE`, `layout.TRACE_LAYERS`), read by the harness's `--trace`.
 TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "1"
-#: Poll back-off (A/B builds; 0 = off, the shipped setting): after `POLL_FAST` unanswered polls of one row or slot,
-#: a polling thread sleeps `POLL_BACKOFF_NS` before each further poll, so that CTAs waiting long (large T) stop
-#: flooding L2 with poll loads while the peer's rows stream in (`JAX_LATENT_EP_POLL_FAST`,
-#: `JAX_LATENT_EP_POLL_BACKOFF_NS` while compiling).
-POLL_FAST = int(os.environ.get("JAX_LATENT_EP_POLL_FAST", "4"))
-POLL_BACKOFF_NS = int(os.environ.get("JAX_LATENT_EP_POLL_BACKOFF_NS", "0"))
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
 
@@ -131,15 +124,6 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
         if globaltimer() - start > timeout_ns:
             late = Uint32(1)
     return late
-
-
-@cute.jit
-def poll_backoff(polls: Uint32):
-    """Call after an unanswered poll (`polls` counts them): with `POLL_BACKOFF_NS > 0`, sleeps that long once more
-    than `POLL_FAST` polls went unanswered; otherwise emits nothing."""
-    if cutlass.const_expr(POLL_BACKOFF_NS > 0):
-        if polls > Uint32(POLL_FAST):
-            nanosleep(POLL_BACKOFF_NS)
 
 
 @cute.jit

@@ -31,7 +31,6 @@ from jax_latent_ep.kernels.common import (
     load_peer_table,
     peer_of,
     peer_row,
-    poll_backoff,
     poll_expired,
     reached,
     trace_stamp,
@@ -478,7 +477,6 @@ class Dispatch:
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
-                    poll_backoff(polls)
             r += grid
             if cutlass.const_expr(TRACE):
                 # 5: CTA G - 1's first row (the first peer's token 0) copied.

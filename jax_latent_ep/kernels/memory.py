@@ -206,13 +206,6 @@ def fence_sc_sys(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    """Always issues one `nanosleep.u32 ns` (`ns` a compile-time constant): the warp is descheduled for about `ns`
-    nanoseconds (PTX: somewhere in [0, 2 ns]); no memory operation is issued, none is ordered."""
-    _asm(None, [], f"nanosleep.u32 {int(ns)};", "", loc, ip)
-
-
-@dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """Always issues `trap`: the launch fails with an illegal-instruction error (the context is lost)."""
     _asm(None, [], "trap;", "~{memory}", loc, ip)
