@@ -29,6 +29,7 @@ however many of its ids live there.
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +193,8 @@ class ExpertParallel:
             backend = "xla"
         self.backend = backend
         self._closed = False
+        # The kind of the last call traced into each JAX trace (the pairing check, `_check_pairing`).
+        self._last_call = weakref.WeakKeyDictionary()
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -288,6 +291,7 @@ class ExpertParallel:
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
+        self._check_pairing("dispatch", x, ids, weights)
         return self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
@@ -314,7 +318,33 @@ class ExpertParallel:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
         if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
+        self._check_pairing("combine", out, ids)
         return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
+
+    def _check_pairing(self, where: str, *arrays):
+        """Calls traced into one function must alternate: dispatch, combine, dispatch, ... (the contract's
+        pairs; the NVLink kernels fail a second dispatch or combine at run time, error 3 / 4, and lose the CUDA
+        context). The first call of a trace may be either (a layer may be split over two traced functions).
+        Keyed by the JAX trace of the first traced argument; outside tracing nothing is checked."""
+        trace = next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
+        if trace is None:
+            return
+        try:
+            last = self._last_call.get(trace)
+        except TypeError:  # pragma: no cover - a JAX whose traces are not weakly referenceable
+            return
+        if last == where == "dispatch":
+            raise ValueError(
+                "ExpertParallel.dispatch: called again in this traced function before the combine of the previous "
+                "dispatch; each layer is one dispatch followed by its combine"
+            )
+        if last == where == "combine":
+            raise ValueError(
+                "ExpertParallel.combine: called again in this traced function without a dispatch since the last "
+                "combine; every combine needs its own dispatch (for both the routed latent and its RMSNorm, apply "
+                "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
+            )
+        self._last_call[trace] = where
 
     def _check_open(self):
         if self._closed:

@@ -72,10 +72,15 @@ w /= w.sum(-1, keepdims=True)
 shard = NamedSharding(mesh, P("ep"))
 xs, idss, ws = (jax.device_put(a, shard) for a in (x, ids, w))
 
-def dispatch_only(x, ids, w):
-    return ep.dispatch(x, ids, w)
+def one_layer(x, ids, w):
+    recv = ep.dispatch(x, ids, w)
+    # Every dispatch is followed by its combine (of a zero expert output here), so that the NVLink backend's
+    # buffers are ready for the next layer. XLA orders the calls by their data alone: the barrier makes the
+    # combine's input depend on the dispatch, and both results are returned (XLA drops a call whose result is unused).
+    recv, out = jax.lax.optimization_barrier((recv, jnp.zeros((N * S, KIMI_K3.latent), jnp.bfloat16)))
+    return recv, ep.combine(out, ids)
 
-recv = jax.jit(jax.shard_map(dispatch_only, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(xs, idss, ws)
+recv, _ = jax.jit(jax.shard_map(one_layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(xs, idss, ws)
 src = np.asarray(recv.src).reshape(N, N * S)
 img = np.where(src >= 0, src >> 16, -1)
 fig, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * N))
@@ -113,12 +118,18 @@ local = KIMI_K3.experts // N
 norm_w = (1 + 0.1 * rng.standard_normal(KIMI_K3.latent)).astype(jnp.bfloat16)
 
 def layer(ep_):
-    def f(x, ids, w, g):
-        r = ep_.dispatch(x, ids, w)
+    def expert(r):
         mine = (r.ids // local) == jax.lax.axis_index("ep")
         wsum = jnp.sum(jnp.where(mine, r.weights, 0.0), axis=-1)
-        out = (mxfp8_dequantize(r.x, r.sf) * wsum[:, None]).astype(jnp.bfloat16)
-        return ep_.combine(out, ids, None), ep_.combine(out, ids, g)
+        return (mxfp8_dequantize(r.x, r.sf) * wsum[:, None]).astype(jnp.bfloat16)
+
+    def f(x, ids, w, g):
+        # Each combine needs its own dispatch: the layer twice, without and with the RMSNorm. The barrier
+        # orders the second dispatch after the first combine (its input does not depend on it otherwise).
+        routed = ep_.combine(expert(ep_.dispatch(x, ids, w)), ids, None)
+        routed, x = jax.lax.optimization_barrier((routed, x))
+        normed = ep_.combine(expert(ep_.dispatch(x, ids, w)), ids, g)
+        return routed, normed
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep")))
 
 g = jax.device_put(norm_w, NamedSharding(mesh, P()))

@@ -234,6 +234,52 @@ def _consume_callback_error():
         pass
 
 
+def _expert(recv):
+    """A trivial expert stage over the received rows: their dequantized latent, which depends on the dispatch."""
+    return recv.x.astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (lambda ep, x, i, w: (ep.dispatch(x, i, w).src, ep.dispatch(x, i, w).src),
+         r"ExpertParallel.dispatch: called again in this traced function before the combine of the previous"),
+        (lambda ep, x, i, w: (lambda out: (ep.combine(out, i), ep.combine(out, i)))(_expert(ep.dispatch(x, i, w))),
+         r"ExpertParallel.combine: called again in this traced function without a dispatch since the last combine"),
+        # three layers in one function, every call alternating: accepted
+        (lambda ep, x, i, w: ep.combine(_expert(ep.dispatch(ep.combine(_expert(ep.dispatch(x, i, w)), i), i, w)), i)
+         + ep.combine(_expert(ep.dispatch(x, i, w)), i) * 0 + ep.combine(_expert(ep.dispatch(x, i, w)), i),
+         None),
+    ],
+    ids=["dispatch-twice", "combine-twice", "three-pairs"],
+)
+def test_calls_alternate_in_a_traced_function(body, message):
+    """Dispatch and combine traced into one function must alternate (the NVLink kernels would fail the second
+    call of a kind at run time and lose the CUDA context): refused at trace time, on every backend, naming it."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="xla")
+    x, ids, w = good_inputs()
+    if message is None:  # alternating calls are accepted
+        got = run(ep, lambda x, i, w: body(ep, x, i, w), x, ids, w)
+        assert np.asarray(got).shape == (N * T, SHAPE.latent)
+        return
+    with pytest.raises(ValueError, match=message):
+        run(ep, lambda x, i, w: body(ep, x, i, w), x, ids, w)
+
+
+def test_a_layer_may_span_two_traced_functions():
+    """The first call of a trace may be either kind: a dispatch in one jitted function and its combine in the
+    next are accepted, and give what one function gives."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="xla")
+    x, ids, w = good_inputs(seed=3)
+    recv = run(ep, lambda x, i, w: ep.dispatch(x, i, w), x, ids, w)
+    split = run(ep, lambda r, i: ep.combine(_expert(r), i), Received(*recv), ids)
+    whole = run(ep, lambda x, i, w: ep.combine(_expert(ep.dispatch(x, i, w)), i), x, ids, w)
+    np.testing.assert_array_equal(split.view(np.uint16), whole.view(np.uint16))
+    # Two traces of one function (a new shape retraces) start fresh.
+    x2, ids2, w2 = good_inputs(t=T - 1, seed=4)
+    run(ep, lambda x, i, w: ep.combine(_expert(ep.dispatch(x, i, w)), i), x2, ids2, w2)
+
+
 @pytest.mark.parametrize("repeat", range(3))
 def test_check_ids_names_the_call_that_got_the_bad_id(repeat):
     """Dispatch and combine take the same ids: the bad id is reported by dispatch, the first call given it."""
