@@ -5,7 +5,8 @@
 # FFI path; Nsight Compute (ncu) of both kernels at N = 1, T = 128, and a stress smoke run. CSVs and a summary
 # land in $OUT as each stage ends; logs in $OUT/logs.tar.gz.
 # Stage xlacb (not in the default list): the XLA variants at N = 2 with NCCL's collectives captured into XLA's
-# command buffers (COLLECTIVES) against the defaults, in one run, the NVLink backend beside them.
+# command buffers (COLLECTIVES) against the defaults, in one run, the NVLink backend beside them
+# ([XLACB_VARIANTS="default collectives-cmdbuf"] [XLACB_TOKENS=1,8,32,128]).
 #   GIT_COMMIT=<sha> OUT=<dir> [STAGES="record bench timeline tests sanitize ncu stress xlacb"] [BENCH_RANKS=2]
 #   [TESTS_TIMEOUT=300] [TEST_FILES="tests/..."] bash benchmarks/gpu_final.sh
 # (The harness runs, the 100,000-layer stress included, are in benchmarks/gpu_guard.sh.)
@@ -35,11 +36,11 @@ cp $W/bench.csv $OUT/bench.csv
 fi
 if has xlacb; then
 CB_ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES
-for v in default collectives-cmdbuf; do
+for v in ${XLACB_VARIANTS:-default collectives-cmdbuf}; do
   extra=""; [ $v = default ] || extra=" --xla_gpu_enable_command_buffer=$CB_ALL"
   log "bench N=2, XLA variants ($v)"
-  timeout 240 python3 benchmarks/bench.py all --backends xla,xla-allgather$([ $v = default ] && echo ,nvlink) \
-    --tokens 1,8,32,128 --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 \
+  timeout 300 python3 benchmarks/bench.py all --backends xla,xla-allgather$([ $v = default ] && echo ,nvlink) \
+    --tokens ${XLACB_TOKENS:-1,8,32,128} --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 \
     --xla-flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP$extra" --tag=-$v --out $OUT/bench_xlacb.csv 2>&1 \
     | grep -v "^\[" | tail -8
 done
