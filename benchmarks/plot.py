@@ -66,10 +66,19 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.8))
-    for name, pts in sorted(series.items()):
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, pts) in enumerate(sorted(series.items())):
         ts = sorted(pts)
-        style = "k--" if name.startswith("floor") else ("s:" if name.startswith("kernels") else "o-")
-        ax.plot(ts, [pts[t] for t in ts], style, label=name)
+        if name.startswith("floor"):
+            style, kw = "k--", {}
+        elif name.startswith("kernels"):
+            style, kw = "s:", {"color": "black"}
+        elif name.startswith("nvlink"):
+            style, kw = "o-", {"color": colors[(2 * i) % 20]}
+        else:  # the XLA variants; with NCCL's collectives in XLA's command buffers dotted
+            style = "^:" if "collectives-cmdbuf" in name else "v-."
+            kw = {"color": colors[(2 * i + 1) % 20], "alpha": 0.8}
+        ax.plot(ts, [pts[t] for t in ts], style, label=name, **kw)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank T")
