@@ -13,8 +13,8 @@ axis names and sizes) with it. JAX gives a `shard_map` body only that abstract m
 a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
 nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
 `shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
-Calls traced into one function run in the order they are made (with the nvlink backend each call's `ids` are tied
-to the previous call's result by an optimization barrier), and two of a kind in a row there raise ValueError at trace time.
+Calls traced into one function run in the order they are made (each call's first input is tied to the previous
+call's result by an optimization barrier), and two of a kind in a row there raise ValueError at trace time.
 
 Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
 its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
@@ -294,7 +294,7 @@ class ExpertParallel:
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
-        trace, ids = self._in_sequence("dispatch", ids, x, weights)
+        trace, x = self._in_sequence("dispatch", x, ids, weights)
         recv = self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
         self._called(trace, "dispatch", recv.src)
         return recv
@@ -323,7 +323,7 @@ class ExpertParallel:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
         if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
-        trace, ids = self._in_sequence("combine", ids, out)
+        trace, out = self._in_sequence("combine", out, ids)
         result = self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
         self._called(trace, "combine", result)
         return result
@@ -331,14 +331,11 @@ class ExpertParallel:
     def _in_sequence(self, where: str, first, *others):
         """Calls traced into one function run in the order they were made, and alternate.
 
-        `first` (the call's `ids`: small, so that no fusion of the large operands changes) comes back tied,
-        through `lax.optimization_barrier` (no copy, no kernel), to the result of the previous call traced into
-        the same function: XLA orders the calls by
+        `first` (dispatch's `x`, combine's `out`) comes back tied, through `lax.optimization_barrier` (no copy,
+        no kernel), to the result of the previous call traced into the same function: XLA orders the calls by
         their data alone, and two layers whose data do not connect (the same tokens dispatched twice, say) could
         otherwise run interleaved, which the NVLink kernels refuse at run time (error 3 / 4, the CUDA context
-        lost); only the NVLink backend is tied (the XLA backend is stateless, and the barrier would keep XLA from
-        sharing the routing arithmetic of equal ids between layers). Two dispatches or two combines in a row raise
-        ValueError here, on every backend. The first call of a trace may be
+        lost). Two dispatches or two combines in a row raise ValueError here. The first call of a trace may be
         either (a layer may span two traced functions). Returns `(trace, first)`; outside tracing `(None, first)`.
         """
         trace = next((getattr(a, "_trace", None) for a in (first, *others) if isinstance(a, jax.core.Tracer)), None)
@@ -358,8 +355,7 @@ class ExpertParallel:
                 "combine; every combine needs its own dispatch (for both the routed latent and its RMSNorm, apply "
                 "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
             )
-        if self.backend == "nvlink":  # stateless backends need no order (and XLA then shares work on equal ids)
-            first, _ = lax.optimization_barrier((first, last[2]))
+        first, _ = lax.optimization_barrier((first, last[2]))
         return trace, first
 
     def _called(self, trace, where: str, result):
