@@ -13,8 +13,6 @@ axis names and sizes) with it. JAX gives a `shard_map` body only that abstract m
 a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
 nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
 `shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
-Calls traced into one function run in the order they are made (each call's first input is tied to the previous
-call's result by an optimization barrier), and two of a kind in a row there raise ValueError at trace time.
 
 Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
 its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
@@ -195,9 +193,8 @@ class ExpertParallel:
             backend = "xla"
         self.backend = backend
         self._closed = False
-        # The last call traced (`_in_sequence`): (weak reference to its JAX trace, "dispatch" | "combine", an
-        # array of its result). One entry: it keeps at most one finished trace alive, until the next call or close().
-        self._last_call = None
+        # The kind of the last call traced into each JAX trace (the pairing check, `_check_pairing`).
+        self._last_call = weakref.WeakKeyDictionary()
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -294,10 +291,8 @@ class ExpertParallel:
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
-        trace, x = self._in_sequence("dispatch", x, ids, weights)
-        recv = self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
-        self._called(trace, "dispatch", recv.src)
-        return recv
+        self._check_pairing("dispatch", x, ids, weights)
+        return self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
         """Returns every own token's routed latent (FP32 sum over its ranks, one bf16 rounding), RMS-normed
@@ -323,48 +318,33 @@ class ExpertParallel:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
         if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
-        trace, out = self._in_sequence("combine", out, ids)
-        result = self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
-        self._called(trace, "combine", result)
-        return result
+        self._check_pairing("combine", out, ids)
+        return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
 
-    def _in_sequence(self, where: str, first, *others):
-        """Calls traced into one function run in the order they were made, and alternate.
-
-        `first` (dispatch's `x`, combine's `out`) comes back tied, through `lax.optimization_barrier` (no copy,
-        no kernel), to the result of the previous call traced into the same function: XLA orders the calls by
-        their data alone, and two layers whose data do not connect (the same tokens dispatched twice, say) could
-        otherwise run interleaved, which the NVLink kernels refuse at run time (error 3 / 4, the CUDA context
-        lost). Two dispatches or two combines in a row raise ValueError here. The first call of a trace may be
-        either (a layer may span two traced functions). Returns `(trace, first)`; outside tracing `(None, first)`.
-        """
-        trace = next((getattr(a, "_trace", None) for a in (first, *others) if isinstance(a, jax.core.Tracer)), None)
+    def _check_pairing(self, where: str, *arrays):
+        """Calls traced into one function must alternate: dispatch, combine, dispatch, ... (the contract's
+        pairs; the NVLink kernels fail a second dispatch or combine at run time, error 3 / 4, and lose the CUDA
+        context). The first call of a trace may be either (a layer may be split over two traced functions).
+        Keyed by the JAX trace of the first traced argument; outside tracing nothing is checked."""
+        trace = next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
         if trace is None:
-            return None, first
-        last = self._last_call
-        if last is None or last[0]() is not trace:
-            return trace, first
-        if last[1] == where == "dispatch":
+            return
+        try:
+            last = self._last_call.get(trace)
+        except TypeError:  # pragma: no cover - a JAX whose traces are not weakly referenceable
+            return
+        if last == where == "dispatch":
             raise ValueError(
                 "ExpertParallel.dispatch: called again in this traced function before the combine of the previous "
                 "dispatch; each layer is one dispatch followed by its combine"
             )
-        if last[1] == where == "combine":
+        if last == where == "combine":
             raise ValueError(
                 "ExpertParallel.combine: called again in this traced function without a dispatch since the last "
                 "combine; every combine needs its own dispatch (for both the routed latent and its RMSNorm, apply "
                 "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
             )
-        first, _ = lax.optimization_barrier((first, last[2]))
-        return trace, first
-
-    def _called(self, trace, where: str, result):
-        """Records a call traced into `trace` (see `_in_sequence`)."""
-        if trace is not None:
-            try:
-                self._last_call = (weakref.ref(trace), where, result)
-            except TypeError:  # pragma: no cover - a JAX whose traces are not weakly referenceable
-                self._last_call = None
+        self._last_call[trace] = where
 
     def _check_open(self):
         if self._closed:
@@ -386,7 +366,6 @@ class ExpertParallel:
         """
         if not self._closed:
             self._closed = True
-            self._last_call = None
             self._impl.close()
 
     def __enter__(self):

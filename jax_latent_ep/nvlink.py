@@ -16,12 +16,10 @@ dependencies, and here the model's data flow provides them: dispatch returns the
 `out` computed from them (so it follows its dispatch), and the next layer's dispatch takes tokens computed
 from the combine's result (so it follows the combine). The calls are declared free of side effects (so JAX
 keeps its fast dispatch path) and carry a unique `call` number (so XLA never merges two of them); a call
-whose results are unused is dropped. `ExpertParallel` ties the calls traced into one function into the order
-they were made (an optimization barrier on each call's first input, `api.ExpertParallel._in_sequence`); called
-directly, this class does not: a combine whose `out` does not depend on its dispatch's `Received`, or a dispatch
-whose `x` does not depend on the previous combine, may be reordered or dropped by XLA; the kernels' sequence
-guard then fails the call (error 3 or 4) or its peers time out. Layers in a Python loop or in `lax.scan`
-satisfy it naturally.
+whose results are unused is dropped. Keep that flow: a combine whose `out` does not depend on its dispatch's
+`Received`, or a dispatch whose `x` does not depend on the previous combine, may be reordered or dropped by
+XLA; the kernels' sequence guard then fails the call (error 3 or 4) or its peers time out. Layers in a Python
+loop or in `lax.scan` satisfy it naturally.
 
 Setup. The constructor allocates one symmetric buffer per rank (`jax_latent_ep.symmetric.SymmetricBuffers`;
 set `XLA_PYTHON_CLIENT_PREALLOCATE=false` before JAX starts), loads the kernels on every local device and

@@ -75,8 +75,10 @@ xs, idss, ws = (jax.device_put(a, shard) for a in (x, ids, w))
 def one_layer(x, ids, w):
     recv = ep.dispatch(x, ids, w)
     # Every dispatch is followed by its combine (of a zero expert output here), so that the NVLink backend's
-    # buffers are ready for the next layer; both results are returned (XLA drops a call whose result is unused).
-    return recv, ep.combine(jnp.zeros((N * S, KIMI_K3.latent), jnp.bfloat16), ids)
+    # buffers are ready for the next layer. XLA orders the calls by their data alone: the barrier makes the
+    # combine's input depend on the dispatch, and both results are returned (XLA drops a call whose result is unused).
+    recv, out = jax.lax.optimization_barrier((recv, jnp.zeros((N * S, KIMI_K3.latent), jnp.bfloat16)))
+    return recv, ep.combine(out, ids)
 
 recv, _ = jax.jit(jax.shard_map(one_layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(xs, idss, ws)
 src = np.asarray(recv.src).reshape(N, N * S)
@@ -122,9 +124,10 @@ def layer(ep_):
         return (mxfp8_dequantize(r.x, r.sf) * wsum[:, None]).astype(jnp.bfloat16)
 
     def f(x, ids, w, g):
-        # Each combine needs its own dispatch: the layer twice, without and with the RMSNorm (the calls run in
-        # the order they are made).
+        # Each combine needs its own dispatch: the layer twice, without and with the RMSNorm. The barrier
+        # orders the second dispatch after the first combine (its input does not depend on it otherwise).
         routed = ep_.combine(expert(ep_.dispatch(x, ids, w)), ids, None)
+        routed, x = jax.lax.optimization_barrier((routed, x))
         normed = ep_.combine(expert(ep_.dispatch(x, ids, w)), ids, g)
         return routed, normed
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep")))

@@ -266,62 +266,6 @@ def test_calls_alternate_in_a_traced_function(body, message):
         run(ep, lambda x, i, w: body(ep, x, i, w), x, ids, w)
 
 
-class _MarkedImpl:
-    """A stand-in backend whose dispatch applies `cos` to `x` and whose combine applies `sin` to its result, so
-    that each call can be found in a jaxpr."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def dispatch(self, x, ids, weights):
-        t = x.shape[0]
-        src = jnp.zeros((self.rows,), jnp.int32) + jnp.cos(x[0, 0]).astype(jnp.int32)
-        rows = jnp.zeros((self.rows, x.shape[1]), jnp.bfloat16)
-        return Received(rows, rows[:, :2], jnp.zeros((self.rows, ids.shape[1]), jnp.int32),
-                        jnp.zeros((self.rows, ids.shape[1]), jnp.float32), src + t)
-
-    def combine(self, out, ids, norm_weight, eps):
-        return jnp.sin(out[: ids.shape[0]])
-
-    def close(self):
-        pass
-
-
-def test_calls_run_in_the_order_made():
-    """Two layers whose data do not connect (the same tokens dispatched twice): the second dispatch's input is
-    computed from the first combine's result (an optimization barrier), so XLA cannot run it first."""
-    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="xla")
-    ep._impl = _MarkedImpl(ep.rows)
-    x, ids, w = good_inputs()
-
-    def two_layers(x, i, w):
-        first = ep.combine(_expert(ep.dispatch(x, i, w)), i)
-        second = ep.combine(_expert(ep.dispatch(x, i, w)), i)  # x again: no data path from `first`
-        return first + second
-
-    mesh = ep.mesh
-    f = jax.shard_map(two_layers, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"))
-    placed = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w)]
-    outer = jax.make_jaxpr(f)(*placed).jaxpr
-    body = next(e.params["jaxpr"] for e in outer.eqns if e.primitive.name == "shard_map")
-    body = getattr(body, "jaxpr", body)
-    sins, tainted = 0, set()  # tainted: variables computed from the first combine's result
-    uses = []  # per cos (dispatch): whether its input derives from the first combine
-    for eqn in body.eqns:
-        derived = any(not hasattr(v, "val") and v in tainted for v in eqn.invars)
-        if eqn.primitive.name == "cos":
-            uses.append(derived)
-        if eqn.primitive.name == "sin":
-            sins += 1
-            if sins == 1:
-                tainted.update(eqn.outvars)
-                continue
-        if derived:
-            tainted.update(eqn.outvars)
-    assert uses == [False, True], uses
-    assert any(e.primitive.name == "optimization_barrier" for e in body.eqns)
-
-
 def test_a_layer_may_span_two_traced_functions():
     """The first call of a trace may be either kind: a dispatch in one jitted function and its combine in the
     next are accepted, and give what one function gives."""
