@@ -18,7 +18,9 @@ Rows go to the CSV (`date,device,commit,backend,ranks,tokens,metric,value`, metr
 and `enqueue_us_per_layer`: the host's time to enqueue the sample's programs, per layer (when it is as large as
 `layer_us_median`, the host is the bottleneck).
 
-`python benchmarks/bench.py worker ...` is one process's share (the `all` command spawns them).
+`python benchmarks/bench.py worker ...` is one process's share (the `all` command spawns them);
+`python benchmarks/bench.py table CSV [--exclude NAME]` prints a CSV's table again, with the best XLA variant per T
+and each NVLink backend's speed-up over it.
 """
 
 from __future__ import annotations
@@ -307,9 +309,30 @@ def _print_table(rows):
             continue
         by.setdefault((backend, ranks), {})[int(tokens)] = float(value)
     tokens = sorted({int(r[5]) for r in rows})
-    print("backend".ljust(22) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
+    width = max([22] + [len(b) + 2 for b, _ in by] + [len(b) + 14 for b, _ in by if b.startswith("nvlink")])
+    print("backend".ljust(width) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
     for (backend, ranks), vals in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(backend.ljust(22) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.1f}" for t in tokens))
+        print(backend.ljust(width) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.1f}" for t in tokens))
+    for line in _speedups(by, tokens, width):
+        print(line)
+
+
+def _speedups(by, tokens, width=22):
+    """Lines of the best XLA variant per T (any `xla*` backend of the run, either process mode) and of each NVLink
+    backend's speed-up over it, per rank count."""
+    lines = []
+    for ranks in sorted({r for _, r in by}):
+        xla = [v for (b, r), v in by.items() if r == ranks and b.startswith("xla")]
+        if not xla:
+            continue
+        best = {t: min(v[t] for v in xla if t in v) for t in tokens if any(t in v for v in xla)}
+        lines.append("best xla".ljust(width) + f"{ranks} "
+                     + "".join(f"{best.get(t, float('nan')):9.1f}" for t in tokens))
+        for (b, r), v in sorted(by.items()):
+            if r == ranks and b.startswith("nvlink"):
+                lines.append(f"speed-up of {b}".ljust(width) + f"{ranks} " + "".join(
+                    f"{best[t] / v[t]:8.1f}x" if t in v and t in best else f"{'nan':>9}" for t in tokens))
+    return lines
 
 
 def main():
@@ -332,6 +355,9 @@ def main():
                                     help="leave XLA's command-buffer settings at their defaults")
     sub.choices["all"].add_argument("--xla-flags", default="", help="more XLA_FLAGS for every worker")
     sub.choices["all"].add_argument("--tag", default="", help="appended to every backend name in the CSV")
+    t = sub.add_parser("table", help="print the table (and the speed-ups) of a CSV written by `all`")
+    t.add_argument("csv")
+    t.add_argument("--exclude", default="", help="leave out backends whose name contains this")
     w = sub.choices["worker"]
     w.add_argument("--ranks", type=int, required=True)
     w.add_argument("--num-processes", type=int, default=1)
@@ -340,6 +366,13 @@ def main():
     args = parser.parse_args()
     if args.cmd == "worker":
         worker(args)
+    elif args.cmd == "table":
+        import csv
+
+        with open(args.csv) as f:
+            rows = [tuple(r[k] for k in ("date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"))
+                    for r in csv.DictReader(f) if not (args.exclude and args.exclude in r["backend"])]
+        _print_table(rows)
     else:
         run_all(args)
 
