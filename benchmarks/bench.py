@@ -309,7 +309,7 @@ def _print_table(rows):
             continue
         by.setdefault((backend, ranks), {})[int(tokens)] = float(value)
     tokens = sorted({int(r[5]) for r in rows})
-    width = max([22] + [len(b) + 2 for b, _ in by] + [len(b) + 14 for b, _ in by if b.startswith("nvlink")])
+    width = _name_width(by)
     print("backend".ljust(width) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
     for (backend, ranks), vals in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(backend.ljust(width) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.1f}" for t in tokens))
@@ -317,9 +317,15 @@ def _print_table(rows):
         print(line)
 
 
-def _speedups(by, tokens, width=22):
+def _name_width(by):
+    """The name column's width for the backends of `by` and their speed-up lines."""
+    return max([22] + [len(b) + 2 for b, _ in by] + [len(b) + 14 for b, _ in by if b.startswith("nvlink")])
+
+
+def _speedups(by, tokens, width=None):
     """Lines of the best XLA variant per T (any `xla*` backend of the run, either process mode) and of each NVLink
-    backend's speed-up over it, per rank count."""
+    backend's speed-up over it, per rank count. `by`: {(backend, ranks): {T: us}}."""
+    width = width or _name_width(by)
     lines = []
     for ranks in sorted({r for _, r in by}):
         xla = [v for (b, r), v in by.items() if r == ranks and b.startswith("xla")]
