@@ -1,9 +1,10 @@
 """Demo: a few decode steps of a small latent MoE over every available device, checked against one device.
 
     python -m jax_latent_ep.demo [--backend auto|xla|nvlink] [--layers 4] [--steps 3] [--tokens 4]
-                                 [--shape small|kimi]
+                                 [--shape auto|small|kimi]
 
-Without a GPU it runs on 8 virtual CPU devices (the flag is set before JAX is imported). It prints the
+Without a GPU it runs on 8 virtual CPU devices (the flag is set before JAX is imported) with a small shape;
+on GPUs with Kimi K3's latent shape, for which the NVLink kernels are built (`--shape auto`). It prints the
 backend that ran, the time per layer, and how far the expert-parallel result is from the same model
 computed on one device without collectives (exit status 1 if it is not close).
 """
@@ -25,7 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="decode steps (each feeds its output to the next)")
     parser.add_argument("--tokens", type=int, default=4, help="tokens per rank per step (T = max_tokens)")
-    parser.add_argument("--shape", default="small", choices=["small", "kimi"])
+    parser.add_argument("--shape", default="auto", choices=["auto", "small", "kimi"],
+                        help="auto: kimi on GPUs (the NVLink kernels are built for it), small elsewhere")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=32)
     args = parser.parse_args(argv)
@@ -37,9 +39,10 @@ def main(argv=None) -> int:
 
     from jax_latent_ep import KIMI_K3, ExpertParallel, moe
 
-    shape = KIMI_K3 if args.shape == "kimi" else moe.SMALL
-    cfg = moe.MoEConfig(shape=shape, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    kimi = args.shape == "kimi" or (args.shape == "auto" and bool(gpus))
+    shape = KIMI_K3 if kimi else moe.SMALL
+    cfg = moe.MoEConfig(shape=shape, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)
     devices = gpus or jax.devices("cpu")
     n = max(c for c in range(1, min(len(devices), 32) + 1) if shape.experts % c == 0)
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])

@@ -240,13 +240,23 @@ def find_kernel(kernel: str, ranks: int, shape, arch: str) -> KernelImage:
                 _field(v, "smem", "shared_bytes", default=0),
                 str(cubin_path),
             )
-    listing = "; ".join(
-        f"{h['kernel']} N={h['ranks']} L={h['latent']} E={h['experts']} K={h['topk']} {h['arch']}" for h in have
-    )
     raise LookupError(
         f"no compiled {kernel} kernel for N={ranks}, shape={shape}, arch={arch} in {directory}/manifest.json "
-        f"(it has: {listing or 'nothing'}). Rebuild the artifacts with that variant (python -m jax_latent_ep.build)."
+        f"(it has {_listing(have, kernel)}). Rebuild the artifacts with that variant (python -m jax_latent_ep.build)."
     )
+
+
+def _listing(have, kernel: str) -> str:
+    """What a manifest holds of `kernel`, one entry per shape and arch with its rank counts: "L=3584 E=896 K=16
+    sm_90a at N=1,2,4; ..." (or "nothing")."""
+    by = {}
+    for h in have:
+        if h["kernel"] == kernel:
+            by.setdefault((h["latent"], h["experts"], h["topk"], h["arch"]), set()).add(h["ranks"])
+    return "; ".join(
+        f"L={lat} E={e} K={k} {arch} at N={','.join(str(n) for n in sorted(ns, key=lambda n: (str(type(n)), n)))}"
+        for (lat, e, k, arch), ns in sorted(by.items(), key=str)
+    ) or "nothing"
 
 
 def register_rank(instance: int, ordinal: int, rank: int, ranks: int, max_tokens: int, shape, peers: int,

@@ -43,3 +43,22 @@ def test_demo_runs():
     from jax_latent_ep import demo
 
     assert demo.main(["--layers", "2", "--steps", "2", "--tokens", "3"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_demo_on_gpus_runs_the_nvlink_backend():
+    """The quick start's main job on GPUs: Kimi K3's shape, the NVLink backend chosen by `auto`, the result
+    matching the single-device model (a fresh process: the suite's virtual CPU devices are not its business)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    run = subprocess.run([sys.executable, "-m", "jax_latent_ep.demo", "--layers", "2", "--steps", "2", "--tokens", "4"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "backend: nvlink" in run.stdout and "L=3584 E=896 K=16" in run.stdout, run.stdout[-3000:]
+    assert "OK: matches the single-device model" in run.stdout, run.stdout[-3000:]
