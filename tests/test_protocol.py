@@ -322,3 +322,59 @@ def test_grid_larger_than_residency_deadlocks():
     result = P.explore(_config(2, 2, 2, 3, 1, resident=1))
     assert P.DEADLOCK in result.violations, _describe(result)
     assert P.explore(_config(2, 2, 2, 3, 1, resident=2)).ok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Narrow epochs (a design study for fewer bytes per wide word, docs/open_work.md): a data or comb word that
+# carries only `epochs` epoch values repeats them, so a word not written for a while looks fresh to a later
+# reader; the reader setting the epoch to 0 once it has read the word (`invalidate`) must close that, down to a
+# single value (a full / empty flag).
+
+NARROW = [(2, 1, 1, 1, 1), (2, 1, 2, 3, 2), (2, 2, 2, 2, 2), (3, 1, 1, 2, 1), (3, 2, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", NARROW)
+def test_narrow_epochs_without_invalidation_read_stale_words(ranks, tokens, stride, dgrid, cgrid):
+    for epochs in (1, 2):
+        config = _config(ranks, tokens, stride, dgrid, cgrid, layers=4, words=1, epochs=epochs)
+        result = P.explore(config, stop_at=lambda r: P.STALE_READ in r.violations)
+        assert P.STALE_READ in result.violations, (epochs, _describe(result))
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", NARROW)
+@pytest.mark.parametrize("epochs", [1, 2, 3])
+def test_narrow_epochs_with_invalidation(ranks, tokens, stride, dgrid, cgrid, epochs):
+    """Every reachable state over four layers: no violation, and as many states and finished runs as with an
+    epoch per layer (the invalidation changes what the words hold, not what can happen)."""
+    wide = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, layers=4, words=1))
+    narrow = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, layers=4, words=1, epochs=epochs,
+                               invalidate=True))
+    assert narrow.complete and narrow.ok, _describe(narrow)
+    assert (narrow.states, narrow.finished) == (wide.states, wide.finished)
+
+
+def test_narrow_epochs_with_invalidation_every_route_and_buffer_rows():
+    """Every routing at N = 2 (bounded), the earlier own-rows-in-the-buffer design, and random schedules at N = 4:
+    no violation; without invalidation the same searches find the stale read."""
+    rng = random.Random(11)
+    configs = [
+        P.Config(ranks=2, tokens=1, layers=4, words=1, route="any"),
+        P.Config(ranks=2, tokens=1, layers=4, words=2, own_rows="buffer"),
+    ]
+    for config in configs:
+        fixed = P.explore(P.Config(**{**config.__dict__, "epochs": 1, "invalidate": True}), max_states=60000)
+        assert fixed.ok, _describe(fixed)
+        broken = P.explore(P.Config(**{**config.__dict__, "epochs": 1}), max_states=60000,
+                           stop_at=lambda r: P.STALE_READ in r.violations)
+        assert P.STALE_READ in broken.violations, _describe(broken)
+    route = P.random_route(rng, 4, 2, 4)
+    fixed = P.random_runs(P.Config(ranks=4, tokens=2, layers=4, words=1, route=route, epochs=1, invalidate=True),
+                          runs=20, seed=3)
+    assert fixed.ok and fixed.finished == 20, _describe(fixed)
+
+
+def test_invalidation_does_not_hide_a_broken_variant():
+    """The next dispatch starting before the combine finished (variant f) is still caught."""
+    config = P.Config(ranks=2, tokens=1, layers=3, words=1, stream_order=False, epochs=1, invalidate=True)
+    result = P.explore(config)
+    assert P.OVERWRITE_UNREAD in result.violations, _describe(result)

@@ -126,6 +126,11 @@ class Config:
     advance_epoch: bool = True  # False: (d) every layer writes and expects epoch 1
     ll_atomic: bool = True  # False: (e) an LL word is two 4-byte stores (payload, epoch) landing in any order
     stream_order: bool = True  # False: (f) the next dispatch may start once the combine started
+    # narrow epochs (a design study: docs/open_work.md): `epochs` = k gives a receive row's data words and a
+    # combine slot's words k epoch values, 1 + layer % k (0: never written), instead of one per layer (headers and
+    # ready lines keep theirs); `invalidate`: the reader of such a word sets its epoch to 0 once it has read it.
+    epochs: int | None = None
+    invalidate: bool = False
     # exploration
     atomic_reads: bool = True  # False: every polled word is its own step
     resident: int | None = None  # at most this many CTAs of a kernel run at once (None: the whole grid)
@@ -151,6 +156,7 @@ class Config:
             assert len(self.route) >= self.layers
             assert all(m for layer in self.route for src in layer for m in src), "D(t) must not be empty"
         assert self.resident is None or self.resident >= 1
+        assert self.epochs is None or self.epochs >= 1
 
 
 def default_route(ranks: int, tokens: int, layers: int) -> tuple:
@@ -276,6 +282,9 @@ class Model:
                 )
         self._closed_cache = {}
         self._ep = [0] + [self.epoch(layer) for layer in range(63)]  # epoch of a word by its (layer + 1) tag
+        # the same for the words of narrow epochs (`Config.epochs`: data and comb words)
+        self._ep_narrow = [0] + [self.narrow(self.epoch(layer)) for layer in range(63)]
+        self.narrow_kinds = (1, 2) if cfg.epochs is not None else ()
         self.data_locs = [[tuple(self.data(r, q, i) for i in range(W)) for q in range(self.ns)] for r in range(n)]
         # the words a reduce of token `tok` polls, by destination mask
         self.comb_locs = [
@@ -353,6 +362,15 @@ class Model:
     def epoch(self, layer: int) -> int:
         """The epoch layer `layer` writes and expects (`advance_epoch=False`: always 1)."""
         return layer + 1 if self.cfg.advance_epoch else 1
+
+    def narrow(self, epoch: int) -> int:
+        """`epoch` as a word of narrow epochs carries it (`Config.epochs` values, 0 kept for never written)."""
+        return epoch if self.cfg.epochs is None or not epoch else 1 + (epoch - 1) % self.cfg.epochs
+
+    def target(self, at: int, layer: int) -> int:
+        """The epoch a reader in `layer` waits for in word `at`."""
+        e = self.epoch(layer)
+        return self.narrow(e) if self.kind_at[at] in self.narrow_kinds else e
 
     def _program(self, kind: str, c: int) -> tuple:
         cfg, W = self.cfg, self.W
@@ -475,7 +493,7 @@ class Model:
                         out.extend(step + (S,) for S in self._landings(w, by_at, r, layer, e, op))
                         for at in self._polled(w, r, layer, op):
                             if at in by_at:
-                                polled.setdefault(at, set()).add(e)
+                                polled.setdefault(at, set()).add(self.target(at, layer))
                     elif self._landings(w, {}, r, layer, e, op):  # the poll succeeds on the landed memory
                         out.append(step + ((),))
         if not self.eager:
@@ -489,14 +507,14 @@ class Model:
             if self.kind_at[at] == 3:
                 continue  # a ready line: only ever waited on for a lower bound
             wanted = polled.get(at, ())
-            now = self._epoch_of(w[at])
+            now = self._epoch_of(w[at], at)
             quiet = len(stores) == 1 and (w[at] & 1 or not w[at] >> 8) and now not in wanted
             if quiet:
                 continue  # one store onto a value already read (or never written) that nobody polls for
             for S in self._closed(stores):
                 if not S:
                     continue
-                if self._overwrites(w[at], S) or (now in wanted and self._epoch_of(self._after(w[at], S)) != now):
+                if self._overwrites(w[at], S) or (now in wanted and self._epoch_of(self._after(w[at], S), at) != now):
                     out.append(("land", S))
         if not out and pending:
             # nothing else can move: the stores nobody reads any more land (one at a time, least first)
@@ -568,23 +586,25 @@ class Model:
         """The poll `op` of rank `r` can succeed after each returned set of pending stores lands (a union of one
         set per polled word: a prefix in issue order of the stores pending there)."""
         if op[0] != "copy":
-            return self._product(w, by_at, self._locs(w, r, layer, op), e)
+            return self._product(w, by_at, self._locs(w, r, layer, op), layer)
         q = op[1]
         h_at = self.hdr(r, q)
         out = []
-        for hs in self._product(w, by_at, (h_at,), e):
+        for hs in self._product(w, by_at, (h_at,), layer):
             if not (self._after(w[h_at], hs) if hs else w[h_at]) >> 1 & 1:
                 out.append(hs)  # an empty row: its data words are not read
                 continue
-            for ds in self._product(w, by_at, self.data_locs[r][q], e):
+            for ds in self._product(w, by_at, self.data_locs[r][q], layer):
                 out.append(tuple(sorted(hs + ds)) if hs and ds else hs or ds)
         return out
 
-    def _product(self, w, by_at, locs, e) -> list:
-        """The sets of pending stores whose landing leaves every word of `locs` carrying epoch `e`."""
-        ep = self._ep
+    def _product(self, w, by_at, locs, layer) -> list:
+        """The sets of pending stores whose landing leaves every word of `locs` carrying the epoch a reader in
+        `layer` waits for."""
         per_word = []
         for at in locs:
+            ep = self._ep_narrow if self.kind_at[at] in self.narrow_kinds else self._ep
+            e = self.target(at, layer)
             stores = by_at.get(at)
             if stores is None:
                 if ep[w[at] >> 2 & 63] != e:
@@ -619,8 +639,9 @@ class Model:
             return [self.comb(r, op[1], op[2], op[3])]
         raise AssertionError(op)  # pragma: no cover
 
-    def _epoch_of(self, word: int) -> int:
-        return self._ep[word >> 2 & 63]
+    def _epoch_of(self, word: int, at: int) -> int:
+        """The epoch value word `at` holding `word` carries."""
+        return (self._ep_narrow if self.kind_at[at] in self.narrow_kinds else self._ep)[word >> 2 & 63]
 
     @staticmethod
     def _may_land(p, pending) -> bool:
@@ -733,7 +754,7 @@ class Model:
         elif op in ("copy", "hdr", "data"):
             q = step[4]
             if op == "data":
-                self._accept(w, self.data(r, q, step[5]), layer, "reader of")
+                self._accept(w, self.data(r, q, step[5]), layer, "reader of", pending)
                 if step[5] == self.W - 1:
                     self._write_mirror(w, r, q, layer, 1, error)
             else:
@@ -743,7 +764,7 @@ class Model:
                 if op == "copy":
                     if valid:
                         for i in range(self.W):
-                            self._accept(w, self.data(r, q, i), layer, "copy-out of")
+                            self._accept(w, self.data(r, q, i), layer, "copy-out of", pending)
                     self._write_mirror(w, r, q, layer, valid, error)
                 elif not valid:
                     self._write_mirror(w, r, q, layer, 0, error)
@@ -774,9 +795,9 @@ class Model:
         elif op == "reduce":
             tok = step[4]
             for at_ in self._locs(w, r, layer, ("reduce", tok)):
-                self._accept(w, at_, layer, "reduce of")
+                self._accept(w, at_, layer, "reduce of", pending)
         elif op == "slot":
-            self._accept(w, self.comb(r, step[4], step[5], step[6]), layer, "reduce of")
+            self._accept(w, self.comb(r, step[4], step[5], step[6]), layer, "reduce of", pending)
         else:  # pragma: no cover
             raise AssertionError(op)
         if new and error is not None:
@@ -873,9 +894,18 @@ class Model:
         if pl - 1 > layer:
             raise Violation(WRONG_LAYER_READ, f"{what} accepts a layer {pl - 1} word in layer {layer}")
 
-    def _accept(self, w, at, layer, who):
+    def _accept(self, w, at, layer, who, pending=()):
         self._check(w[at], layer, who, at)
         w[at] |= 1
+        if self.cfg.invalidate and self.kind_at[at] in (1, 2):
+            # the reader's own store of epoch 0 (local: visible at once); a peer's store to the word issued
+            # before it would race with it
+            if any(p[0] == at for p in pending):
+                raise Violation(
+                    OVERWRITE_UNREAD,
+                    f"a store into {self.where(at)} was issued before its reader in layer {layer} invalidated it",
+                )
+            w[at] = _pl(w[at]) << 8 | (w[at] & 3)
 
     def _write_mirror(self, w, r, q, layer, valid, error):
         if self.cfg.send_source != "mirror":  # variant (c): no mirror
