@@ -1,0 +1,21 @@
+"""The installed kernel artifacts as the runtime looks them up (no CuTe DSL needed: CI installs the cubins that
+the package build compiled)."""
+
+import pytest
+
+from jax_latent_ep import build, ffi
+from jax_latent_ep.config import KIMI_K3, LatentMoEShape
+
+
+def test_missing_variant_lists_what_the_manifest_has_per_shape():
+    """A shape without kernels names what exists compactly: each shape and arch once, with its rank counts."""
+    try:
+        ffi.find_kernel("dispatch", 1, KIMI_K3, "sm_90a")
+    except (FileNotFoundError, LookupError) as error:
+        pytest.skip(f"no installed sm_90a artifacts here: {error}")
+    with pytest.raises(LookupError) as info:
+        ffi.find_kernel("dispatch", 2, LatentMoEShape(latent=512, experts=64, topk=4), "sm_90a")
+    message = str(info.value)
+    kimi = ",".join(str(n) for n in build.DEFAULT_RANKS["kimi_k3"])
+    assert f"L=3584 E=896 K=16 sm_90a at N={kimi}" in message, message
+    assert message.count("L=3584 E=896 K=16 sm_90a") == 1 and "combine" not in message.split("(it has")[1], message
