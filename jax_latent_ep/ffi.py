@@ -254,8 +254,8 @@ def _listing(have, kernel: str) -> str:
         if h["kernel"] == kernel:
             by.setdefault((h["latent"], h["experts"], h["topk"], h["arch"]), set()).add(h["ranks"])
     return "; ".join(
-        f"L={lat} E={e} K={k} {arch} at N={','.join(str(n) for n in sorted(ns, key=lambda n: (str(type(n)), n)))}"
-        for (lat, e, k, arch), ns in sorted(by.items(), key=str)
+        f"L={lat} E={e} K={k} {arch} at N={','.join(str(n) for n in sorted(ns))}"
+        for (lat, e, k, arch), ns in sorted(by.items())
     ) or "nothing"
 
 

@@ -1,5 +1,9 @@
 """The example latent MoE: expert-parallel over N devices against the same model on one device."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,10 +54,6 @@ def test_demo_runs():
 def test_demo_on_gpus_runs_the_nvlink_backend():
     """The quick start's main job on GPUs: Kimi K3's shape, the NVLink backend chosen by `auto`, the result
     matching the single-device model (a fresh process: the suite's virtual CPU devices are not its business)."""
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)

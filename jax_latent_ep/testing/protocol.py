@@ -282,9 +282,9 @@ class Model:
                 )
         self._closed_cache = {}
         self._ep = [0] + [self.epoch(layer) for layer in range(63)]  # epoch of a word by its (layer + 1) tag
-        # the same for the words of narrow epochs (`Config.epochs`: data and comb words)
-        self._ep_narrow = [0] + [self.narrow(self.epoch(layer)) for layer in range(63)]
-        self.narrow_kinds = (1, 2) if cfg.epochs is not None else ()
+        # the same for the words of narrow epochs (`Config.epochs`: data and comb words), and the table of each word
+        narrow = [0] + [self.narrow(self.epoch(layer)) for layer in range(63)]
+        self._ep_at = [narrow if cfg.epochs is not None and k in (1, 2) else self._ep for k in self.kind_at]
         self.data_locs = [[tuple(self.data(r, q, i) for i in range(W)) for q in range(self.ns)] for r in range(n)]
         # the words a reduce of token `tok` polls, by destination mask
         self.comb_locs = [
@@ -368,9 +368,8 @@ class Model:
         return epoch if self.cfg.epochs is None or not epoch else 1 + (epoch - 1) % self.cfg.epochs
 
     def target(self, at: int, layer: int) -> int:
-        """The epoch a reader in `layer` waits for in word `at`."""
-        e = self.epoch(layer)
-        return self.narrow(e) if self.kind_at[at] in self.narrow_kinds else e
+        """The epoch a reader in `layer` waits for in word `at` (what the word carries once `layer` wrote it)."""
+        return self._ep_at[at][layer + 1]
 
     def _program(self, kind: str, c: int) -> tuple:
         cfg, W = self.cfg, self.W
@@ -490,11 +489,11 @@ class Model:
                         else:
                             out.append(step + ((),))
                     elif self.eager:
-                        out.extend(step + (S,) for S in self._landings(w, by_at, r, layer, e, op))
+                        out.extend(step + (S,) for S in self._landings(w, by_at, r, layer, op))
                         for at in self._polled(w, r, layer, op):
                             if at in by_at:
                                 polled.setdefault(at, set()).add(self.target(at, layer))
-                    elif self._landings(w, {}, r, layer, e, op):  # the poll succeeds on the landed memory
+                    elif self._landings(w, {}, r, layer, op):  # the poll succeeds on the landed memory
                         out.append(step + ((),))
         if not self.eager:
             # no reductions: every store that may land (coherence order) is a step of its own
@@ -582,7 +581,7 @@ class Model:
             word = pl << 8 | el << 2 | v << 1
         return word
 
-    def _landings(self, w, by_at, r, layer, e, op) -> list:
+    def _landings(self, w, by_at, r, layer, op) -> list:
         """The poll `op` of rank `r` can succeed after each returned set of pending stores lands (a union of one
         set per polled word: a prefix in issue order of the stores pending there)."""
         if op[0] != "copy":
@@ -603,8 +602,8 @@ class Model:
         `layer` waits for."""
         per_word = []
         for at in locs:
-            ep = self._ep_narrow if self.kind_at[at] in self.narrow_kinds else self._ep
-            e = self.target(at, layer)
+            ep = self._ep_at[at]
+            e = ep[layer + 1]
             stores = by_at.get(at)
             if stores is None:
                 if ep[w[at] >> 2 & 63] != e:
@@ -641,7 +640,7 @@ class Model:
 
     def _epoch_of(self, word: int, at: int) -> int:
         """The epoch value word `at` holding `word` carries."""
-        return (self._ep_narrow if self.kind_at[at] in self.narrow_kinds else self._ep)[word >> 2 & 63]
+        return self._ep_at[at][word >> 2 & 63]
 
     @staticmethod
     def _may_land(p, pending) -> bool:
