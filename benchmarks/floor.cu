@@ -67,6 +67,98 @@ static double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// ---- The skeleton of a layer: what any design with a kernel per stage pays before it moves a byte of data.
+// `exchange` is a dispatch or a combine stripped to its synchronisation: CTA 0's thread 0 reads the layer's
+// epoch (one past the last completed layer), stores it into the peer's flag line of this stage, and polls its
+// own line until the peer's store lands (one NVLink crossing each way, overlapped); the combine stage then
+// records the layer as completed. `idle` stands for the expert stage between them inside a jitted program.
+// Every kernel waits on its predecessor with griddepcontrol.wait and releases its dependents as the real
+// kernels do (after the flag store), so with programmatic launch the boundaries cost what ours cost.
+__global__ void __launch_bounds__(224) exchange(unsigned* peer_line, unsigned* own_line, unsigned* completed,
+                                                int record) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned epoch = load_relaxed_sys(completed) + 1;
+    store_relaxed_sys(peer_line, epoch);
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    while ((int)(load_relaxed_sys(own_line) - epoch) < 0) {
+    }
+    if (record) store_relaxed_sys(completed, epoch);
+  } else {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+}
+
+__global__ void __launch_bounds__(224) idle() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+template <typename... Args>
+static void launch(void (*kernel)(Args...), int grid, cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(224);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+// Median over replays of (elapsed / layers) of a CUDA graph of `layers` skeleton layers per GPU (the slower
+// GPU's), both GPUs' graphs launched back to back as the harness launches the real kernels.
+static double skeleton_us(unsigned* lines[2], int stages, bool pdl, int grid, int layers, int replays) {
+  cudaStream_t streams[2];
+  cudaGraphExec_t execs[2];
+  cudaEvent_t start[2], stop[2];
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&start[d]));
+    CHECK(cudaEventCreate(&stop[d]));
+    unsigned* own = lines[d];
+    unsigned* peer = lines[1 - d];
+    // Words (4 bytes) at 128-byte lines: 0 the dispatch flag, 32 the combine flag, 64 the completed layer.
+    CHECK(cudaStreamBeginCapture(streams[d], cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < layers; ++l) {
+      launch(exchange, grid, streams[d], pdl, peer, own, own + 64, 0);
+      if (stages == 3) launch(idle, grid, streams[d], pdl);
+      launch(exchange, grid, streams[d], pdl, peer + 32, own + 32, own + 64, 1);
+    }
+    cudaGraph_t graph;
+    CHECK(cudaStreamEndCapture(streams[d], &graph));
+    CHECK(cudaGraphInstantiate(&execs[d], graph, 0));
+    CHECK(cudaGraphDestroy(graph));
+  }
+  std::vector<double> per;
+  for (int it = 0; it < replays + 2; ++it) {
+    for (int d = 0; d < 2; ++d) {
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaEventRecord(start[d], streams[d]));
+      CHECK(cudaGraphLaunch(execs[d], streams[d]));
+      CHECK(cudaEventRecord(stop[d], streams[d]));
+    }
+    double worst = 0;
+    for (int d = 0; d < 2; ++d) {
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaEventSynchronize(stop[d]));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
+      worst = std::max(worst, ms * 1e3 / layers);
+    }
+    if (it >= 2) per.push_back(worst);
+  }
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaGraphExecDestroy(execs[d]));
+    CHECK(cudaStreamDestroy(streams[d]));
+  }
+  return median(per);
+}
+
 int main(int argc, char** argv) {
   int count = 0;
   CHECK(cudaGetDeviceCount(&count));
@@ -164,6 +256,26 @@ int main(int argc, char** argv) {
       const char* name = target ? "peer_store_GBps" : "local_store_GBps";
       std::printf("%s bytes=%zu %.1f\n", name, bytes, bw);
       if (csv) std::fprintf(csv, "%s,%zu,%.2f\n", name, bytes, bw);
+    }
+  }
+
+  // The skeleton of a layer (see `exchange`): two stages (the kernels alone) and three (a jitted layer's
+  // dispatch, expert stage and combine), with and without programmatic launch; grids of 16 CTAs (the default
+  // grid at T = 1 with a buffer of 8 rows) and 256 (the cap).
+  unsigned* lines[2];
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaMalloc(&lines[d], 3 * 128));
+    CHECK(cudaMemset(lines[d], 0, 3 * 128));
+    CHECK(cudaDeviceSynchronize());
+  }
+  for (int grid : {16, 256}) {
+    for (int stages : {2, 3}) {
+      for (int pdl : {1, 0}) {
+        double us = skeleton_us(lines, stages, pdl != 0, grid, 50, 30);
+        std::printf("skeleton_layer_us stages=%d pdl=%d grid=%d %.3f\n", stages, pdl, grid, us);
+        if (csv) std::fprintf(csv, "skeleton_layer_us_s%d_pdl%d_g%d,0,%.4f\n", stages, pdl, grid, us);
+      }
     }
   }
   if (csv) std::fclose(csv);

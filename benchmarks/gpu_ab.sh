@@ -28,7 +28,7 @@ run_in() {  # run_in DIR COMMIT command...: the command in DIR with that tree's 
 {
 if has floor; then
 log "floor: flag round trip and SM store bandwidth (benchmarks/floor.cu)"
-nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | tail -12
+nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | tail -20
 fi
 if has check; then
 log "harness correctness, this tree's kernels"
