@@ -113,14 +113,30 @@ static void launch(void (*kernel)(Args...), int grid, cudaStream_t stream, bool 
 
 
 // ---- The data skeleton of a T = 1 layer: the real kernels' memory traffic and critical path for one token at
-// N = 2, written plainly (no ids, weights, headers, sequence guard or arrival counters; a stand-in quantization
-// and the RMSNorm's CTA reduction). The dispatch's CTA 0 loads its token (16 bf16 per thread), packs it to
-// 3696 bytes (one byte per element, a scale per 32), stages it in shared memory and stores it to the peer as
-// 308 wide LL words; its last CTA polls the peer's words and copies the payload out. The combine's CTA 0 sends
-// its 7168-byte partial as 598 wide LL words, then reduces: its own partial plus the peer's (polled), the sum of
-// squares over the CTA, the normed row stored. Its time against the real kernels' says how much of theirs is
-// design (this) and how much is what this leaves out.
-constexpr int kThreads = 224, kRowWords = 308, kSlotWords = 598;
+// N = 2, written plainly. Bare (features 0): the dispatch's CTA 0 loads its token (16 bf16 per thread), packs it
+// to 3696 bytes (a stand-in quantization: each element's top byte, a scale per 32), stages it in shared memory
+// and stores it to the peer as 308 wide LL words; its last CTA polls the peer's words and copies the payload
+// out. The combine's CTA 0 sends its 7168-byte partial as 598 wide LL words, then reduces: its own partial plus
+// the peer's (polled), the sum of squares over the CTA, the normed row stored. Each feature bit adds one thing
+// the real kernels do, the way they do it, so that the ladder says what each costs:
+//   kQuant  the MXFP8 arithmetic (scale from the block's amax, 16 multiplies, cvt to e4m3) and the norm's exact
+//           division;
+//   kRoute  routing: ids and weights loaded with the token, the destination mask (redux, shared memory) before
+//           the stores, ids / weights / a header as LL words beside the row, polled and copied by the copy-out
+//           with it, the own row's outputs; the combine reads the token's mask (ids) before it reduces;
+//   kGuard  the sequence guard: two epoch words read and checked, every CTA arriving on a counter (barrier +
+//           atomic), the last one handing the epoch on at its end;
+//   kReady  the ready line: the combine's CTA 0 tells the peer at its start, the dispatch polls it (acquire)
+//           before its stores;
+//   kRows   a buffer of 8 rows: the dispatch's CTAs 1-7 store empty headers and their own rows' constants, the
+//           copy-out covers 8 rows (7 empty), the combine's CTAs 0-7 read their row's mirror word and send only a
+//           full row.
+// Its time against the real kernels' says how much of theirs is the design and how much each part of it costs.
+constexpr int kThreads = 224, kRowWords = 308, kSlotWords = 598, kTopk = 16, kRows8 = 8;
+enum Feature { kQuant = 1, kRoute = 2, kGuard = 4, kReady = 8, kRows = 16 };
+constexpr unsigned kEmpty = 0xFFFFFFFFu;
+// Control words (4 bytes each) of a side's `ctrl`: lines of 128 bytes.
+constexpr int kEpochD = 0, kEpochC = 1, kCountD = 32, kCountC = 64, kError = 96, kReadyLine = 128;
 
 __device__ __forceinline__ void store_wide(void* p, unsigned a, unsigned b, unsigned c, unsigned e) {
   asm volatile(
@@ -137,141 +153,334 @@ __device__ __forceinline__ uint4 load_wide(const void* p) {
   return v;
 }
 
+__device__ __forceinline__ void store_ll(void* p, unsigned v, unsigned e) {
+  asm volatile("st.relaxed.sys.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v), "r"(e) : "memory");
+}
+
+__device__ __forceinline__ uint2 load_ll(const void* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return make_uint2(unsigned(v), unsigned(v >> 32));
+}
+
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
+  unsigned r;
+  asm("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1; cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3; "
+      "mov.b32 %0, {lo, hi}; }" : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+  return r;
+}
+
 __device__ __forceinline__ float lo_f(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_f(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
 
-// Polls stop after this many rounds and raise `error` (a broken run reports itself instead of hanging).
+// Polls stop after this many rounds and raise the error word (a broken run reports itself instead of hanging).
 constexpr long long kMaxPolls = 1ll << 24;
 
-__global__ void __launch_bounds__(kThreads) data_dispatch(const uint4* x, uint4* peer_row, const uint4* own_row,
-                                                          unsigned* recv, unsigned* ctrl) {
+// The sequence guard's arrival (kGuard): a barrier, then thread 0's atomic; returns the old count.
+__device__ __forceinline__ unsigned arrive(unsigned* counter) {
+  __syncthreads();
+  unsigned old = 0;
+  if (threadIdx.x == 0) old = atomicInc(counter, gridDim.x - 1);
+  return old;
+}
+
+// The peer-written regions of a side (`peer_mem`) and its own arrays. Offsets in bytes inside `peer_mem`.
+constexpr size_t kRowAt = 0, kIdsAt = 8 * 5120, kWAt = kIdsAt + 8 * 128, kHdrAt = kWAt + 8 * 128,
+                 kSlotAt = kHdrAt + 8 * 128, kPeerMemBytes = kSlotAt + (kSlotWords + 4) * 16;
+
+struct DataSide {
+  uint4 *x, *out, *gamma, *result;
+  unsigned *ids, *weights;                                          // inputs: [16] each
+  unsigned char* peer_mem;                                          // written by the peer
+  unsigned *recv, *recv_ids, *recv_weights, *recv_src, *mirror;    // outputs: 8 rows
+  unsigned* ctrl;
+};
+
+template <int F>
+__global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide peer, int rank) {
   __shared__ unsigned stage[3 * kRowWords];
+  __shared__ unsigned shared_mask;
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  const int tid = threadIdx.x;
-  const unsigned epoch = load_relaxed_sys(ctrl) + 1;
-  if (blockIdx.x == 0) {
-    uint4 a = x[2 * tid], b = x[2 * tid + 1];
+  const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
+  const int rows = (F & kRows) ? kRows8 : 1;
+  unsigned* ctrl = me.ctrl;
+  const unsigned epoch = load_relaxed_sys(ctrl + kEpochD) + 1;
+  unsigned expert = 0, weight = 0;
+  uint4 a = make_uint4(0, 0, 0, 0), b = a;
+  if (cta == 0) {
+    if (F & kRoute) {
+      expert = me.ids[tid < kTopk ? tid : 0];
+      weight = me.weights[tid < kTopk ? tid : 0];
+    }
+    a = me.x[2 * tid];
+    b = me.x[2 * tid + 1];
+  }
+  if (F & kGuard) {
+    if (load_relaxed_sys(ctrl + kEpochC) == epoch) {
+      ctrl[kError] = 3;
+      asm volatile("trap;");
+    }
+  }
+  if ((F & kReady) && cta < rows && tid == 0) {
+    long long polls = 0;
+    while ((int)(load_acquire_sys(ctrl + kReadyLine) - (epoch - 1)) < 0 && ++polls < kMaxPolls) {
+    }
+    if (polls >= kMaxPolls) ctrl[kError] = 4;
+  }
+  const unsigned source = (unsigned(rank) << 16) | 0u;
+  if (cta == 0) {
+    if (F & kRoute) {
+      if (tid < 32) {
+        unsigned bit = lane < kTopk ? 1u << (expert / 448) : 0u;
+        unsigned mask = __reduce_or_sync(0xFFFFFFFFu, bit);
+        if (lane == 0) shared_mask = mask;
+      }
+    }
     unsigned words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     unsigned top = 0;
     for (int w = 0; w < 8; ++w) top = max(top, max(words[w] & 0x7FFFu, (words[w] >> 16) & 0x7FFFu));
     top = max(top, __shfl_xor_sync(0xFFFFFFFFu, top, 1));
-    for (int j = 0; j < 4; ++j) {  // stand-in for E4M3: each element's top byte
-      unsigned p = __byte_perm(words[2 * j], words[2 * j + 1], 0x7531);
-      stage[4 * tid + j] = p;
+    unsigned e = 0, packed[4];
+    if (F & kQuant) {
+      unsigned s_bits = __float_as_uint(__fmul_rz(__uint_as_float(top << 16), 1.0f / 448.0f));
+      if (s_bits & 0x7FFFFFFFu) {
+        e = (s_bits >> 23) & 0xFF;
+        if (s_bits & 0x7FFFFF) e += 1;
+        e = min(e, 254u);
+      }
+      unsigned inv_bits = e ? (254u - e) << 23 : 0u;
+      if (top >= 0x7F80u) { e = 255; inv_bits = 0; }
+      float inv = __uint_as_float(inv_bits);
+      for (int j = 0; j < 4; ++j)
+        packed[j] = e4m3x4(lo_f(words[2 * j]) * inv, hi_f(words[2 * j]) * inv, lo_f(words[2 * j + 1]) * inv,
+                           hi_f(words[2 * j + 1]) * inv);
+    } else {
+      e = top >> 7;
+      for (int j = 0; j < 4; ++j) packed[j] = __byte_perm(words[2 * j], words[2 * j + 1], 0x7531);
     }
-    unsigned scale = top >> 7;
-    unsigned sf = scale;
-    for (int k = 1; k < 4; ++k) sf |= __shfl_sync(0xFFFFFFFFu, scale, (threadIdx.x + 2 * k) % 32) << (8 * k);
+    for (int j = 0; j < 4; ++j) stage[4 * tid + j] = packed[j];
+    unsigned sf = e;
+    for (int k = 1; k < 4; ++k) sf |= __shfl_sync(0xFFFFFFFFu, e, (lane + 2 * k) % 32) << (8 * k);
     if (tid % 8 == 0) stage[896 + tid / 8] = sf;
     __syncthreads();
-    for (int w = tid; w < kRowWords; w += kThreads) store_wide(peer_row + w, stage[3 * w], stage[3 * w + 1], stage[3 * w + 2], epoch);
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  } else {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    if (blockIdx.x == gridDim.x - 1) {
-      for (int w = tid; w < kRowWords; w += kThreads) {
-        uint4 v;
-        long long polls = 0;
-        do {
-          v = load_wide(own_row + w);
-        } while (v.w != epoch && ++polls < kMaxPolls);
-        if (polls >= kMaxPolls) ctrl[32] = 1;
-        recv[3 * w] = v.x;
-        recv[3 * w + 1] = v.y;
-        recv[3 * w + 2] = v.z;
+    const unsigned mask = (F & kRoute) ? shared_mask : 3u;
+    if (mask & (1u << (1 - rank))) {
+      uint4* row = reinterpret_cast<uint4*>(peer.peer_mem + kRowAt);
+      for (int w = tid; w < kRowWords; w += kThreads)
+        store_wide(row + w, stage[3 * w], stage[3 * w + 1], stage[3 * w + 2], epoch);
+      if ((F & kRoute) && tid < kTopk) {
+        store_ll(peer.peer_mem + kIdsAt + 8 * tid, expert, epoch);
+        store_ll(peer.peer_mem + kWAt + 8 * tid, weight, epoch);
       }
     }
+    if ((F & (kRoute | kRows)) && tid == 0)
+      store_ll(peer.peer_mem + kHdrAt, (mask & (1u << (1 - rank))) ? source : kEmpty, epoch);
+    if (F & kRoute) {  // the own row's outputs (row `rank * 8`), from the registers
+      unsigned own = rank * rows;
+      reinterpret_cast<uint4*>(me.recv + own * 924)[tid] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (tid % 8 == 0) me.recv[own * 924 + 896 + tid / 8] = sf;
+      if (tid < kTopk) {
+        me.recv_ids[own * kTopk + tid] = expert;
+        me.recv_weights[own * kTopk + tid] = weight;
+      }
+      if (tid == 0) {
+        me.recv_src[own] = source;
+        me.mirror[own] = source;
+      }
+    }
+  } else if ((F & kRows) && cta < rows && tid == 0) {  // an empty row j = cta: header and own constants
+    store_ll(peer.peer_mem + kHdrAt + 128 * cta, kEmpty, epoch);
+    me.recv_src[rank * rows + cta] = kEmpty;
+    me.mirror[rank * rows + cta] = kEmpty;
   }
+  unsigned old = 0;
+  if (F & kGuard) old = arrive(ctrl + kCountD);
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // Copy-out: peer row r (r < rows) by CTA G - 1 - r.
+  const int r = gridDim.x - 1 - cta;
+  if (r < rows) {
+    const unsigned q = (1 - rank) * rows + r;  // the peer's row r in this rank's outputs
+    const bool headers = (F & (kRoute | kRows)) != 0;
+    const uint2* hdr = reinterpret_cast<const uint2*>(me.peer_mem + kHdrAt + 128 * r);
+    const uint4* row = reinterpret_cast<const uint4*>(me.peer_mem + kRowAt);
+    long long polls = 0;
+    bool pending = true;
+    while (pending && polls < kMaxPolls) {
+      ++polls;
+      uint2 h = headers ? load_ll(hdr) : make_uint2(0, epoch);
+      uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0;
+      if (r == 0) {
+        w0 = load_wide(row + tid);
+        if (tid + kThreads < kRowWords) w1 = load_wide(row + tid + kThreads);
+      }
+      uint2 id = make_uint2(0, epoch), wt = id;
+      if ((F & kRoute) && tid < kTopk && r == 0) {
+        id = load_ll(me.peer_mem + kIdsAt + 8 * tid);
+        wt = load_ll(me.peer_mem + kWAt + 8 * tid);
+      }
+      if (h.y != epoch) continue;
+      if (h.x == kEmpty) {
+        pending = false;
+        if (tid == 0) {
+          me.recv_src[q] = kEmpty;
+          me.mirror[q] = kEmpty;
+        }
+        break;
+      }
+      bool ok = w0.w == epoch && (tid + kThreads >= kRowWords || w1.w == epoch) && id.y == epoch && wt.y == epoch;
+      if (!ok) continue;
+      pending = false;
+      unsigned* out = me.recv + q * 924;
+      out[3 * tid] = w0.x;
+      out[3 * tid + 1] = w0.y;
+      out[3 * tid + 2] = w0.z;
+      if (tid + kThreads < kRowWords) {
+        out[3 * (tid + kThreads)] = w1.x;
+        out[3 * (tid + kThreads) + 1] = w1.y;
+        out[3 * (tid + kThreads) + 2] = w1.z;
+      }
+      if ((F & kRoute) && tid < kTopk) {
+        me.recv_ids[q * kTopk + tid] = id.x;
+        me.recv_weights[q * kTopk + tid] = wt.x;
+      }
+      if (tid == 0 && headers) {
+        me.recv_src[q] = h.x;
+        me.mirror[q] = h.x;
+      }
+    }
+    if (pending) ctrl[kError] = 1;
+  }
+  if ((F & kGuard) && tid == 0 && old == gridDim.x - 1) store_relaxed_sys(ctrl + kEpochC, epoch);
 }
 
-__global__ void __launch_bounds__(kThreads) data_combine(const unsigned* out, const uint4* gamma, uint4* peer_slot,
-                                                         const uint4* own_slot, uint4* result, unsigned* ctrl) {
+template <int F>
+__global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide peer, int rank) {
   __shared__ float stash[kThreads / 32];
+  __shared__ unsigned shared_mask;
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  const int tid = threadIdx.x;
-  const unsigned epoch = load_relaxed_sys(ctrl) + 1;
-  if (blockIdx.x != 0) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    return;
+  const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
+  const int rows = (F & kRows) ? kRows8 : 1;
+  unsigned* ctrl = me.ctrl;
+  unsigned epoch;
+  if (F & kGuard) {
+    epoch = load_relaxed_sys(ctrl + kEpochC);
+    if (load_relaxed_sys(ctrl + kEpochD) + 1 != epoch) {
+      ctrl[kError] = 5;
+      asm volatile("trap;");
+    }
+  } else {
+    epoch = load_relaxed_sys(ctrl + kEpochD) + 1;
   }
-  // Send: word w carries pieces 3w .. 3w + 2 of the 1792 4-byte pieces of the partial.
+  if ((F & kReady) && cta == 0 && tid == 0) store_relaxed_sys(peer.ctrl + kReadyLine, epoch);
+  // Send the peer's row r = cta (if it holds a token): its output goes back to the peer's slot.
+  const bool sends = cta < rows;
+  unsigned source = 0;
+  if (sends && (F & (kRoute | kRows))) source = me.mirror[(1 - rank) * rows + cta];
   unsigned pieces[9];
+  const unsigned* out = reinterpret_cast<const unsigned*>(me.out);
   for (int k = 0; k < 3; ++k)
     for (int c = 0; c < 3; ++c) {
       int index = (tid + k * kThreads) * 3 + c;
-      pieces[3 * k + c] = index < 1792 ? out[index] : 0;
+      pieces[3 * k + c] = (sends && index < 1792) ? out[index] : 0;
     }
-  for (int k = 0; k < 3; ++k) {
-    int w = tid + k * kThreads;
-    if (w < kSlotWords) store_wide(peer_slot + w, pieces[3 * k], pieces[3 * k + 1], pieces[3 * k + 2], epoch);
+  if ((F & kRoute) && cta == 0 && tid >= 32 && tid < 64) {
+    unsigned bit = lane < kTopk ? 1u << (me.ids[lane] / 448) : 0u;
+    unsigned mask = __reduce_or_sync(0xFFFFFFFFu, bit);
+    if (lane == 0) shared_mask = mask;
   }
+  if (sends && source != kEmpty) {
+    uint4* slot = reinterpret_cast<uint4*>(peer.peer_mem + kSlotAt);
+    for (int k = 0; k < 3; ++k) {
+      int w = tid + k * kThreads;
+      if (w < kSlotWords) store_wide(slot + w, pieces[3 * k], pieces[3 * k + 1], pieces[3 * k + 2], epoch);
+    }
+  }
+  unsigned old = 0;
+  if (F & kGuard) old = arrive(ctrl + kCountC);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  // Reduce: elements [16 tid, 16 tid + 16) = pieces 8 tid .. 8 tid + 7.
-  const uint4* own = reinterpret_cast<const uint4*>(out) + 2 * tid;
-  uint4 o0 = own[0], o1 = own[1], g0 = gamma[2 * tid], g1 = gamma[2 * tid + 1];
-  const int first = (8 * tid) / 3, offset = (8 * tid) % 3;
-  unsigned loaded[12];
-  long long polls = 0;
-  for (;;) {
-    uint4 a = load_wide(own_slot + first), b = load_wide(own_slot + first + 1), c = load_wide(own_slot + first + 2),
-          d = load_wide(own_slot + first + 3);
-    if ((a.w == epoch && b.w == epoch && c.w == epoch && (offset != 2 || d.w == epoch)) || ++polls >= kMaxPolls) {
-      unsigned l[12] = {a.x, a.y, a.z, b.x, b.y, b.z, c.x, c.y, c.z, d.x, d.y, d.z};
-      for (int i = 0; i < 12; ++i) loaded[i] = l[i];
-      break;
+  if (cta == 0) {  // reduce own token 0: elements [16 tid, 16 tid + 16) = pieces 8 tid .. 8 tid + 7
+    unsigned mask = 3u;
+    if (F & kRoute) {
+      __syncthreads();
+      mask = shared_mask;
     }
+    const uint4* own = reinterpret_cast<const uint4*>(me.out) + 2 * tid;
+    uint4 o0 = own[0], o1 = own[1], g0 = me.gamma[2 * tid], g1 = me.gamma[2 * tid + 1];
+    const int first = (8 * tid) / 3, offset = (8 * tid) % 3;
+    const uint4* slot = reinterpret_cast<const uint4*>(me.peer_mem + kSlotAt);
+    unsigned loaded[12] = {};
+    if (mask & (1u << (1 - rank))) {
+      long long polls = 0;
+      for (;;) {
+        uint4 a = load_wide(slot + first), b = load_wide(slot + first + 1), c = load_wide(slot + first + 2),
+              d = load_wide(slot + first + 3);
+        if ((a.w == epoch && b.w == epoch && c.w == epoch && (offset != 2 || d.w == epoch)) || ++polls >= kMaxPolls) {
+          unsigned l[12] = {a.x, a.y, a.z, b.x, b.y, b.z, c.x, c.y, c.z, d.x, d.y, d.z};
+          for (int i = 0; i < 12; ++i) loaded[i] = l[i];
+          break;
+        }
+      }
+      if (polls >= kMaxPolls) ctrl[kError] = 2;
+    }
+    unsigned mine[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
+    unsigned gam[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    float v[16];
+    float ss = 0.f;
+    for (int j = 0; j < 8; ++j) {
+      unsigned p = offset == 0 ? loaded[j] : offset == 1 ? loaded[j + 1] : loaded[j + 2];
+      v[2 * j] = __bfloat162float(__float2bfloat16_rn(__fadd_rn(lo_f(mine[j]), lo_f(p))));
+      v[2 * j + 1] = __bfloat162float(__float2bfloat16_rn(__fadd_rn(hi_f(mine[j]), hi_f(p))));
+      ss = __fadd_rn(ss, __fmul_rn(v[2 * j], v[2 * j]));
+      ss = __fadd_rn(ss, __fmul_rn(v[2 * j + 1], v[2 * j + 1]));
+    }
+    for (int k = 1; k < 32; k <<= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, k);
+    if (lane == 0) stash[tid / 32] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) total += stash[w];
+    float rstd = (F & kQuant) ? rsqrtf(__fadd_rn(__fdiv_rn(total, 3584.f), 1e-5f)) : rsqrtf(total / 3584.f + 1e-5f);
+    unsigned normed[8];
+    for (int j = 0; j < 8; ++j) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j] * rstd * lo_f(gam[j]), v[2 * j + 1] * rstd * hi_f(gam[j]));
+      normed[j] = *reinterpret_cast<unsigned*>(&h);
+    }
+    me.result[2 * tid] = make_uint4(normed[0], normed[1], normed[2], normed[3]);
+    me.result[2 * tid + 1] = make_uint4(normed[4], normed[5], normed[6], normed[7]);
   }
-  if (polls >= kMaxPolls) ctrl[32] = 2;
-  unsigned mine[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
-  unsigned gam[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-  float v[16];
-  float ss = 0.f;
-  for (int j = 0; j < 8; ++j) {
-    unsigned peer = offset == 0 ? loaded[j] : offset == 1 ? loaded[j + 1] : loaded[j + 2];
-    v[2 * j] = __bfloat162float(__float2bfloat16_rn(lo_f(mine[j]) + lo_f(peer)));
-    v[2 * j + 1] = __bfloat162float(__float2bfloat16_rn(hi_f(mine[j]) + hi_f(peer)));
-    ss += v[2 * j] * v[2 * j] + v[2 * j + 1] * v[2 * j + 1];
+  if (F & kGuard) {
+    if (tid == 0 && old == gridDim.x - 1) store_relaxed_sys(ctrl + kEpochD, epoch);
+  } else if (cta == 0 && tid == 0) {
+    store_relaxed_sys(ctrl + kEpochD, epoch);
   }
-  for (int k = 1; k < 32; k <<= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, k);
-  if (tid % 32 == 0) stash[tid / 32] = ss;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) total += stash[w];
-  float rstd = rsqrtf(total / 3584.f + 1e-5f);
-  unsigned normed[8];
-  for (int j = 0; j < 8; ++j) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j] * rstd * lo_f(gam[j]), v[2 * j + 1] * rstd * hi_f(gam[j]));
-    normed[j] = *reinterpret_cast<unsigned*>(&h);
-  }
-  result[2 * tid] = make_uint4(normed[0], normed[1], normed[2], normed[3]);
-  result[2 * tid + 1] = make_uint4(normed[4], normed[5], normed[6], normed[7]);
-  if (tid == 0) store_relaxed_sys(ctrl, epoch);
 }
 
-// Per GPU: the inputs (x, out, gamma: 7168 bytes each, random BF16), the receive regions the peer writes (a row of
-// 308 words, a slot of 598 + 4 words of padding), the outputs, and a control line (word 0 the completed layer,
-// word 32 an error).
-struct DataSide {
-  uint4 *x, *out, *gamma, *row, *slot, *result;
-  unsigned *recv, *ctrl;
-};
-
+template <int F>
 static double data_skeleton_us(DataSide side[2], int grid, int layers, int replays, unsigned* error) {
   cudaStream_t streams[2];
   cudaGraphExec_t execs[2];
   cudaEvent_t start[2], stop[2];
   for (int d = 0; d < 2; ++d) {
+    // The ready line starts at the last completed layer (a variant without kReady leaves it behind).
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(side[d].ctrl + kReadyLine, side[d].ctrl + kEpochD, 4, cudaMemcpyDeviceToDevice));
+    CHECK(cudaDeviceSynchronize());
+  }
+  for (int d = 0; d < 2; ++d) {
     CHECK(cudaSetDevice(d));
     CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&start[d]));
     CHECK(cudaEventCreate(&stop[d]));
-    DataSide& me = side[d];
-    DataSide& peer = side[1 - d];
     CHECK(cudaStreamBeginCapture(streams[d], cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l < layers; ++l) {
-      launch(data_dispatch, grid, streams[d], true, (const uint4*)me.x, peer.row, (const uint4*)me.row, me.recv, me.ctrl);
-      launch(data_combine, grid, streams[d], true, (const unsigned*)me.out, (const uint4*)me.gamma, peer.slot,
-             (const uint4*)me.slot, me.result, me.ctrl);
+      launch(data_dispatch<F>, grid, streams[d], true, side[d], side[1 - d], d);
+      launch(data_combine<F>, grid, streams[d], true, side[d], side[1 - d], d);
     }
     cudaGraph_t graph;
     CHECK(cudaStreamEndCapture(streams[d], &graph));
@@ -300,7 +509,7 @@ static double data_skeleton_us(DataSide side[2], int grid, int layers, int repla
   for (int d = 0; d < 2; ++d) {
     CHECK(cudaSetDevice(d));
     unsigned e = 0;
-    CHECK(cudaMemcpy(&e, side[d].ctrl + 32, 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(&e, side[d].ctrl + kError, 4, cudaMemcpyDeviceToHost));
     *error |= e;
     CHECK(cudaGraphExecDestroy(execs[d]));
     CHECK(cudaStreamDestroy(streams[d]));
@@ -308,20 +517,23 @@ static double data_skeleton_us(DataSide side[2], int grid, int layers, int repla
   return median(per);
 }
 
-// Checks the last layer's outputs of the data skeleton on the host: every GPU's copied-out row is its peer's
-// packed token, and its normed row matches a host computation (within 2 %: the host sums in another order).
-static bool data_skeleton_ok(DataSide side[2], const std::vector<unsigned short> inputs[2][3]) {
+// Checks the last layer's outputs of the data skeleton on the host: every GPU's normed row matches a host
+// computation (within 2 %: the host sums in another order), and without kQuant its copied-out row is the peer's
+// packed token (the peer's rows come after its own: row (1 - d) * rows).
+static bool data_skeleton_ok(DataSide side[2], const std::vector<unsigned short> inputs[2][3], int features) {
   auto f = [](unsigned short h) { unsigned u = unsigned(h) << 16; float r; std::memcpy(&r, &u, 4); return r; };
+  const int rows = (features & kRows) ? kRows8 : 1;
   bool ok = true;
   for (int d = 0; d < 2; ++d) {
     CHECK(cudaSetDevice(d));
     std::vector<unsigned char> recv(3696);
     std::vector<unsigned short> result(3584);
-    CHECK(cudaMemcpy(recv.data(), side[d].recv, 3696, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(recv.data(), side[d].recv + (1 - d) * rows * 924, 3696, cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(result.data(), side[d].result, 7168, cudaMemcpyDeviceToHost));
     const std::vector<unsigned short>& px = inputs[1 - d][0];
-    for (int i = 0; i < 3584; ++i)
-      if (recv[i] != (px[i] >> 8)) { ok = false; break; }
+    if (!(features & kQuant))
+      for (int i = 0; i < 3584; ++i)
+        if (recv[i] != (px[i] >> 8)) { ok = false; break; }
     double ss = 0;
     std::vector<double> routed(3584);
     for (int i = 0; i < 3584; ++i) {
@@ -335,6 +547,17 @@ static bool data_skeleton_ok(DataSide side[2], const std::vector<unsigned short>
     }
   }
   return ok;
+}
+
+template <int F>
+static void data_skeleton_row(DataSide side[2], const std::vector<unsigned short> inputs[2][3], FILE* csv) {
+  unsigned error = 0;
+  double us = data_skeleton_us<F>(side, 16, 50, 30, &error);
+  bool ok = error == 0 && data_skeleton_ok(side, inputs, F);
+  std::printf("data_skeleton_layer_us T=1 grid=16 features=%s%s%s%s%s%s %.3f (%s)\n", F ? "" : "bare",
+              F & kQuant ? "+quant" : "", F & kRoute ? "+route" : "", F & kGuard ? "+guard" : "",
+              F & kReady ? "+ready" : "", F & kRows ? "+rows" : "", us, ok ? "outputs checked" : "OUTPUTS WRONG");
+  if (csv) std::fprintf(csv, "data_skeleton_layer_us_t1_g16_f%d%s,0,%.4f\n", F, ok ? "" : "_WRONG", us);
 }
 
 // Median over replays of (elapsed / layers) of a CUDA graph of `layers` skeleton layers per GPU (the slower
@@ -508,7 +731,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  // The data skeleton of a T = 1 layer (see `data_dispatch`), grids of 16 as the real kernels' at T = 1.
+  // The data skeleton of a T = 1 layer (see `data_dispatch`), grids of 16 as the real kernels' at T = 1: bare, each
+  // feature alone, every feature, and every feature but one.
   {
     DataSide side[2];
     std::vector<unsigned short> inputs[2][3];
@@ -522,27 +746,50 @@ int main(int argc, char** argv) {
           h = (unsigned short)(((seed >> 16) & 0x807F) | ((124 + (seed >> 28) % 7) << 7));
         }
       }
-      CHECK(cudaMalloc(&side[d].x, 7168));
-      CHECK(cudaMalloc(&side[d].out, 7168));
-      CHECK(cudaMalloc(&side[d].gamma, 7168));
-      CHECK(cudaMemcpy(side[d].x, inputs[d][0].data(), 7168, cudaMemcpyHostToDevice));
-      CHECK(cudaMemcpy(side[d].out, inputs[d][1].data(), 7168, cudaMemcpyHostToDevice));
-      CHECK(cudaMemcpy(side[d].gamma, inputs[d][2].data(), 7168, cudaMemcpyHostToDevice));
-      CHECK(cudaMalloc(&side[d].row, kRowWords * 16));
-      CHECK(cudaMalloc(&side[d].slot, (kSlotWords + 4) * 16));
-      CHECK(cudaMalloc(&side[d].result, 7168));
-      CHECK(cudaMalloc(&side[d].recv, 3696));
-      CHECK(cudaMalloc(&side[d].ctrl, 256));
-      CHECK(cudaMemset(side[d].row, 0, kRowWords * 16));
-      CHECK(cudaMemset(side[d].slot, 0, (kSlotWords + 4) * 16));
-      CHECK(cudaMemset(side[d].ctrl, 0, 256));
+      // Token 0's 16 experts: 8 on each rank (448 experts per rank), so it goes to both.
+      std::vector<unsigned> ids(kTopk), weights(kTopk);
+      for (int k = 0; k < kTopk; ++k) {
+        ids[k] = (k % 2) * 448 + 17 * k + d;
+        float w = 1.0f / (k + 1);
+        std::memcpy(&weights[k], &w, 4);
+      }
+      DataSide& s = side[d];
+      CHECK(cudaMalloc(&s.x, 7168));
+      CHECK(cudaMalloc(&s.out, 7168));
+      CHECK(cudaMalloc(&s.gamma, 7168));
+      CHECK(cudaMemcpy(s.x, inputs[d][0].data(), 7168, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(s.out, inputs[d][1].data(), 7168, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(s.gamma, inputs[d][2].data(), 7168, cudaMemcpyHostToDevice));
+      CHECK(cudaMalloc(&s.ids, 4 * kTopk));
+      CHECK(cudaMalloc(&s.weights, 4 * kTopk));
+      CHECK(cudaMemcpy(s.ids, ids.data(), 4 * kTopk, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(s.weights, weights.data(), 4 * kTopk, cudaMemcpyHostToDevice));
+      CHECK(cudaMalloc(&s.result, 7168));
+      CHECK(cudaMalloc(&s.peer_mem, kPeerMemBytes));
+      CHECK(cudaMemset(s.peer_mem, 0, kPeerMemBytes));
+      CHECK(cudaMalloc(&s.recv, 2 * kRows8 * 924 * 4));
+      CHECK(cudaMalloc(&s.recv_ids, 2 * kRows8 * kTopk * 4));
+      CHECK(cudaMalloc(&s.recv_weights, 2 * kRows8 * kTopk * 4));
+      CHECK(cudaMalloc(&s.recv_src, 2 * kRows8 * 4));
+      CHECK(cudaMalloc(&s.mirror, 2 * kRows8 * 4));
+      CHECK(cudaMalloc(&s.ctrl, 4 * 256));
+      CHECK(cudaMemset(s.ctrl, 0, 4 * 256));
       CHECK(cudaDeviceSynchronize());
     }
-    unsigned error = 0;
-    double us = data_skeleton_us(side, 16, 50, 30, &error);
-    bool ok = error == 0 && data_skeleton_ok(side, inputs);
-    std::printf("data_skeleton_layer_us T=1 grid=16 %.3f (%s)\n", us, ok ? "outputs checked" : "OUTPUTS WRONG");
-    if (csv) std::fprintf(csv, "data_skeleton_layer_us_t1_g16%s,0,%.4f\n", ok ? "" : "_WRONG", us);
+    // Every variant continues the same epochs: the control words persist, so the ladder runs in one sequence.
+    data_skeleton_row<0>(side, inputs, csv);
+    data_skeleton_row<kQuant>(side, inputs, csv);
+    data_skeleton_row<kRoute>(side, inputs, csv);
+    data_skeleton_row<kGuard>(side, inputs, csv);
+    data_skeleton_row<kReady>(side, inputs, csv);
+    data_skeleton_row<kRows>(side, inputs, csv);
+    data_skeleton_row<31>(side, inputs, csv);
+    data_skeleton_row<31 - kQuant>(side, inputs, csv);
+    data_skeleton_row<31 - kRoute>(side, inputs, csv);
+    data_skeleton_row<31 - kGuard>(side, inputs, csv);
+    data_skeleton_row<31 - kReady>(side, inputs, csv);
+    data_skeleton_row<31 - kRows>(side, inputs, csv);
+    data_skeleton_row<0>(side, inputs, csv);
   }
   if (csv) std::fclose(csv);
   return 0;
