@@ -130,10 +130,14 @@ static void launch(void (*kernel)(Args...), int grid, cudaStream_t stream, bool 
 //           before its stores;
 //   kRows   a buffer of 8 rows: the dispatch's CTAs 1-7 store empty headers and their own rows' constants, the
 //           copy-out covers 8 rows (7 empty), the combine's CTAs 0-7 read their row's mirror word and send only a
-//           full row.
+//           full row;
+//   kTimer  the poll timeout: %globaltimer read before each poll loop and every 32 unanswered polls;
+//   kTable  the peer's base address loaded from a table in this rank's memory (lane d holds rank d's) and
+//           taken with a shuffle, as the kernels find their peers;
+//   kNoBarrier (a measurement only, unsafe in the kernels) the guard's arrival without its CTA barrier.
 // Its time against the real kernels' says how much of theirs is the design and how much each part of it costs.
 constexpr int kThreads = 224, kRowWords = 308, kSlotWords = 598, kTopk = 16, kRows8 = 8;
-enum Feature { kQuant = 1, kRoute = 2, kGuard = 4, kReady = 8, kRows = 16 };
+enum Feature { kQuant = 1, kRoute = 2, kGuard = 4, kReady = 8, kRows = 16, kTimer = 32, kTable = 64, kNoBarrier = 128 };
 constexpr unsigned kEmpty = 0xFFFFFFFFu;
 // Control words (4 bytes each) of a side's `ctrl`: lines of 128 bytes.
 constexpr int kEpochD = 0, kEpochC = 1, kCountD = 32, kCountC = 64, kError = 96, kReadyLine = 128;
@@ -183,8 +187,9 @@ __device__ __forceinline__ float hi_f(unsigned w) { return __uint_as_float(w & 0
 constexpr long long kMaxPolls = 1ll << 24;
 
 // The sequence guard's arrival (kGuard): a barrier, then thread 0's atomic; returns the old count.
+template <int F>
 __device__ __forceinline__ unsigned arrive(unsigned* counter) {
-  __syncthreads();
+  if (!(F & kNoBarrier)) __syncthreads();
   unsigned old = 0;
   if (threadIdx.x == 0) old = atomicInc(counter, gridDim.x - 1);
   return old;
@@ -200,7 +205,33 @@ struct DataSide {
   unsigned char* peer_mem;                                          // written by the peer
   unsigned *recv, *recv_ids, *recv_weights, *recv_src, *mirror;    // outputs: 8 rows
   unsigned* ctrl;
+  unsigned long long* table;  // [2]: rank d's peer_mem (kTable)
 };
+
+// Timer helpers (kTimer): the kernels read %globaltimer before a poll loop and every 32 unanswered polls.
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+constexpr unsigned long long kTimeoutNs = 10000000000ull;
+
+template <int F>
+__device__ __forceinline__ bool expired(unsigned long long start, long long polls) {
+  if (F & kTimer) return (polls & 31) == 0 && global_timer() - start > kTimeoutNs;
+  return false;
+}
+
+// The peer's peer_mem: a kernel parameter, or (kTable) lane `peer` of a table load, shuffled.
+template <int F>
+__device__ __forceinline__ unsigned char* peer_base(const DataSide& me, const DataSide& peer, int peer_rank) {
+  if (F & kTable) {
+    int lane = threadIdx.x % 32;
+    unsigned long long mine = me.table[lane < 2 ? lane : 0];
+    return reinterpret_cast<unsigned char*>(__shfl_sync(0xFFFFFFFFu, mine, peer_rank));
+  }
+  return peer.peer_mem;
+}
 
 template <int F>
 __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide peer, int rank) {
@@ -229,11 +260,14 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
   }
   if ((F & kReady) && cta < rows && tid == 0) {
     long long polls = 0;
+    unsigned long long start = (F & kTimer) ? global_timer() : 0;
     while ((int)(load_acquire_sys(ctrl + kReadyLine) - (epoch - 1)) < 0 && ++polls < kMaxPolls) {
+      if (expired<F>(start, polls)) ctrl[kError] = 9;
     }
     if (polls >= kMaxPolls) ctrl[kError] = 4;
   }
   const unsigned source = (unsigned(rank) << 16) | 0u;
+  unsigned char* peer_mem = peer_base<F>(me, peer, 1 - rank);
   if (cta == 0) {
     if (F & kRoute) {
       if (tid < 32) {
@@ -271,16 +305,16 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
     __syncthreads();
     const unsigned mask = (F & kRoute) ? shared_mask : 3u;
     if (mask & (1u << (1 - rank))) {
-      uint4* row = reinterpret_cast<uint4*>(peer.peer_mem + kRowAt);
+      uint4* row = reinterpret_cast<uint4*>(peer_mem + kRowAt);
       for (int w = tid; w < kRowWords; w += kThreads)
         store_wide(row + w, stage[3 * w], stage[3 * w + 1], stage[3 * w + 2], epoch);
       if ((F & kRoute) && tid < kTopk) {
-        store_ll(peer.peer_mem + kIdsAt + 8 * tid, expert, epoch);
-        store_ll(peer.peer_mem + kWAt + 8 * tid, weight, epoch);
+        store_ll(peer_mem + kIdsAt + 8 * tid, expert, epoch);
+        store_ll(peer_mem + kWAt + 8 * tid, weight, epoch);
       }
     }
     if ((F & (kRoute | kRows)) && tid == 0)
-      store_ll(peer.peer_mem + kHdrAt, (mask & (1u << (1 - rank))) ? source : kEmpty, epoch);
+      store_ll(peer_mem + kHdrAt, (mask & (1u << (1 - rank))) ? source : kEmpty, epoch);
     if (F & kRoute) {  // the own row's outputs (row `rank * 8`), from the registers
       unsigned own = rank * rows;
       reinterpret_cast<uint4*>(me.recv + own * 924)[tid] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -295,12 +329,12 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
       }
     }
   } else if ((F & kRows) && cta < rows && tid == 0) {  // an empty row j = cta: header and own constants
-    store_ll(peer.peer_mem + kHdrAt + 128 * cta, kEmpty, epoch);
+    store_ll(peer_mem + kHdrAt + 128 * cta, kEmpty, epoch);
     me.recv_src[rank * rows + cta] = kEmpty;
     me.mirror[rank * rows + cta] = kEmpty;
   }
   unsigned old = 0;
-  if (F & kGuard) old = arrive(ctrl + kCountD);
+  if (F & kGuard) old = arrive<F>(ctrl + kCountD);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // Copy-out: peer row r (r < rows) by CTA G - 1 - r.
   const int r = gridDim.x - 1 - cta;
@@ -311,8 +345,10 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
     const uint4* row = reinterpret_cast<const uint4*>(me.peer_mem + kRowAt);
     long long polls = 0;
     bool pending = true;
+    unsigned long long start = (F & kTimer) ? global_timer() : 0;
     while (pending && polls < kMaxPolls) {
       ++polls;
+      if (expired<F>(start, polls)) ctrl[kError] = 9;
       uint2 h = headers ? load_ll(hdr) : make_uint2(0, epoch);
       uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0;
       if (r == 0) {
@@ -395,14 +431,14 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
     if (lane == 0) shared_mask = mask;
   }
   if (sends && source != kEmpty) {
-    uint4* slot = reinterpret_cast<uint4*>(peer.peer_mem + kSlotAt);
+    uint4* slot = reinterpret_cast<uint4*>(peer_base<F>(me, peer, 1 - rank) + kSlotAt);
     for (int k = 0; k < 3; ++k) {
       int w = tid + k * kThreads;
       if (w < kSlotWords) store_wide(slot + w, pieces[3 * k], pieces[3 * k + 1], pieces[3 * k + 2], epoch);
     }
   }
   unsigned old = 0;
-  if (F & kGuard) old = arrive(ctrl + kCountC);
+  if (F & kGuard) old = arrive<F>(ctrl + kCountC);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (cta == 0) {  // reduce own token 0: elements [16 tid, 16 tid + 16) = pieces 8 tid .. 8 tid + 7
     unsigned mask = 3u;
@@ -417,7 +453,9 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
     unsigned loaded[12] = {};
     if (mask & (1u << (1 - rank))) {
       long long polls = 0;
+      unsigned long long start = (F & kTimer) ? global_timer() : 0;
       for (;;) {
+        if (expired<F>(start, polls)) ctrl[kError] = 9;
         uint4 a = load_wide(slot + first), b = load_wide(slot + first + 1), c = load_wide(slot + first + 2),
               d = load_wide(slot + first + 3);
         if ((a.w == epoch && b.w == epoch && c.w == epoch && (offset != 2 || d.w == epoch)) || ++polls >= kMaxPolls) {
@@ -554,9 +592,10 @@ static void data_skeleton_row(DataSide side[2], const std::vector<unsigned short
   unsigned error = 0;
   double us = data_skeleton_us<F>(side, 16, 50, 30, &error);
   bool ok = error == 0 && data_skeleton_ok(side, inputs, F);
-  std::printf("data_skeleton_layer_us T=1 grid=16 features=%s%s%s%s%s%s %.3f (%s)\n", F ? "" : "bare",
+  std::printf("data_skeleton_layer_us T=1 grid=16 features=%s%s%s%s%s%s%s%s%s %.3f (%s)\n", F ? "" : "bare",
               F & kQuant ? "+quant" : "", F & kRoute ? "+route" : "", F & kGuard ? "+guard" : "",
-              F & kReady ? "+ready" : "", F & kRows ? "+rows" : "", us, ok ? "outputs checked" : "OUTPUTS WRONG");
+              F & kReady ? "+ready" : "", F & kRows ? "+rows" : "", F & kTimer ? "+timer" : "", F & kTable ? "+table" : "",
+              F & kNoBarrier ? "-barrier" : "", us, ok ? "outputs checked" : "OUTPUTS WRONG");
   if (csv) std::fprintf(csv, "data_skeleton_layer_us_t1_g16_f%d%s,0,%.4f\n", F, ok ? "" : "_WRONG", us);
 }
 
@@ -773,8 +812,14 @@ int main(int argc, char** argv) {
       CHECK(cudaMalloc(&s.recv_src, 2 * kRows8 * 4));
       CHECK(cudaMalloc(&s.mirror, 2 * kRows8 * 4));
       CHECK(cudaMalloc(&s.ctrl, 4 * 256));
+      CHECK(cudaMalloc(&s.table, 16));
       CHECK(cudaMemset(s.ctrl, 0, 4 * 256));
       CHECK(cudaDeviceSynchronize());
+    }
+    for (int d = 0; d < 2; ++d) {
+      unsigned long long bases[2] = {(unsigned long long)side[0].peer_mem, (unsigned long long)side[1].peer_mem};
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaMemcpy(side[d].table, bases, 16, cudaMemcpyHostToDevice));
     }
     // Every variant continues the same epochs: the control words persist, so the ladder runs in one sequence.
     data_skeleton_row<0>(side, inputs, csv);
@@ -789,6 +834,12 @@ int main(int argc, char** argv) {
     data_skeleton_row<31 - kGuard>(side, inputs, csv);
     data_skeleton_row<31 - kReady>(side, inputs, csv);
     data_skeleton_row<31 - kRows>(side, inputs, csv);
+    data_skeleton_row<31 | kTimer>(side, inputs, csv);
+    data_skeleton_row<31 | kTable>(side, inputs, csv);
+    data_skeleton_row<31 | kTimer | kTable>(side, inputs, csv);
+    data_skeleton_row<31 | kNoBarrier>(side, inputs, csv);
+    data_skeleton_row<31 | kTimer | kTable | kNoBarrier>(side, inputs, csv);
+    data_skeleton_row<31>(side, inputs, csv);
     data_skeleton_row<0>(side, inputs, csv);
   }
   if (csv) std::fclose(csv);
