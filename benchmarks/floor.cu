@@ -134,10 +134,13 @@ static void launch(void (*kernel)(Args...), int grid, cudaStream_t stream, bool 
 //   kTimer  the poll timeout: %globaltimer read before each poll loop and every 32 unanswered polls;
 //   kTable  the peer's base address loaded from a table in this rank's memory (lane d holds rank d's) and
 //           taken with a shuffle, as the kernels find their peers;
-//   kNoBarrier (a measurement only, unsafe in the kernels) the guard's arrival without its CTA barrier.
+//   kNoBarrier (a measurement only, unsafe in the kernels) the guard's arrival without its CTA barrier;
+//   kArriveOnly (a measurement only, without kGuard) the guard's arrivals and hand-over without its epoch checks;
+//   kReadyRelaxed (a measurement only, unsafe in the kernels) the ready poll with relaxed loads.
 // Its time against the real kernels' says how much of theirs is the design and how much each part of it costs.
 constexpr int kThreads = 224, kRowWords = 308, kSlotWords = 598, kTopk = 16, kRows8 = 8;
-enum Feature { kQuant = 1, kRoute = 2, kGuard = 4, kReady = 8, kRows = 16, kTimer = 32, kTable = 64, kNoBarrier = 128 };
+enum Feature { kQuant = 1, kRoute = 2, kGuard = 4, kReady = 8, kRows = 16, kTimer = 32, kTable = 64, kNoBarrier = 128,
+              kArriveOnly = 256, kReadyRelaxed = 512 };
 constexpr unsigned kEmpty = 0xFFFFFFFFu;
 // Control words (4 bytes each) of a side's `ctrl`: lines of 128 bytes.
 constexpr int kEpochD = 0, kEpochC = 1, kCountD = 32, kCountC = 64, kError = 96, kReadyLine = 128;
@@ -222,14 +225,20 @@ __device__ __forceinline__ bool expired(unsigned long long start, long long poll
   return false;
 }
 
-// The peer's peer_mem: a kernel parameter, or (kTable) lane `peer` of a table load, shuffled.
+// The peer's peer_mem: a kernel parameter, or (kTable) lane `peer` of the table entry each lane loaded at the
+// kernel's start (`table_entry`, in the first wave of loads, as the kernels do), shuffled.
 template <int F>
-__device__ __forceinline__ unsigned char* peer_base(const DataSide& me, const DataSide& peer, int peer_rank) {
+__device__ __forceinline__ unsigned long long table_entry(const DataSide& me) {
   if (F & kTable) {
     int lane = threadIdx.x % 32;
-    unsigned long long mine = me.table[lane < 2 ? lane : 0];
-    return reinterpret_cast<unsigned char*>(__shfl_sync(0xFFFFFFFFu, mine, peer_rank));
+    return me.table[lane < 2 ? lane : 0];
   }
+  return 0;
+}
+
+template <int F>
+__device__ __forceinline__ unsigned char* peer_base(unsigned long long entry, const DataSide& peer, int peer_rank) {
+  if (F & kTable) return reinterpret_cast<unsigned char*>(__shfl_sync(0xFFFFFFFFu, entry, peer_rank));
   return peer.peer_mem;
 }
 
@@ -241,6 +250,7 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
   const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
   const int rows = (F & kRows) ? kRows8 : 1;
   unsigned* ctrl = me.ctrl;
+  const unsigned long long entry = table_entry<F>(me);
   const unsigned epoch = load_relaxed_sys(ctrl + kEpochD) + 1;
   unsigned expert = 0, weight = 0;
   uint4 a = make_uint4(0, 0, 0, 0), b = a;
@@ -261,13 +271,15 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
   if ((F & kReady) && cta < rows && tid == 0) {
     long long polls = 0;
     unsigned long long start = (F & kTimer) ? global_timer() : 0;
-    while ((int)(load_acquire_sys(ctrl + kReadyLine) - (epoch - 1)) < 0 && ++polls < kMaxPolls) {
+    while ((int)(((F & kReadyRelaxed) ? load_relaxed_sys(ctrl + kReadyLine) : load_acquire_sys(ctrl + kReadyLine)) -
+                 (epoch - 1)) < 0 &&
+           ++polls < kMaxPolls) {
       if (expired<F>(start, polls)) ctrl[kError] = 9;
     }
     if (polls >= kMaxPolls) ctrl[kError] = 4;
   }
   const unsigned source = (unsigned(rank) << 16) | 0u;
-  unsigned char* peer_mem = peer_base<F>(me, peer, 1 - rank);
+  unsigned char* peer_mem = peer_base<F>(entry, peer, 1 - rank);
   if (cta == 0) {
     if (F & kRoute) {
       if (tid < 32) {
@@ -334,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
     me.mirror[rank * rows + cta] = kEmpty;
   }
   unsigned old = 0;
-  if (F & kGuard) old = arrive<F>(ctrl + kCountD);
+  if (F & (kGuard | kArriveOnly)) old = arrive<F>(ctrl + kCountD);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // Copy-out: peer row r (r < rows) by CTA G - 1 - r.
   const int r = gridDim.x - 1 - cta;
@@ -392,7 +404,7 @@ __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide 
     }
     if (pending) ctrl[kError] = 1;
   }
-  if ((F & kGuard) && tid == 0 && old == gridDim.x - 1) store_relaxed_sys(ctrl + kEpochC, epoch);
+  if ((F & (kGuard | kArriveOnly)) && tid == 0 && old == gridDim.x - 1) store_relaxed_sys(ctrl + kEpochC, epoch);
 }
 
 template <int F>
@@ -403,6 +415,7 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
   const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
   const int rows = (F & kRows) ? kRows8 : 1;
   unsigned* ctrl = me.ctrl;
+  const unsigned long long entry = table_entry<F>(me);
   unsigned epoch;
   if (F & kGuard) {
     epoch = load_relaxed_sys(ctrl + kEpochC);
@@ -431,14 +444,14 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
     if (lane == 0) shared_mask = mask;
   }
   if (sends && source != kEmpty) {
-    uint4* slot = reinterpret_cast<uint4*>(peer_base<F>(me, peer, 1 - rank) + kSlotAt);
+    uint4* slot = reinterpret_cast<uint4*>(peer_base<F>(entry, peer, 1 - rank) + kSlotAt);
     for (int k = 0; k < 3; ++k) {
       int w = tid + k * kThreads;
       if (w < kSlotWords) store_wide(slot + w, pieces[3 * k], pieces[3 * k + 1], pieces[3 * k + 2], epoch);
     }
   }
   unsigned old = 0;
-  if (F & kGuard) old = arrive<F>(ctrl + kCountC);
+  if (F & (kGuard | kArriveOnly)) old = arrive<F>(ctrl + kCountC);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (cta == 0) {  // reduce own token 0: elements [16 tid, 16 tid + 16) = pieces 8 tid .. 8 tid + 7
     unsigned mask = 3u;
@@ -491,7 +504,7 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
     me.result[2 * tid] = make_uint4(normed[0], normed[1], normed[2], normed[3]);
     me.result[2 * tid + 1] = make_uint4(normed[4], normed[5], normed[6], normed[7]);
   }
-  if (F & kGuard) {
+  if (F & (kGuard | kArriveOnly)) {
     if (tid == 0 && old == gridDim.x - 1) store_relaxed_sys(ctrl + kEpochD, epoch);
   } else if (cta == 0 && tid == 0) {
     store_relaxed_sys(ctrl + kEpochD, epoch);
@@ -592,10 +605,11 @@ static void data_skeleton_row(DataSide side[2], const std::vector<unsigned short
   unsigned error = 0;
   double us = data_skeleton_us<F>(side, 16, 50, 30, &error);
   bool ok = error == 0 && data_skeleton_ok(side, inputs, F);
-  std::printf("data_skeleton_layer_us T=1 grid=16 features=%s%s%s%s%s%s%s%s%s %.3f (%s)\n", F ? "" : "bare",
+  std::printf("data_skeleton_layer_us T=1 grid=16 features=%s%s%s%s%s%s%s%s%s%s%s %.3f (%s)\n", F ? "" : "bare",
               F & kQuant ? "+quant" : "", F & kRoute ? "+route" : "", F & kGuard ? "+guard" : "",
               F & kReady ? "+ready" : "", F & kRows ? "+rows" : "", F & kTimer ? "+timer" : "", F & kTable ? "+table" : "",
-              F & kNoBarrier ? "-barrier" : "", us, ok ? "outputs checked" : "OUTPUTS WRONG");
+              F & kNoBarrier ? "-barrier" : "", F & kArriveOnly ? "+arrive" : "",
+              F & kReadyRelaxed ? "+ready_relaxed" : "", us, ok ? "outputs checked" : "OUTPUTS WRONG");
   if (csv) std::fprintf(csv, "data_skeleton_layer_us_t1_g16_f%d%s,0,%.4f\n", F, ok ? "" : "_WRONG", us);
 }
 
@@ -834,12 +848,14 @@ int main(int argc, char** argv) {
     data_skeleton_row<31 - kGuard>(side, inputs, csv);
     data_skeleton_row<31 - kReady>(side, inputs, csv);
     data_skeleton_row<31 - kRows>(side, inputs, csv);
-    data_skeleton_row<31 | kTimer>(side, inputs, csv);
-    data_skeleton_row<31 | kTable>(side, inputs, csv);
-    data_skeleton_row<31 | kTimer | kTable>(side, inputs, csv);
-    data_skeleton_row<31 | kNoBarrier>(side, inputs, csv);
-    data_skeleton_row<31 | kTimer | kTable | kNoBarrier>(side, inputs, csv);
-    data_skeleton_row<31>(side, inputs, csv);
+    for (int again = 0; again < 2; ++again) {
+      data_skeleton_row<31 | kTimer>(side, inputs, csv);
+      data_skeleton_row<31 | kTable>(side, inputs, csv);
+      data_skeleton_row<31 - kGuard + kArriveOnly>(side, inputs, csv);
+      data_skeleton_row<31 | kReadyRelaxed>(side, inputs, csv);
+      data_skeleton_row<31 | kNoBarrier>(side, inputs, csv);
+      data_skeleton_row<31>(side, inputs, csv);
+    }
     data_skeleton_row<0>(side, inputs, csv);
   }
   if (csv) std::fclose(csv);
