@@ -41,6 +41,7 @@ from jax_latent_ep.kernels.memory import (
     clock64,
     f32_from_bits,
     globaltimer,
+    griddepcontrol_wait_after,
     hi_f32,
     load_b32,
     load_relaxed_sys,
@@ -169,22 +170,25 @@ class Combine:
                 traced = Int32(1)
             t_entry, c_entry = globaltimer(), clock64()
 
-        cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(TRACE):
-            t_wait, c_wait = globaltimer(), clock64()
         # ---- Phase 1: one wave of loads: the first send row's source word (this rank's own mirror, written by
         # the dispatch's copy-out) and its output, lane d's peer base, this layer's epoch (EPOCH_C, written by
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
         # CTA c sends the rows r = c, c + G, ...: the first CTAs to be scheduled send (inside a jitted program the
         # last CTAs of a grid may wait for SMs that the expert stage still holds; the reduce waits for the sends
         # anyway). 2 x H200, N = 2, T = 128 in jit: 13.7 us against 14.1-14.2 with the last CTAs sending
-        # (`benchmarks/results/raw/gpu_ab_59d664b`).
+        # (`benchmarks/results/raw/gpu_ab_59d664b`). Their addresses are computed before the wait (they read no
+        # memory), so that their arithmetic runs while the previous grid still runs.
         first = cta
         first_row = Int64(peer_row(first, rank, stride))
         if first >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
-        source = load_b32(local + buf.mirror + first_row * 4)
-        pieces = self.row_pieces(out + first_row * (2 * latent), tid)
+        source_at = local + buf.mirror + first_row * 4
+        out_row = out + first_row * (2 * latent)
+        griddepcontrol_wait_after(max_tokens, [source_at, out_row, ctrl])
+        if cutlass.const_expr(TRACE):
+            t_wait, c_wait = globaltimer(), clock64()
+        source = load_b32(source_at)
+        pieces = self.row_pieces(out_row, tid)
         table = load_peer_table(peers, rank, lane, ranks)
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         completed = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D)

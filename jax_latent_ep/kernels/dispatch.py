@@ -41,6 +41,7 @@ from jax_latent_ep.kernels.memory import (
     e4m3x4,
     f32_from_bits,
     globaltimer,
+    griddepcontrol_wait_after,
     load_acquire_sys,
     load_b32,
     load_ll,
@@ -221,12 +222,8 @@ class Dispatch:
                 traced = Int32(1)
             t_entry, c_entry = globaltimer(), clock64()
 
-        cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(TRACE):
-            t_wait, c_wait = globaltimer(), clock64()
-        # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
-        # inputs, lane d's peer base, the epoch words, then warp 0 lane d's ready word of rank d (an acquire:
-        # last, so it orders only what follows: our stores into rank d's rows).
+        # The addresses of phase 1, computed before the wait (they read no memory), so that their arithmetic runs
+        # while the previous grid still runs.
         sends = Int32(0)
         if cta < stride:
             sends = Int32(1)
@@ -236,9 +233,16 @@ class Dispatch:
         token_row = Int64(cta)
         if cta >= tokens:
             token_row = Int64(0)
+        x_line = x + (token_row * latent + column) * 2
+        ready_at = local + buf.ready + Int64(lane) * lay.LINE
+        griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, ready_at])
+        if cutlass.const_expr(TRACE):
+            t_wait, c_wait = globaltimer(), clock64()
+        # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
+        # inputs, lane d's peer base, the epoch words, then warp 0 lane d's ready word of rank d (an acquire:
+        # last, so it orders only what follows: our stores into rank d's rows).
         expert_word = load_b32(ids + meta * 4)
         weight_word = load_b32(weights + meta * 4)
-        x_line = x + (token_row * latent + column) * 2
         first = load_v4(x_line)
         second = load_v4(x_line + 16)
         table = load_peer_table(peers, rank, lane, ranks)
@@ -249,7 +253,7 @@ class Dispatch:
         current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         ready = Uint32(0)
         if warp == 0 and lane < ranks and sends != 0:
-            ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
+            ready = load_acquire_sys(ready_at)
         if current == epoch:
             fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
 
@@ -260,7 +264,7 @@ class Dispatch:
             start = globaltimer()
             polls = Uint32(0)
             while reached(ready, epoch - Uint32(1)) == Uint32(0):
-                ready = load_acquire_sys(local + buf.ready + Int64(lane) * lay.LINE)
+                ready = load_acquire_sys(ready_at)
                 polls = polls + Uint32(1)
                 if poll_expired(start, polls, timeout_ns) != Uint32(0):
                     fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, lane, epoch - Uint32(1))

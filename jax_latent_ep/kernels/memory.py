@@ -157,6 +157,20 @@ def load_wide(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def griddepcontrol_wait_after(nonzero, values, *, loc=None, ip=None) -> None:
+    """Always issues one `griddepcontrol.wait`, under a predicate that is true whenever `nonzero != 0`: the OR of
+    `nonzero` and every 64-bit value in `values`. So the wait is issued only after all of `values` are computed.
+    Without it ptxas hoists the wait (SASS `ACQBULK`) to the kernel's first instructions and leaves the address
+    arithmetic behind it, where it runs after the previous grid has completed, on the critical path; with it that
+    arithmetic runs while the previous grid is still running (programmatic dependent launch). Callers pass a
+    value that is never 0 (`max_tokens >= 1`), so the wait is never skipped."""
+    mix = Int64(nonzero)
+    for value in values:
+        mix = mix | Int64(value)
+    _asm(None, [_i64(mix, loc, ip)], "{ .reg .pred p; setp.ne.u64 p, $0, 0; @p griddepcontrol.wait; }", "l", loc, ip)
+
+
+@dsl_user_op
 def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
     """Always issues one `ld.acquire.sys.global.b32`: a fresh read; this thread's later memory operations are
     ordered after it (a peer's `ready` word: our stores into its rows follow its reads of them)."""
