@@ -52,12 +52,13 @@ def stride(tokens: int) -> int:
     A multiple of 8, so that with the padded row pitches below no 128-byte line of the receive arrays
     holds rows of two source ranks (two remote writers of one line serialize on the fabric).
     """
-    return (tokens + ROW_BLOCK - 1) // ROW_BLOCK * ROW_BLOCK
+    return (tokens + ROW_BLOCK - 1) & -ROW_BLOCK
 
 
 def align(offset: int) -> int:
-    """`offset` rounded up to a multiple of 128 bytes (works on Python ints and DSL integers)."""
-    return (offset + LINE - 1) // LINE * LINE
+    """`offset` (>= 0) rounded up to a multiple of 128 bytes (works on Python ints and DSL integers; a mask, not
+    a division, so that the kernels' address arithmetic stays short)."""
+    return (offset + LINE - 1) & -LINE
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -114,12 +115,19 @@ def comb_pitch(shape: LatentMoEShape) -> int:
     return _round_up(comb_words(shape) + 1, LINE // WIDE_WORD) * WIDE_WORD
 
 
+#: Bytes of the control region: two control lines, then one `ready` line per rank. The peer table follows it
+#: directly, so a kernel finds its control lines at `peers - align(CTRL_BYTES)` without the layout's arithmetic.
+CTRL_BYTES = 2 * LINE + NUM_MAX_RANKS * LINE
+#: Offset of the first ready line inside the control region.
+READY_IN_CTRL = 2 * LINE
+
+
 def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> dict[str, tuple]:
     """`{name: (offset, bytes)}` of every region, for `stride_rows = stride(tokens)`.
 
     The single definition of the buffer layout: `EpLayout` calls it with Python ints for host sizing,
     and the kernels call it with run-time DSL integers for `stride_rows` and `tokens` (only `+`, `*`
-    and `//` are used), so host and device offsets cannot drift apart.
+    and `&` are used), so host and device offsets cannot drift apart.
     """
     rows = stride_rows * ranks
     sizes = [
@@ -129,7 +137,7 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
         ("hdr", rows * HDR_PITCH),
         ("mirror", rows * 4),
         ("comb", tokens * (ranks * comb_pitch(shape))),
-        ("ctrl", 2 * LINE + NUM_MAX_RANKS * LINE),
+        ("ctrl", CTRL_BYTES),
         ("peers", (NUM_MAX_RANKS + 1) * 8),
     ]
     regions, offset = {}, 0
@@ -252,7 +260,7 @@ class EpLayout:
     @property
     def ready(self) -> int:
         """Byte offset of the ready lines: rank `s`'s at `ready + 128 * s`."""
-        return self.ctrl + 2 * LINE
+        return self.ctrl + READY_IN_CTRL
 
     @property
     def peers(self) -> int:

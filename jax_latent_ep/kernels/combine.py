@@ -160,7 +160,7 @@ class Combine:
         buf = DeviceLayout(max_tokens, ranks, shape)
         column = Int64(tid) * 16
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
-        ctrl = local + buf.ctrl
+        ctrl = peers - lay.align(lay.CTRL_BYTES)  # right before the peer table (a constant offset, `layout`)
         stride = Int32(buf.stride)
         # Rows sent: the other ranks' rows, (N - 1) * S (this rank's own rows are reduced straight from `out`).
         peer_rows = Int32(ranks - 1) * stride
@@ -179,7 +179,7 @@ class Combine:
         # (`benchmarks/results/raw/gpu_ab_59d664b`). Their addresses are computed before the wait (they read no
         # memory), so that their arithmetic runs while the previous grid still runs.
         first = cta
-        first_row = Int64(peer_row(first, rank, stride))
+        first_row = Int64(peer_row(first, rank, stride, ranks))
         if first >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
         source_at = local + buf.mirror + first_row * 4
@@ -212,7 +212,7 @@ class Combine:
             self.send_row(table, buf, source, pieces, epoch, rank, tid)
         r = first + grid
         while r < peer_rows:
-            row = Int64(peer_row(r, rank, stride))
+            row = Int64(peer_row(r, rank, stride, ranks))
             source_q = load_b32(local + buf.mirror + row * 4)
             self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             r += grid

@@ -49,12 +49,12 @@ class DeviceLayout:
 
     def __init__(self, max_tokens, ranks: int, shape: LatentMoEShape):
         tokens = Int64(max_tokens)
-        self.stride = (tokens + (lay.ROW_BLOCK - 1)) // lay.ROW_BLOCK * lay.ROW_BLOCK  # = layout.stride
+        self.stride = lay.stride(tokens)
         regions = lay.region_offsets(self.stride, tokens, ranks, shape)
         self.rows = self.stride * ranks
         for name in ("x", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
             setattr(self, name, regions[name][0])
-        self.ready = self.ctrl + 2 * LINE  # = layout.EpLayout.ready
+        self.ready = self.ctrl + lay.READY_IN_CTRL  # = layout.EpLayout.ready
         self.x_pitch = lay.x_pitch(shape)
         self.x_words = lay.x_words(shape)  # wide LL words of a receive row's data stream
         self.meta_pitch = lay.meta_pitch(shape)
@@ -85,15 +85,21 @@ def peer_of(table: Int64, target: Int32) -> Int64:
 
 
 @cute.jit
-def peer_row(r: Int32, rank: Int32, stride: Int32) -> Int32:
+def peer_row(r: Int32, rank: Int32, stride: Int32, ranks: cutlass.Constexpr[int]) -> Int32:
     """Receive row of the `r`-th row of the other ranks (`r < (N - 1) * S`, in rank order): row `r % S` of rank
     `p = r // S`, or of `p + 1` from this rank on. A rank's own receive rows never pass through its buffer (the
     dispatch writes them straight into XLA's outputs, the combine reads them from `out`), so the copy-out and the
-    sends walk only these rows."""
-    p = r // stride
-    if p >= rank:
-        p = p + 1
-    return p * stride + r % stride
+    sends walk only these rows. At N = 2 (`r < S`, p = 0) without a division."""
+    row = r
+    if cutlass.const_expr(ranks == 2):
+        if rank == 0:
+            row = stride + r
+    else:
+        p = r // stride
+        if p >= rank:
+            p = p + 1
+        row = p * stride + r % stride
+    return row
 
 
 @cute.jit

@@ -214,7 +214,7 @@ class Dispatch:
         column = Int64(tid) * 16
         word_slots = (x_words + self.threads - 1) // self.threads  # wide words per thread (`my_words`)
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
-        ctrl = local + buf.ctrl
+        ctrl = peers - lay.align(lay.CTRL_BYTES)  # right before the peer table (a constant offset, `layout`)
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)  # the ids of an empty row
         if cutlass.const_expr(TRACE):
             traced = Int32(0)
@@ -234,7 +234,7 @@ class Dispatch:
         if cta >= tokens:
             token_row = Int64(0)
         x_line = x + (token_row * latent + column) * 2
-        ready_at = local + buf.ready + Int64(lane) * lay.LINE
+        ready_at = ctrl + lay.READY_IN_CTRL + Int64(lane) * lay.LINE
         griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, ready_at])
         if cutlass.const_expr(TRACE):
             t_wait, c_wait = globaltimer(), clock64()
@@ -427,7 +427,7 @@ class Dispatch:
         # 6.25 at T = 1, `benchmarks/results/raw/gpu_ab_59d664b`).
         r = grid - 1 - cta
         while r < peer_rows:
-            q = peer_row(r, rank, stride)
+            q = peer_row(r, rank, stride, ranks)
             row = Int64(q)
             hdr_at = local + buf.hdr + row * buf.hdr_pitch
             row_at = local + buf.x + row * buf.x_pitch
