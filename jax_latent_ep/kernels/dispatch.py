@@ -235,7 +235,7 @@ class Dispatch:
             token_row = Int64(0)
         x_line = x + (token_row * latent + column) * 2
         ready_at = ctrl + lay.READY_IN_CTRL + Int64(lane) * lay.LINE
-        griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, ready_at])
+        griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, ready_at, local + buf.mirror])
         if cutlass.const_expr(TRACE):
             t_wait, c_wait = globaltimer(), clock64()
         # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
