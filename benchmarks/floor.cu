@@ -111,6 +111,52 @@ static void launch(void (*kernel)(Args...), int grid, cudaStream_t stream, bool 
   CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
+// Median over `replays` replays of (elapsed / layers) of one CUDA graph per GPU, the slower GPU's: `capture(d,
+// stream)` enqueues GPU d's `layers` layers while the stream is captured; both GPUs' graphs are launched back to back
+// as the harness launches the real kernels, with events around each.
+template <typename Capture>
+static double graph_us(int layers, int replays, Capture capture) {
+  cudaStream_t streams[2];
+  cudaGraphExec_t execs[2];
+  cudaEvent_t start[2], stop[2];
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&start[d]));
+    CHECK(cudaEventCreate(&stop[d]));
+    CHECK(cudaStreamBeginCapture(streams[d], cudaStreamCaptureModeThreadLocal));
+    capture(d, streams[d]);
+    cudaGraph_t graph;
+    CHECK(cudaStreamEndCapture(streams[d], &graph));
+    CHECK(cudaGraphInstantiate(&execs[d], graph, 0));
+    CHECK(cudaGraphDestroy(graph));
+  }
+  std::vector<double> per;
+  for (int it = 0; it < replays + 2; ++it) {
+    for (int d = 0; d < 2; ++d) {
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaEventRecord(start[d], streams[d]));
+      CHECK(cudaGraphLaunch(execs[d], streams[d]));
+      CHECK(cudaEventRecord(stop[d], streams[d]));
+    }
+    double worst = 0;
+    for (int d = 0; d < 2; ++d) {
+      CHECK(cudaSetDevice(d));
+      CHECK(cudaEventSynchronize(stop[d]));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
+      worst = std::max(worst, ms * 1e3 / layers);
+    }
+    if (it >= 2) per.push_back(worst);  // two warm-up replays
+  }
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaGraphExecDestroy(execs[d]));
+    CHECK(cudaStreamDestroy(streams[d]));
+  }
+  return median(per);
+}
+
 
 // ---- The data skeleton of a T = 1 layer: the real kernels' memory traffic and critical path for one token at
 // N = 2, written plainly. Bare (features 0): the dispatch's CTA 0 loads its token (16 bf16 per thread), packs it
@@ -242,15 +288,26 @@ __device__ __forceinline__ unsigned char* peer_base(unsigned long long entry, co
   return peer.peer_mem;
 }
 
+// Both data kernels' entry: griddepcontrol.wait, then the thread's place, the rows it covers and (kTable) its lane's
+// peer-table entry.
+struct Entry {
+  int tid, lane, cta, rows;
+  unsigned long long entry;
+};
+
+template <int F>
+__device__ __forceinline__ Entry enter(const DataSide& me) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int tid = threadIdx.x;
+  return {tid, tid % 32, int(blockIdx.x), (F & kRows) ? kRows8 : 1, table_entry<F>(me)};
+}
+
 template <int F>
 __global__ void __launch_bounds__(kThreads) data_dispatch(DataSide me, DataSide peer, int rank) {
   __shared__ unsigned stage[3 * kRowWords];
   __shared__ unsigned shared_mask;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
-  const int rows = (F & kRows) ? kRows8 : 1;
+  const auto [tid, lane, cta, rows, entry] = enter<F>(me);
   unsigned* ctrl = me.ctrl;
-  const unsigned long long entry = table_entry<F>(me);
   const unsigned epoch = load_relaxed_sys(ctrl + kEpochD) + 1;
   unsigned expert = 0, weight = 0;
   uint4 a = make_uint4(0, 0, 0, 0), b = a;
@@ -411,11 +468,8 @@ template <int F>
 __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide peer, int rank) {
   __shared__ float stash[kThreads / 32];
   __shared__ unsigned shared_mask;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const int tid = threadIdx.x, lane = tid % 32, cta = blockIdx.x;
-  const int rows = (F & kRows) ? kRows8 : 1;
+  const auto [tid, lane, cta, rows, entry] = enter<F>(me);
   unsigned* ctrl = me.ctrl;
-  const unsigned long long entry = table_entry<F>(me);
   unsigned epoch;
   if (F & kGuard) {
     epoch = load_relaxed_sys(ctrl + kEpochC);
@@ -513,9 +567,6 @@ __global__ void __launch_bounds__(kThreads) data_combine(DataSide me, DataSide p
 
 template <int F>
 static double data_skeleton_us(DataSide side[2], int grid, int layers, int replays, unsigned* error) {
-  cudaStream_t streams[2];
-  cudaGraphExec_t execs[2];
-  cudaEvent_t start[2], stop[2];
   for (int d = 0; d < 2; ++d) {
     // The ready line starts at the last completed layer (a variant without kReady leaves it behind).
     CHECK(cudaSetDevice(d));
@@ -523,49 +574,20 @@ static double data_skeleton_us(DataSide side[2], int grid, int layers, int repla
     CHECK(cudaMemcpy(side[d].ctrl + kReadyLine, side[d].ctrl + kEpochD, 4, cudaMemcpyDeviceToDevice));
     CHECK(cudaDeviceSynchronize());
   }
-  for (int d = 0; d < 2; ++d) {
-    CHECK(cudaSetDevice(d));
-    CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
-    CHECK(cudaEventCreate(&start[d]));
-    CHECK(cudaEventCreate(&stop[d]));
-    CHECK(cudaStreamBeginCapture(streams[d], cudaStreamCaptureModeThreadLocal));
+  double us = graph_us(layers, replays, [&](int d, cudaStream_t stream) {
     for (int l = 0; l < layers; ++l) {
-      launch(data_dispatch<F>, grid, streams[d], true, side[d], side[1 - d], d);
-      launch(data_combine<F>, grid, streams[d], true, side[d], side[1 - d], d);
+      launch(data_dispatch<F>, grid, stream, true, side[d], side[1 - d], d);
+      launch(data_combine<F>, grid, stream, true, side[d], side[1 - d], d);
     }
-    cudaGraph_t graph;
-    CHECK(cudaStreamEndCapture(streams[d], &graph));
-    CHECK(cudaGraphInstantiate(&execs[d], graph, 0));
-    CHECK(cudaGraphDestroy(graph));
-  }
-  std::vector<double> per;
-  for (int it = 0; it < replays + 2; ++it) {
-    for (int d = 0; d < 2; ++d) {
-      CHECK(cudaSetDevice(d));
-      CHECK(cudaEventRecord(start[d], streams[d]));
-      CHECK(cudaGraphLaunch(execs[d], streams[d]));
-      CHECK(cudaEventRecord(stop[d], streams[d]));
-    }
-    double worst = 0;
-    for (int d = 0; d < 2; ++d) {
-      CHECK(cudaSetDevice(d));
-      CHECK(cudaEventSynchronize(stop[d]));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
-      worst = std::max(worst, ms * 1e3 / layers);
-    }
-    if (it >= 2) per.push_back(worst);
-  }
+  });
   *error = 0;
   for (int d = 0; d < 2; ++d) {
     CHECK(cudaSetDevice(d));
     unsigned e = 0;
     CHECK(cudaMemcpy(&e, side[d].ctrl + kError, 4, cudaMemcpyDeviceToHost));
     *error |= e;
-    CHECK(cudaGraphExecDestroy(execs[d]));
-    CHECK(cudaStreamDestroy(streams[d]));
   }
-  return median(per);
+  return us;
 }
 
 // Checks the last layer's outputs of the data skeleton on the host: every GPU's normed row matches a host
@@ -613,55 +635,19 @@ static void data_skeleton_row(DataSide side[2], const std::vector<unsigned short
   if (csv) std::fprintf(csv, "data_skeleton_layer_us_t1_g16_f%d%s,0,%.4f\n", F, ok ? "" : "_WRONG", us);
 }
 
-// Median over replays of (elapsed / layers) of a CUDA graph of `layers` skeleton layers per GPU (the slower
-// GPU's), both GPUs' graphs launched back to back as the harness launches the real kernels.
+// The skeleton layer's time (`graph_us`): `stages` kernels per layer (see `exchange`), with or without programmatic
+// launch.
 static double skeleton_us(unsigned* lines[2], int stages, bool pdl, int grid, int layers, int replays) {
-  cudaStream_t streams[2];
-  cudaGraphExec_t execs[2];
-  cudaEvent_t start[2], stop[2];
-  for (int d = 0; d < 2; ++d) {
-    CHECK(cudaSetDevice(d));
-    CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
-    CHECK(cudaEventCreate(&start[d]));
-    CHECK(cudaEventCreate(&stop[d]));
+  return graph_us(layers, replays, [&](int d, cudaStream_t stream) {
     unsigned* own = lines[d];
     unsigned* peer = lines[1 - d];
     // Words (4 bytes) at 128-byte lines: 0 the dispatch flag, 32 the combine flag, 64 the completed layer.
-    CHECK(cudaStreamBeginCapture(streams[d], cudaStreamCaptureModeThreadLocal));
     for (int l = 0; l < layers; ++l) {
-      launch(exchange, grid, streams[d], pdl, peer, own, own + 64, 0);
-      if (stages == 3) launch(idle, grid, streams[d], pdl);
-      launch(exchange, grid, streams[d], pdl, peer + 32, own + 32, own + 64, 1);
+      launch(exchange, grid, stream, pdl, peer, own, own + 64, 0);
+      if (stages == 3) launch(idle, grid, stream, pdl);
+      launch(exchange, grid, stream, pdl, peer + 32, own + 32, own + 64, 1);
     }
-    cudaGraph_t graph;
-    CHECK(cudaStreamEndCapture(streams[d], &graph));
-    CHECK(cudaGraphInstantiate(&execs[d], graph, 0));
-    CHECK(cudaGraphDestroy(graph));
-  }
-  std::vector<double> per;
-  for (int it = 0; it < replays + 2; ++it) {
-    for (int d = 0; d < 2; ++d) {
-      CHECK(cudaSetDevice(d));
-      CHECK(cudaEventRecord(start[d], streams[d]));
-      CHECK(cudaGraphLaunch(execs[d], streams[d]));
-      CHECK(cudaEventRecord(stop[d], streams[d]));
-    }
-    double worst = 0;
-    for (int d = 0; d < 2; ++d) {
-      CHECK(cudaSetDevice(d));
-      CHECK(cudaEventSynchronize(stop[d]));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
-      worst = std::max(worst, ms * 1e3 / layers);
-    }
-    if (it >= 2) per.push_back(worst);
-  }
-  for (int d = 0; d < 2; ++d) {
-    CHECK(cudaSetDevice(d));
-    CHECK(cudaGraphExecDestroy(execs[d]));
-    CHECK(cudaStreamDestroy(streams[d]));
-  }
-  return median(per);
+  });
 }
 
 int main(int argc, char** argv) {
