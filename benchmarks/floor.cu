@@ -1,5 +1,7 @@
 // The hardware floor of one dispatch + combine between two GPUs: the NVLink flag round trip and the
-// SM-issued 16-byte store bandwidth to the peer (and to local memory, for scale).
+// SM-issued 16-byte store bandwidth to the peer (and to local memory, for scale); then the skeletons of a layer,
+// timed as the kernel harness times the kernels: the synchronisation alone (`exchange`) and a T = 1 layer's data
+// path with a ladder of the kernels' features (`data_dispatch`, `data_combine`).
 //
 // Build and run on a machine with 2 GPUs joined by NVLink (nvcc from the CUDA toolkit):
 //   nvcc -O3 -arch=sm_90a -o floor benchmarks/floor.cu && ./floor [csv-out]

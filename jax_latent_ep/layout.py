@@ -115,9 +115,11 @@ def comb_pitch(shape: LatentMoEShape) -> int:
     return _round_up(comb_words(shape) + 1, LINE // WIDE_WORD) * WIDE_WORD
 
 
-#: Bytes of the control region: two control lines, then one `ready` line per rank. The peer table follows it
-#: directly, so a kernel finds its control lines at `peers - align(CTRL_BYTES)` without the layout's arithmetic.
+#: Bytes of the control region: two control lines, then one `ready` line per rank.
 CTRL_BYTES = 2 * LINE + NUM_MAX_RANKS * LINE
+#: The peer table follows the control region directly (`region_offsets`), so a kernel finds its control lines at
+#: `peers - CTRL_BELOW_PEERS`, a constant, without the layout's arithmetic on `max_tokens`.
+CTRL_BELOW_PEERS = align(CTRL_BYTES)
 #: Offset of the first ready line inside the control region.
 READY_IN_CTRL = 2 * LINE
 

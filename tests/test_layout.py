@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape, check_max_tokens
-from jax_latent_ep.layout import LINE, NUM_CTRL_WORDS, EpLayout, region_offsets, stride
+from jax_latent_ep.layout import CTRL_BELOW_PEERS, LINE, NUM_CTRL_WORDS, EpLayout, region_offsets, stride
 
 TOKENS = [1, 5, 7, 8, 9, 13, 64, 100, 128, 1000, 65535]
 SHAPES = [KIMI_K3, DEEPSEEK_V3, LatentMoEShape(latent=96, experts=12, topk=6), LatentMoEShape(32, 7, 1)]
@@ -81,6 +81,8 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
             # Each ready word owns a line; control words come before them; the peer table is last.
             assert lay.ready == lay.ctrl + 2 * LINE and lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ctrl + LINE
             assert lay.ready + 32 * LINE <= lay.peers and lay.peers + 33 * 8 <= lay.bytes
+            # The kernels find the control lines at a constant offset below the peer table.
+            assert lay.peers - lay.ctrl == CTRL_BELOW_PEERS
 
 
 def test_region_offsets_is_the_one_definition():

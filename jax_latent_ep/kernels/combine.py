@@ -160,7 +160,7 @@ class Combine:
         buf = DeviceLayout(max_tokens, ranks, shape)
         column = Int64(tid) * 16
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
-        ctrl = peers - lay.align(lay.CTRL_BYTES)  # right before the peer table (a constant offset, `layout`)
+        ctrl = peers - lay.CTRL_BELOW_PEERS  # right before the peer table: a constant offset
         stride = Int32(buf.stride)
         # Rows sent: the other ranks' rows, (N - 1) * S (this rank's own rows are reduced straight from `out`).
         peer_rows = Int32(ranks - 1) * stride

@@ -214,7 +214,7 @@ class Dispatch:
         column = Int64(tid) * 16
         word_slots = (x_words + self.threads - 1) // self.threads  # wide words per thread (`my_words`)
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
-        ctrl = peers - lay.align(lay.CTRL_BYTES)  # right before the peer table (a constant offset, `layout`)
+        ctrl = peers - lay.CTRL_BELOW_PEERS  # right before the peer table: a constant offset
         invalid = Uint32(((rank + 1) % ranks) * self.local_experts)  # the ids of an empty row
         if cutlass.const_expr(TRACE):
             traced = Int32(0)
@@ -222,8 +222,8 @@ class Dispatch:
                 traced = Int32(1)
             t_entry, c_entry = globaltimer(), clock64()
 
-        # The addresses of phase 1, computed before the wait (they read no memory), so that their arithmetic runs
-        # while the previous grid still runs.
+        # The addresses of phase 1 and the buffer's base (the own rows' and the copy-out's addresses), computed before
+        # the wait (they read no memory), so that their arithmetic runs while the previous grid still runs.
         sends = Int32(0)
         if cta < stride:
             sends = Int32(1)
