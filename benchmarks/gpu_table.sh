@@ -6,8 +6,10 @@
 #   GIT_COMMIT=<sha> OUT=<dir> [STAGES="floor latency final buf128"] bash benchmarks/gpu_table.sh
 # Then: python benchmarks/floor_rows.py $OUT/floor_raw.csv --commit <sha> >> benchmarks/results/floor.csv,
 # python benchmarks/plot.py --ranks 2.
+# At most 8 files come back from a device call: the CSVs, table.txt, and every log in logs.tar.gz.
 source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-floor latency final buf128}"
+T=/tmp/table; rm -rf $T; mkdir -p $T/final  # gpu_final.sh clears $W: its output and logs go here
 {
 if has floor; then
   log "floor: flag round trip and SM store bandwidth (benchmarks/floor.cu)"
@@ -20,15 +22,18 @@ if has latency; then
   done
 fi
 if has final; then
-  STAGES="bench xlacb" BENCH_RANKS=2 XLACB_VARIANTS=collectives-cmdbuf XLACB_TOKENS=1,2,5,8,16,32,64,128 \
-    bash benchmarks/gpu_final.sh > $W/final.txt 2>&1
-  grep -v "^\[" $W/final.txt
+  OUT=$T/final STAGES="bench xlacb" BENCH_RANKS=2 XLACB_VARIANTS=collectives-cmdbuf XLACB_TOKENS=1,2,5,8,16,32,64,128 \
+    bash benchmarks/gpu_final.sh > $T/final.txt 2>&1
+  grep -v "^\[" $T/final.txt
+  cp $T/final/bench.csv $T/final/bench_xlacb.csv $OUT/
 fi
 if has buf128; then
   log "jitted NVLink layer, N = 2 (one process per GPU), one buffer of 128 tokens for every T"
   timeout 150 python3 benchmarks/bench.py all --backends nvlink --tokens 1,2,5,8,16,32,64,128 --layers 32 --repeats 10 \
     --max-tokens 128 --only-ranks 2 --only-procs 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
-    --tag=-buf128 --out $OUT/bench_buf128.csv 2>&1 | grep -v "^\[" | tail -3
+    --tag=-buf128 --out $T/bench_buf128.csv 2>&1 | grep -v "^\[" | tail -3
+  cp $T/bench_buf128.csv $OUT/
 fi
 log done
 } 2>&1 | tee $OUT/table.txt
+tar czf $OUT/logs.tar.gz -C $T . 2>/dev/null
