@@ -8,7 +8,7 @@
 # EXTRA="name=dir ...": more trees of this commit (build variants, e.g. other build-time settings), each run like
 # OLD under its own name (a name must not start with old, mid or new).
 #   GIT_COMMIT=<sha> OLD_COMMIT=<sha> OLD=<dir> [MID_COMMIT=<sha> MID=<dir>] [EXTRA="name=dir ..."] OUT=<dir>
-#   [STAGES="floor check latency jit bench"] bash benchmarks/gpu_ab.sh
+#   [STAGES="floor check latency jit bench"] [JIT_MAX_TOKENS="-1 128"] [JIT_TOKENS=1,8,32,128] bash benchmarks/gpu_ab.sh
 source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-floor latency jit bench}"
 NEW=$PWD
@@ -48,12 +48,15 @@ for mt in 8 128; do
 done
 fi
 if has jit; then
-log "jitted layer, N = 2 (one process per GPU), the NVLink backend of each tree"
+for mt in ${JIT_MAX_TOKENS:--1}; do  # -1: each T its own buffer (max_tokens = T); N: one buffer of N tokens
+log "jitted layer, N = 2 (one process per GPU), the NVLink backend of each tree, --max-tokens $mt"
 for side in ${JIT_SIDES:-new old ${MID:+mid} new-again}; do
   dir=$(side_dir $side); commit=$(side_commit $side)
-  (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,32,128 \
-    --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 --only-procs 2 \
-    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-$side --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" | tail -2)
+  tag=-$side; [ $mt = -1 ] || tag=-$side-buf$mt
+  (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens ${JIT_TOKENS:-1,8,32,128} \
+    --layers 32 --repeats 10 --max-tokens $mt --only-ranks 2 --only-procs 2 \
+    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=$tag --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" | tail -2)
+done
 done
 fi
 if has bench; then

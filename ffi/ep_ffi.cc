@@ -403,7 +403,7 @@ class KernelParams {
 #endif
 
  private:
-  static constexpr int kMax = 16;  // dispatch takes 14, combine 12
+  static constexpr int kMax = 16;  // dispatch takes 15, combine 13
   struct Slot {
     alignas(8) unsigned char bytes[8];
     size_t size;
@@ -558,6 +558,7 @@ ffi::Error prepare_dispatch(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer id
   p.value(int64_t{r->timeout_ns});
   p.value(int32_t{r->rank});
   p.value(static_cast<int32_t>(T));
+  p.value(static_cast<int32_t>(T));  // peer_tokens: under shard_map every rank's T is this call's T
   p.value(int32_t{r->max_tokens});
   return ffi::Error::Success();
 }
@@ -666,6 +667,7 @@ ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer i
   p.value(float{eps});
   p.value(int32_t{r->rank});
   p.value(static_cast<int32_t>(T));
+  p.value(static_cast<int32_t>(T));  // peer_tokens: every rank's T (the dispatch's)
   p.value(int32_t{r->max_tokens});
   p.value(int32_t{apply_norm != 0 ? 1 : 0});
   return ffi::Error::Success();

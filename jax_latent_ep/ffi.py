@@ -100,12 +100,12 @@ _RECORD_RETRY = 2  # ep_register_record_targets: no XLA FFI API seen yet (the CU
 DISPATCH_PARAMS = (
     ("x", "i64"), ("ids", "i64"), ("weights", "i64"), ("peers", "i64"), ("recv_x", "i64"), ("recv_sf", "i64"),
     ("recv_ids", "i64"), ("recv_weights", "i64"), ("recv_src", "i64"), ("status", "i64"), ("timeout_ns", "i64"),
-    ("rank", "i32"), ("tokens", "i32"), ("max_tokens", "i32"),
+    ("rank", "i32"), ("tokens", "i32"), ("peer_tokens", "i32"), ("max_tokens", "i32"),
 )
 COMBINE_PARAMS = (
     ("out", "i64"), ("ids", "i64"), ("norm_weight", "i64"), ("result", "i64"), ("peers", "i64"), ("status", "i64"),
-    ("timeout_ns", "i64"), ("eps", "f32"), ("rank", "i32"), ("tokens", "i32"), ("max_tokens", "i32"),
-    ("apply_norm", "i32"),
+    ("timeout_ns", "i64"), ("eps", "f32"), ("rank", "i32"), ("tokens", "i32"), ("peer_tokens", "i32"),
+    ("max_tokens", "i32"), ("apply_norm", "i32"),
 )
 
 

@@ -54,14 +54,15 @@ from jax_latent_ep.layout import stride
 from jax_latent_ep.symmetric import SymmetricBuffers, _distributed_client, publish_failure
 from jax_latent_ep.types import Received
 
-#: Default dispatch grid: at least one CTA per token, at least min(N*S, 256) CTAs (a CTA polls its rows one after
-#: another). The copy-out walks the other ranks' (N - 1) * S rows from the last CTA down, so with N * S >= (N - 1)
-#: * S + T CTAs no CTA that stores a token also polls a row. 256 against 128 at N = 2, buffer of 128 tokens (2 x
-#: H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`, before the own-row bypass): 7.26 / 7.65 / 8.62 / 14.84 us
-#: against 7.62 / 7.93 / 9.05 / 15.03 at T = 1 / 5 / 32 / 128.
+#: Default dispatch grid: at least one CTA per token, at least min(N * stride(T), 256) CTAs (a CTA polls its rows one
+#: after another). The copy-out walks the other ranks' (N - 1) * T rows that carry anything in a call of T tokens
+#: (the kernels' `peer_tokens`) from the last CTA down, so with N * stride(T) >= (N - 1) * T + T CTAs no CTA that
+#: stores a token also polls a row. The grid follows T, not the buffer's max_tokens: the rows past T are written empty
+#: without a poll. 256 against 128 at N = 2, T = 128 (2 x H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`, before the
+#: own-row bypass): 14.84 us against 15.03.
 DISPATCH_MIN_CTAS = 256
-#: Default combine grid: at least one CTA per own token, at least min(N*S, 256) CTAs (the first (N - 1) * S send
-#: the other ranks' rows, one each).
+#: Default combine grid: at least one CTA per own token, at least min(N * stride(T), 256) CTAs (the first
+#: (N - 1) * T send the other ranks' rows, one each).
 COMBINE_MIN_CTAS = 256
 
 _instances = itertools.count(1)
@@ -144,9 +145,9 @@ def _release(instance: int, registered: list, buffers: list, background: bool) -
         close_all()
 
 
-def default_grids(tokens: int, ranks: int, max_tokens: int) -> tuple[int, int]:
-    """(dispatch CTAs, combine CTAs) for a call with `tokens` tokens per rank."""
-    rows = ranks * stride(max_tokens)
+def default_grids(tokens: int, ranks: int) -> tuple[int, int]:
+    """(dispatch CTAs, combine CTAs) for a call with `tokens` tokens per rank (whatever the buffer's max_tokens)."""
+    rows = ranks * stride(tokens)
     return max(tokens, min(rows, DISPATCH_MIN_CTAS)), max(tokens, min(rows, COMBINE_MIN_CTAS))
 
 
@@ -272,7 +273,7 @@ class NvlinkBackend:
         if self._grid is None:
             # The default rule, lowered to the co-residency bound where that still leaves one CTA per token.
             grids = tuple(max(tokens, min(g, bound))
-                          for g, bound in zip(default_grids(tokens, self.ranks, self.max_tokens), self.max_grids))
+                          for g, bound in zip(default_grids(tokens, self.ranks), self.max_grids))
         else:
             grids = max(tokens, self._grid[0]), self._grid[1]
         for name, g, bound in zip(("dispatch", "combine"), grids, self.max_grids):

@@ -20,9 +20,9 @@ from jax_latent_ep.testing import harness, model
 BF16 = harness.BF16
 SYSTEM = harness.System  # the class (test_stress_cli replaces harness.System by a factory)
 DISPATCH_PARAMS = ("x", "ids", "weights", "peers", "recv_x", "recv_sf", "recv_ids", "recv_weights", "recv_src",
-                   "status", "timeout_ns", "rank", "tokens", "max_tokens")
+                   "status", "timeout_ns", "rank", "tokens", "peer_tokens", "max_tokens")
 COMBINE_PARAMS = ("out", "ids", "norm_weight", "result", "peers", "status", "timeout_ns", "eps", "rank", "tokens",
-                  "max_tokens", "apply_norm")
+                  "peer_tokens", "max_tokens", "apply_norm")
 
 
 def _view(ptr, dtype, shape):
@@ -50,6 +50,8 @@ class Emulator:
             kinds = {kind for kind, _ in ops}
             assert len(kinds) == 1 and len(ops) == self.layout.ranks, [k for k, _ in ops]
             args = {a["rank"]: a for _, a in ops}
+            # The kernels' precondition: every rank of a call passes the same peer_tokens, the largest T.
+            assert {a["peer_tokens"] for a in args.values()} == {max(a["tokens"] for a in args.values())}
             if kinds == {"dispatch"}:
                 self.dispatch(args)
             else:

@@ -97,9 +97,11 @@ def test_records_missing_rank():
 def test_default_grids():
     from jax_latent_ep.nvlink import COMBINE_MIN_CTAS, DISPATCH_MIN_CTAS, NvlinkBackend, default_grids
 
-    assert default_grids(1, 2, 8) == (16, 16)  # min(N*S, DISPATCH_MIN_CTAS), min(N*S, COMBINE_MIN_CTAS)
-    assert default_grids(5, 8, 64) == (min(512, DISPATCH_MIN_CTAS), min(512, COMBINE_MIN_CTAS))
-    assert default_grids(1000, 2, 1024) == (1000, 1000)  # at least one CTA per token
+    # min(N * stride(T), DISPATCH_MIN_CTAS), min(N * stride(T), COMBINE_MIN_CTAS): the call's rows, not the buffer's
+    assert default_grids(1, 2) == (16, 16)
+    assert default_grids(5, 8) == (64, 64)
+    assert default_grids(64, 8) == (min(512, DISPATCH_MIN_CTAS), min(512, COMBINE_MIN_CTAS))
+    assert default_grids(1000, 2) == (1000, 1000)  # at least one CTA per token
     assert NvlinkBackend._check_grid(None) is None
     assert NvlinkBackend._check_grid(7) == (7, 7)
     assert NvlinkBackend._check_grid((3, 9)) == (3, 9)

@@ -6,9 +6,10 @@ token's destination set, rounded once to BF16 (the routed latent), optionally vL
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): out, ids, norm_weight, result, peers, status (i64 addresses),
-timeout_ns (i64), eps (f32), rank, tokens, max_tokens, apply_norm (i32).
-Grid: G >= 1 CTAs; the other ranks' rows r = c, c + G, ... < (N - 1) * S are sent; own tokens t = c, c + G, ...
-< T are reduced. Block: L // 16 threads.
+timeout_ns (i64), eps (f32), rank, tokens, peer_tokens, max_tokens, apply_norm (i32).
+Grid: G >= 1 CTAs; the other ranks' rows r = c, c + G, ... < (N - 1) * peer_tokens are sent (rows t < peer_tokens
+of each; the dispatch of this layer left the others empty); own tokens t = c, c + G, ... < T are reduced.
+Block: L // 16 threads.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ PARAMS = (
     ("eps", "f32"),
     ("rank", "i32"),
     ("tokens", "i32"),
+    ("peer_tokens", "i32"),
     ("max_tokens", "i32"),
     ("apply_norm", "i32"),
 )
@@ -116,11 +118,13 @@ class Combine:
         eps: Float32,
         rank: Int32,
         tokens: Int32,
+        peer_tokens: Int32,
         max_tokens: Int32,
         apply_norm: Int32,
     ):
         self.kernel(
-            out, ids, norm_weight, result, peers, status, timeout_ns, eps, rank, tokens, max_tokens, apply_norm
+            out, ids, norm_weight, result, peers, status, timeout_ns, eps, rank, tokens, peer_tokens, max_tokens,
+            apply_norm,
         ).launch(**launch_options(self.threads, SMEM_BYTES, [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
@@ -139,6 +143,7 @@ class Combine:
         eps: Float32,
         rank: Int32,
         tokens: Int32,
+        peer_tokens: Int32,
         max_tokens: Int32,
         apply_norm: Int32,
     ):
@@ -162,8 +167,9 @@ class Combine:
         local = peers - buf.peers  # the peer table lives in this rank's buffer: no load for the local base
         ctrl = peers - lay.CTRL_BELOW_PEERS  # right before the peer table: a constant offset
         stride = Int32(buf.stride)
-        # Rows sent: the other ranks' rows, (N - 1) * S (this rank's own rows are reduced straight from `out`).
-        peer_rows = Int32(ranks - 1) * stride
+        # Rows sent: rows t < peer_tokens of the other ranks, (N - 1) * peer_tokens (this rank's own rows are reduced
+        # straight from `out`; the rows past peer_tokens are empty in every call of this layer).
+        peer_rows = Int32(ranks - 1) * peer_tokens
         if cutlass.const_expr(TRACE):
             traced = Int32(0)
             if tid == 0 and cta == 0:
@@ -179,7 +185,7 @@ class Combine:
         # (`benchmarks/results/raw/gpu_ab_59d664b`). Their addresses are computed before the wait (they read no
         # memory), so that their arithmetic runs while the previous grid still runs.
         first = cta
-        first_row = Int64(peer_row(first, rank, stride, ranks))
+        first_row = Int64(peer_row(first, rank, stride, peer_tokens, ranks))
         if first >= peer_rows:
             first_row = Int64(0)  # a valid address; nothing is sent
         source_at = local + buf.mirror + first_row * 4
@@ -212,7 +218,7 @@ class Combine:
             self.send_row(table, buf, source, pieces, epoch, rank, tid)
         r = first + grid
         while r < peer_rows:
-            row = Int64(peer_row(r, rank, stride, ranks))
+            row = Int64(peer_row(r, rank, stride, peer_tokens, ranks))
             source_q = load_b32(local + buf.mirror + row * 4)
             self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             r += grid
@@ -399,5 +405,5 @@ Combine.kernel.set_name_prefix("ep_combine", remove_cutlass_symbol=True, keep_ma
 def compile_combine(shape: LatentMoEShape, ranks: int, arch: str = "sm_90a"):
     """Compiles the combine kernel of `(shape, ranks)` for `arch`; returns `(symbol, cubin bytes)`."""
     kernel = Combine(shape, ranks)
-    fake = [Int64(0)] * 7 + [Float32(0.0)] + [Int32(0)] * 4
+    fake = [Int64(0)] * 7 + [Float32(0.0)] + [Int32(0)] * 5
     return compile_cubin(kernel.launch, fake, arch)

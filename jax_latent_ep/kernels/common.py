@@ -85,20 +85,22 @@ def peer_of(table: Int64, target: Int32) -> Int64:
 
 
 @cute.jit
-def peer_row(r: Int32, rank: Int32, stride: Int32, ranks: cutlass.Constexpr[int]) -> Int32:
-    """Receive row of the `r`-th row of the other ranks (`r < (N - 1) * S`, in rank order): row `r % S` of rank
-    `p = r // S`, or of `p + 1` from this rank on. A rank's own receive rows never pass through its buffer (the
-    dispatch writes them straight into XLA's outputs, the combine reads them from `out`), so the copy-out and the
-    sends walk only these rows. At N = 2 (`r < S`, p = 0) without a division."""
+def peer_row(r: Int32, rank: Int32, stride: Int32, peer_tokens: Int32, ranks: cutlass.Constexpr[int]) -> Int32:
+    """Receive row of the `r`-th polled row of the other ranks (`r < (N - 1) * peer_tokens`, in rank order): row
+    `r % peer_tokens` of rank `p = r // peer_tokens`, or of `p + 1` from this rank on. Rows `peer_tokens ..
+    S - 1` of a rank carry nothing in this call (no rank has that many tokens), and a rank's own receive rows never
+    pass through its buffer (the dispatch writes them straight into XLA's outputs, the combine reads them from
+    `out`), so the copy-out and the sends walk only these rows. At N = 2 (`r < peer_tokens`, p = 0) without a
+    division."""
     row = r
     if cutlass.const_expr(ranks == 2):
         if rank == 0:
             row = stride + r
     else:
-        p = r // stride
+        p = r // peer_tokens
         if p >= rank:
             p = p + 1
-        row = p * stride + r % stride
+        row = p * stride + r - (r // peer_tokens) * peer_tokens
     return row
 
 

@@ -6,9 +6,12 @@ output arrays, polling each word until it carries this layer's epoch.
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters (docs/kernel_abi.md; all scalars): x, ids, weights, peers, recv_x, recv_sf, recv_ids,
-recv_weights, recv_src, status (i64 addresses), timeout_ns (i64), rank, tokens, max_tokens (i32).
-Grid: G >= T CTAs (a run-time choice); CTA c < S stores source rows j = c, c + G, ... < S (token j if j < T,
-else an empty row); the (N - 1) * S rows of the other ranks are copied out, the r-th by CTA (G - 1 - r) mod G.
+recv_weights, recv_src, status (i64 addresses), timeout_ns (i64), rank, tokens, peer_tokens, max_tokens (i32).
+`peer_tokens` (>= T, the same on every rank of the call; the JAX path passes T, which every rank shares) bounds the
+rows that carry anything: rows j >= peer_tokens of every source are empty without a word sent or polled.
+Grid: G >= T CTAs (a run-time choice); CTA c < S takes source rows j = c, c + G, ... < S (token j if j < T, else an
+empty row; stored to the peers only if j < peer_tokens, and for j >= peer_tokens every rank's row j is written empty
+here); the (N - 1) * peer_tokens polled rows of the other ranks are copied out, the r-th by CTA (G - 1 - r) mod G.
 Block: L // 16 threads.
 """
 
@@ -83,6 +86,7 @@ PARAMS = (
     ("timeout_ns", "i64"),
     ("rank", "i32"),
     ("tokens", "i32"),
+    ("peer_tokens", "i32"),
     ("max_tokens", "i32"),
 )
 
@@ -164,11 +168,12 @@ class Dispatch:
         timeout_ns: Int64,
         rank: Int32,
         tokens: Int32,
+        peer_tokens: Int32,
         max_tokens: Int32,
     ):
         self.kernel(
             x, ids, weights, peers, recv_x, recv_sf, recv_ids, recv_weights, recv_src,
-            status, timeout_ns, rank, tokens, max_tokens,
+            status, timeout_ns, rank, tokens, peer_tokens, max_tokens,
         ).launch(**launch_options(self.threads, smem_bytes(self.shape), [tokens, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
@@ -190,6 +195,7 @@ class Dispatch:
         timeout_ns: Int64,
         rank: Int32,
         tokens: Int32,
+        peer_tokens: Int32,
         max_tokens: Int32,
     ):
         shape, ranks = self.shape, self.ranks
@@ -224,8 +230,8 @@ class Dispatch:
 
         # The addresses of phase 1 and the buffer's base (the own rows' and the copy-out's addresses), computed before
         # the wait (they read no memory), so that their arithmetic runs while the previous grid still runs.
-        sends = Int32(0)
-        if cta < stride:
+        sends = Int32(0)  # 1: this CTA stores into the peers' rows (only rows j < peer_tokens go to a peer)
+        if cta < peer_tokens:
             sends = Int32(1)
         meta = Int64(cta) * topk + tid
         if tid >= topk or cta >= tokens:
@@ -385,18 +391,27 @@ class Dispatch:
                                     recv_src, local + buf.mirror)
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
-        # Rows without a token (j >= T; j = c, then c + G, ... < S): an empty header on every peer, the constants of
-        # an empty row in this rank's own outputs.
+        # Rows without a token (j >= T; j = c, then c + G, ... < S). j < peer_tokens: an empty header on every peer
+        # (it polls the row), the constants of an empty row in this rank's own outputs. j >= peer_tokens: no rank
+        # stores or polls row j of anyone in this layer, so this CTA writes the constants of every source's row j
+        # into this rank's outputs.
         j = cta
         if cta < tokens:
             j = cta + grid
         if warp == 0:
             while j < stride:
-                own_row = Int64(rank) * buf.stride + j
-                if lane < ranks and lane != rank:
-                    store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
-                self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
-                                    recv_src, local + buf.mirror)
+                if j < peer_tokens:
+                    own_row = Int64(rank) * buf.stride + j
+                    if lane < ranks and lane != rank:
+                        store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                    self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
+                                        recv_src, local + buf.mirror)
+                else:
+                    source = Int32(0)
+                    while source < ranks:
+                        self.write_own_meta(Int64(source) * buf.stride + j, tid, invalid, Uint32(0), Uint32(EMPTY),
+                                            recv_ids, recv_weights, recv_src, local + buf.mirror)
+                        source += 1
                 j += grid
 
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
@@ -421,13 +436,13 @@ class Dispatch:
         if tid < topk:
             has_meta = Uint32(1)
             meta_col = Int64(tid)
-        peer_rows = Int32(ranks - 1) * stride  # the rows of the other ranks: (N - 1) * S
-        # The last CTAs take the first rows (r = G - 1 - c, then + G): with G >= (N - 1) S + T no CTA that stored a
-        # token also polls a row (2 x H200, N = 2, kernels alone: 11.6 against 11.9 us at T = 128, 5.95 against
+        peer_rows = Int32(ranks - 1) * peer_tokens  # the polled rows of the other ranks: (N - 1) * peer_tokens
+        # The last CTAs take the first rows (r = G - 1 - c, then + G): with G >= (N - 1) * peer_tokens + T no CTA
+        # that stored a token also polls a row (2 x H200, N = 2, kernels alone: 11.6 against 11.9 us at T = 128, 5.95 against
         # 6.25 at T = 1, `benchmarks/results/raw/gpu_ab_59d664b`).
         r = grid - 1 - cta
         while r < peer_rows:
-            q = peer_row(r, rank, stride, ranks)
+            q = peer_row(r, rank, stride, peer_tokens, ranks)
             row = Int64(q)
             hdr_at = local + buf.hdr + row * buf.hdr_pitch
             row_at = local + buf.x + row * buf.x_pitch
@@ -538,5 +553,5 @@ Dispatch.kernel.set_name_prefix("ep_dispatch", remove_cutlass_symbol=True, keep_
 def compile_dispatch(shape: LatentMoEShape, ranks: int, arch: str = "sm_90a"):
     """Compiles the dispatch kernel of `(shape, ranks)` for `arch`; returns `(symbol, cubin bytes)`."""
     kernel = Dispatch(shape, ranks)
-    fake = [Int64(0)] * 11 + [Int32(0)] * 3
+    fake = [Int64(0)] * 11 + [Int32(0)] * 4
     return compile_cubin(kernel.launch, fake, arch)

@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
-from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, TRACE, TRACE_LAYERS, EpLayout
+from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, TRACE, TRACE_LAYERS, EpLayout, stride
 from jax_latent_ep.testing import model
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
@@ -284,8 +284,9 @@ class Rank:
         return out
 
 
-def _grid(tokens, rows, cap):
-    return max(tokens, min(rows, cap))
+def _grid(tokens, peer_tokens, ranks, cap):
+    """The FFI's default grid (`nvlink.default_grids`) for a call whose ranks send at most `peer_tokens` tokens."""
+    return max(tokens, min(ranks * stride(peer_tokens), cap))
 
 
 class System:
@@ -346,12 +347,14 @@ class System:
             check(self.cu.cuCtxSetCurrent(r.ctx))
             check(self.cu.cuStreamSynchronize(r.stream))
 
-    def launch_dispatch(self, r: Rank, tokens, timeout_ns=None, **pointers):
-        """Launches rank `r`'s dispatch of `tokens` tokens on its stream. `pointers` (raw device addresses, by
-        parameter name: x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src) replace the rank's
-        own arrays."""
+    def launch_dispatch(self, r: Rank, tokens, timeout_ns=None, peer_tokens=None, **pointers):
+        """Launches rank `r`'s dispatch of `tokens` tokens on its stream. `peer_tokens`: the largest T of any rank
+        in this call (every rank must pass the same; None: `tokens`, every rank sends as many). `pointers` (raw
+        device addresses, by parameter name: x, ids, weights, recv_x, recv_sf, recv_ids, recv_weights, recv_src)
+        replace the rank's own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
-        grid = _grid(tokens, self.layout.rows, self.grid_cap)
+        peer_tokens = tokens if peer_tokens is None else peer_tokens
+        grid = _grid(tokens, peer_tokens, self.n, self.grid_cap)
         args = dict(
             x=r.x.ptr, ids=r.ids.ptr, weights=r.weights.ptr, recv_x=r.recv_x.ptr, recv_sf=r.recv_sf.ptr,
             recv_ids=r.recv_ids.ptr, recv_weights=r.recv_weights.ptr, recv_src=r.recv_src.ptr,
@@ -360,19 +363,21 @@ class System:
         r.dispatch.launch(
             r.stream, grid, peers=r.peers.ptr, status=self.status,
             timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns,
-            rank=r.rank, tokens=tokens, max_tokens=self.max_tokens, **args,
+            rank=r.rank, tokens=tokens, peer_tokens=peer_tokens, max_tokens=self.max_tokens, **args,
         )
 
-    def launch_combine(self, r: Rank, tokens, apply_norm, eps=1e-6, **pointers):
-        """Launches rank `r`'s combine of `tokens` tokens on its stream. `pointers` (raw device addresses, by
-        parameter name: out, ids, norm_weight, result) replace the rank's own arrays."""
+    def launch_combine(self, r: Rank, tokens, apply_norm, eps=1e-6, peer_tokens=None, **pointers):
+        """Launches rank `r`'s combine of `tokens` tokens on its stream; `peer_tokens` as its dispatch's. `pointers`
+        (raw device addresses, by parameter name: out, ids, norm_weight, result) replace the rank's own arrays."""
         check(self.cu.cuCtxSetCurrent(r.ctx))
-        grid = _grid(tokens, self.layout.rows, self.grid_cap)
+        peer_tokens = tokens if peer_tokens is None else peer_tokens
+        grid = _grid(tokens, peer_tokens, self.n, self.grid_cap)
         args = dict(out=r.out.ptr, ids=r.ids.ptr, norm_weight=r.norm.ptr, result=r.result.ptr)
         _override(args, pointers)
         r.combine.launch(
             r.stream, grid, peers=r.peers.ptr, status=self.status, timeout_ns=self.timeout_ns, eps=eps,
-            rank=r.rank, tokens=tokens, max_tokens=self.max_tokens, apply_norm=apply_norm, **args,
+            rank=r.rank, tokens=tokens, peer_tokens=peer_tokens, max_tokens=self.max_tokens, apply_norm=apply_norm,
+            **args,
         )
 
 
@@ -571,8 +576,9 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
             r.ids.upload(ids)
             r.weights.upload(weights)
             state.append((tokens, x, ids, weights))
+        peer_tokens = max(s[0] for s in state)  # each rank draws its own T: the kernels poll up to the largest
         for r in system.ranks:
-            system.launch_dispatch(r, state[r.rank][0])
+            system.launch_dispatch(r, state[r.rank][0], peer_tokens=peer_tokens)
         system.sync()
         # Expected receive rows.
         quant = [mxfp8_reference(s[1]) for s in state]
@@ -602,7 +608,7 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
             check(system.cu.cuCtxSetCurrent(r.ctx))
             r.out.upload(out)
         for r in system.ranks:
-            system.launch_combine(r, state[r.rank][0], apply_norm)
+            system.launch_combine(r, state[r.rank][0], apply_norm, peer_tokens=peer_tokens)
         system.sync()
         for s, r in enumerate(system.ranks):
             tokens, x, ids, weights = state[s]
@@ -1012,12 +1018,13 @@ def _launch_stress_layer(system: System, bufs: StressBuffers, sets, combo, slot,
                          delay_ns, delay_combine, order):
     """Launches one stress layer (dispatch + combine of every rank, in `order`) into output slot `slot`,
     busy-waiting `delay_ns` before rank `delayed`'s dispatch (or, if `delay_combine`, its combine)."""
+    peer_tokens = int(max(tokens))
     for s in order:
         r = system.ranks[s]
         if s == delayed and not delay_combine:
             _spin(delay_ns)
         system.launch_dispatch(
-            r, tokens[s], x=bufs.ptr(s, "x", sets[s]), ids=bufs.ptr(s, "ids", sets[s]),
+            r, tokens[s], peer_tokens=peer_tokens, x=bufs.ptr(s, "x", sets[s]), ids=bufs.ptr(s, "ids", sets[s]),
             weights=bufs.ptr(s, "weights", sets[s]), recv_x=bufs.ptr(s, "recv_x", slot),
             recv_sf=bufs.ptr(s, "recv_sf", slot), recv_ids=bufs.ptr(s, "recv_ids", slot),
             recv_weights=bufs.ptr(s, "recv_weights", slot), recv_src=bufs.ptr(s, "recv_src", slot),
@@ -1025,7 +1032,7 @@ def _launch_stress_layer(system: System, bufs: StressBuffers, sets, combo, slot,
         if s == delayed and delay_combine:
             _spin(delay_ns)
         system.launch_combine(
-            r, tokens[s], apply_norm, out=bufs.ptr(s, "out", combo), ids=bufs.ptr(s, "ids", sets[s]),
+            r, tokens[s], apply_norm, peer_tokens=peer_tokens, out=bufs.ptr(s, "out", combo), ids=bufs.ptr(s, "ids", sets[s]),
             result=bufs.ptr(s, "result", slot),
         )
 

@@ -7,15 +7,18 @@
 # interleave arbitrarily; a CTA is a program of steps (`Model.programs`):
 #
 #   dispatch CTA c   guard      read EPOCH_D / EPOCH_C (`Config.guard` says which CTA reads / writes what)
-#                    store      (c < S) wait until ready[d] >= e - 1 for every d, then issue the LL stores of
-#                               rows j = c, c + Gd, ... < S: data words + header {src, e} to every d in D(j),
-#                               header {-1, e} to the others (and to every d for j >= T)
-#                    copy q     (q = c, c + Gd, ... < N S) poll hdr[q] (and, if it is not empty, the row's data
-#                               words) until they carry e; write mirror[q]
+#                    store      (c < T) wait until ready[d] >= e - 1 for every d, then issue the LL stores of
+#                               rows j = c, c + Gd, ... < T: data words + header {src, e} to every d in D(j),
+#                               header {-1, e} to the others
+#                    copy q     (the polled rows q = s S + j, j < T, the c-th, (c + Gd)-th, ...) poll hdr[q] (and,
+#                               if it is not empty, the row's data words) until they carry e; write mirror[q]
 #   combine CTA c    guard      read EPOCH_D / EPOCH_C; CTA 0 stores ready[r] = e to every rank; the epoch word
 #                               is written by the last CTA to arrive (guard "counter", the kernels) or CTA 0
-#                    send q     (q = c, c + Gc, ...) read mirror[q]; if valid, issue the partial's LL words to
-#                               rank q // S, slot [q % S][r]
+#                    send q     (the polled rows, c-th, (c + Gc)-th, ...) read mirror[q]; if valid, issue the
+#                               partial's LL words to rank q // S, slot [q % S][r]
+#
+# Rows j >= T of every source (S > T) carry nothing: no rank stores or polls them (the kernels' `peer_tokens`, the
+# T that every rank of the call shares; the kernel writes their outputs as empty rows locally).
 #                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
 #
 # `own_rows="bypass"` (the kernels): rank r's own rows (q // S == r) and slots ([t][r]) have no words: the store
@@ -258,6 +261,7 @@ class Model:
         n, t, s, W = cfg.ranks, cfg.tokens, cfg.stride, cfg.words
         self.n, self.t, self.s, self.W = n, t, s, W
         self.ns = n * s
+        self.polled = [q for q in range(self.ns) if q % s < t]  # the rows that carry something: j < T of each rank
         self.any_route = cfg.route == "any"
         self.bypass = cfg.own_rows == "bypass"
         self.masks = tuple(range(1, 1 << n))
@@ -375,16 +379,16 @@ class Model:
         cfg, W = self.cfg, self.W
         ops = [("guard",)]
         if kind == "D":
-            if c < self.s:
+            if c < self.t:
                 ops.append(("store",))
-            for q in range(c, self.ns, cfg.dispatch_grid):
+            for q in self.polled[c::cfg.dispatch_grid]:
                 if cfg.atomic_reads:
                     ops.append(("copy", q))
                 else:
                     ops.append(("hdr", q))
                     ops.extend(("data", q, w) for w in range(W))
         else:
-            ops.extend(("send", q) for q in range(c, self.ns, cfg.combine_grid))
+            ops.extend(("send", q) for q in self.polled[c::cfg.combine_grid])
             for tok in range(c, self.t, cfg.combine_grid):
                 if cfg.atomic_reads:
                     ops.append(("reduce", tok))
@@ -729,15 +733,13 @@ class Model:
             if layer is None:  # the rank stopped on a sequence error (trap)
                 return (tuple(w), pending | frozenset(new))
         elif op == "store":
-            for j in range(c, self.s, cfg.dispatch_grid):  # j = c is the only token (Gd >= T)
+            for j in range(c, self.t, cfg.dispatch_grid):  # j = c is the only token (Gd >= T)
                 q = r * self.s + j
-                dests = 0
-                if j < self.t:
-                    if mask is not None:
-                        dests = mask
-                        w[base + _HEAD + 2 * self.gmax + (layer % 2) * self.t + j] = dests
-                    else:
-                        dests = self.route(w, r, layer, j)
+                if mask is not None:
+                    dests = mask
+                    w[base + _HEAD + 2 * self.gmax + (layer % 2) * self.t + j] = dests
+                else:
+                    dests = self.route(w, r, layer, j)
                 for d in range(n):
                     if self.bypass and d == r:
                         continue  # the own row goes straight into the outputs
