@@ -146,6 +146,7 @@ class Dispatch:
         shape.check_ranks(ranks)
         self.shape, self.ranks = shape, ranks
         self.threads = block_threads(shape)
+        self.warps = self.threads // 32
         self.local_experts = shape.num_local_experts(ranks)
 
     # -----------------------------------------------------------------------------------------------------
@@ -391,27 +392,19 @@ class Dispatch:
                                     recv_src, local + buf.mirror)
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
-        # Rows without a token (j >= T; j = c, then c + G, ... < S). j < peer_tokens: an empty header on every peer
-        # (it polls the row), the constants of an empty row in this rank's own outputs. j >= peer_tokens: no rank
-        # stores or polls row j of anyone in this layer, so this CTA writes the constants of every source's row j
-        # into this rank's outputs.
+        # Rows without a token that the peers poll (T <= j < peer_tokens; j = c, then c + G, ...; only where a rank of
+        # the call has more tokens than this one): warp 0, which waited for the ready lines, stores an empty header on
+        # every peer; the constants of an empty row go into this rank's own outputs.
         j = cta
         if cta < tokens:
             j = cta + grid
         if warp == 0:
-            while j < stride:
-                if j < peer_tokens:
-                    own_row = Int64(rank) * buf.stride + j
-                    if lane < ranks and lane != rank:
-                        store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
-                    self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
-                                        recv_src, local + buf.mirror)
-                else:
-                    source = Int32(0)
-                    while source < ranks:
-                        self.write_own_meta(Int64(source) * buf.stride + j, tid, invalid, Uint32(0), Uint32(EMPTY),
-                                            recv_ids, recv_weights, recv_src, local + buf.mirror)
-                        source += 1
+            while j < peer_tokens:
+                own_row = Int64(rank) * buf.stride + j
+                if lane < ranks and lane != rank:
+                    store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
+                                    recv_src, local + buf.mirror)
                 j += grid
 
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
@@ -419,6 +412,19 @@ class Dispatch:
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
+
+        # Rows j >= peer_tokens of every source: no rank stores or polls them in this layer, so they are written here
+        # as empty rows (this rank's outputs and mirror; no peer word). One row j per warp of the grid, warps of all
+        # CTAs first (j = peer_tokens + warp * G + c, then + G * warps): with a buffer of 128 and T = 1 each warp
+        # takes one or two rows instead of warp 0 of each CTA taking eight.
+        j = peer_tokens + warp * grid + cta
+        while j < stride:
+            source = Int32(0)
+            while source < ranks:
+                self.write_own_meta(Int64(source) * buf.stride + j, lane, invalid, Uint32(0), Uint32(EMPTY), recv_ids,
+                                    recv_weights, recv_src, local + buf.mirror)
+                source += 1
+            j += grid * self.warps
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 4, globaltimer(), clock64(), traced)
 
@@ -511,8 +517,9 @@ class Dispatch:
     @cute.jit
     def write_own_meta(self, own_row: Int64, tid: Int32, expert_word: Uint32, weight_word: Uint32, source: Uint32,
                        recv_ids: Int64, recv_weights: Int64, recv_src: Int64, mirror: Int64):
-        """Threads tid < K store expert / weight `tid` of this rank's own receive row `own_row` (their values, or
-        the constants of an empty row), thread 0 its source word into `recv_src` and the combine's `mirror`."""
+        """Threads tid < K store expert / weight `tid` of this rank's receive row `own_row` (their values, or the
+        constants of an empty row), thread 0 its source word into `recv_src` and the combine's `mirror` (`tid`: the
+        thread index, or the lane when one warp writes the row)."""
         topk = self.shape.topk
         if tid < topk:
             store_b32(recv_ids + (own_row * topk + Int64(tid)) * 4, expert_word)
