@@ -18,7 +18,7 @@ fi
 if has latency; then
   for mt in 8 128; do
     log "kernels alone (harness), N = 1 2, max_tokens $mt"
-    timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
+    timeout 120 $H --mode latency --ranks 1 2 --max-tokens $mt --tag=-max$mt --csv $OUT/latency.csv $C 2>&1 | grep -E "T=|rror"
   done
 fi
 if has final; then
