@@ -38,7 +38,7 @@ P = _load()
 EXHAUSTIVE = [
     (2, 1, 1, 1, 1),
     (2, 1, 1, 1, 2),
-    (2, 1, 2, 1, 1),  # a padding row j >= T: an empty header every layer
+    (2, 1, 2, 1, 1),  # a padding row j >= T: nothing stored or polled there
     (2, 1, 2, 3, 2),  # a dispatch CTA with no row to store, combine CTAs with no token
     (2, 2, 2, 2, 1),
     (2, 2, 2, 2, 2),
@@ -114,6 +114,37 @@ def test_exhaustive_every_route(dgrid, cgrid):
 def test_exhaustive_words_per_row(words):
     result = P.explore(_config(2, 2, 2, 2, 2, words=words))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
+
+
+# One buffer for programs of different T (`layer_tokens`: T of each of three layers, every rank the same): a row is
+# skipped in one layer and stored and polled again in a later one.
+VARYING_T = [
+    (2, 2, 2, 2, 1, (2, 1, 2)),
+    (2, 2, 2, 2, 2, (1, 2, 1)),
+    (2, 2, 3, 2, 1, (1, 1, 2)),
+    (3, 2, 2, 2, 1, (2, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid,layer_tokens", VARYING_T)
+def test_exhaustive_layers_of_different_t(ranks, tokens, stride, dgrid, cgrid, layer_tokens):
+    result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, layer_tokens=layer_tokens))
+    assert result.complete and result.ok and result.finished == 1, _describe(result)
+    same = P.explore(_config(ranks, tokens, stride, dgrid, cgrid))
+    assert result.states != same.states  # the skipped steps changed the state space: they are modelled
+
+
+def test_exhaustive_layers_of_different_t_every_route():
+    """N = 2, T = 1 then 2 then 2, every destination set of every token at every dispatch (291k states, ~20 s)."""
+    result = P.explore(_config(2, 2, 2, 2, 1, layer_tokens=(1, 2, 2), route="any"))
+    assert result.complete and result.ok and result.finished > 1 and not result.errors, _describe(result)
+
+
+def test_layers_of_different_t_still_need_the_ready_wait():
+    """Skipping rows does not hide the classic bug: without the ready wait a store overwrites an unread word."""
+    result = P.explore(_config(2, 2, 2, 2, 1, layer_tokens=(1, 2, 2), route="any", wait_ready=False),
+                       stop_at=lambda r: bool(r.violations))
+    assert P.OVERWRITE_UNREAD in result.violations, _describe(result)
 
 
 def test_exhaustive_five_layers():

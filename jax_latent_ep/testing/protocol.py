@@ -134,6 +134,11 @@ class Config:
     # ready lines keep theirs); `invalidate`: the reader of such a word sets its epoch to 0 once it has read it.
     epochs: int | None = None
     invalidate: bool = False
+    # T of each layer (`layer_tokens[l] <= tokens`, the same on every rank: the kernels' peer_tokens), for programs
+    # that share one buffer with different T; None: `tokens` in every layer. The CTA programs cover `tokens`
+    # rows; in layer l the steps on rows, tokens or stores past its T touch nothing (the kernels neither store nor
+    # poll those rows; their outputs are written empty locally).
+    layer_tokens: tuple | None = None
     # exploration
     atomic_reads: bool = True  # False: every polled word is its own step
     resident: int | None = None  # at most this many CTAs of a kernel run at once (None: the whole grid)
@@ -160,6 +165,9 @@ class Config:
             assert all(m for layer in self.route for src in layer for m in src), "D(t) must not be empty"
         assert self.resident is None or self.resident >= 1
         assert self.epochs is None or self.epochs >= 1
+        if self.layer_tokens is not None:
+            assert len(self.layer_tokens) >= self.layers and all(1 <= x <= t for x in self.layer_tokens)
+            assert self.epochs is None, "narrow epochs assume every layer writes every word it polls"
 
 
 def default_route(ranks: int, tokens: int, layers: int) -> tuple:
@@ -322,6 +330,23 @@ class Model:
             return op[1] // self.s == r
         return op[0] == "slot" and op[2] == r
 
+    def _idle(self, r, layer, c, op) -> bool:
+        """The step `op` of CTA `c` of rank `r` in `layer` touches nothing: its rank's own row or slot (`_own`),
+        or a store, row or token past the layer's T (`Config.layer_tokens`)."""
+        if self._own(r, op):
+            return True
+        if self.cfg.layer_tokens is None or layer < 0:
+            return False
+        t = self.cfg.layer_tokens[layer]
+        name = op[0]
+        if name == "store":
+            return c >= t  # (Gd >= T: CTA c stores row c only)
+        if name in ("copy", "hdr", "data", "send"):
+            return op[1] % self.s >= t
+        if name in ("reduce", "slot"):
+            return op[1] >= t
+        return False
+
     # ------------------------------------------------------------------------------------------------------
     # addresses
     def hdr(self, d, q):
@@ -467,7 +492,7 @@ class Model:
                         continue
                     layer = (word >> 8) - 1
                     e = self.epoch(layer)
-                    if self._own(r, op):  # touches nothing: enabled at once
+                    if self._idle(r, layer, c, op):  # touches nothing: enabled at once
                         if good and self.eager:
                             return [step + ((),)]
                         out.append(step + ((),))
@@ -732,6 +757,9 @@ class Model:
             layer = self._guard(w, r, c, kind, plan_layer, error, new)
             if layer is None:  # the rank stopped on a sequence error (trap)
                 return (tuple(w), pending | frozenset(new))
+        elif self._idle(r, layer, c, (op,) + step[4:]):
+            if op == "hdr":
+                pc += self.W  # and its data polls
         elif op == "store":
             for j in range(c, self.t, cfg.dispatch_grid):  # j = c is the only token (Gd >= T)
                 q = r * self.s + j
@@ -749,9 +777,6 @@ class Model:
                         new.extend(self._ll_stores(self.hdr(d, q), layer, 1))
                     else:
                         new.extend(self._ll_stores(self.hdr(d, q), layer, 0))
-        elif self._own(r, (op,) + step[4:]):
-            if op == "hdr":
-                pc += self.W  # and its data polls
         elif op in ("copy", "hdr", "data"):
             q = step[4]
             if op == "data":
@@ -807,7 +832,7 @@ class Model:
         # skip the slot polls of ranks outside the token's destination set
         prog = self.programs[kind][c]
         while pc < len(prog) and prog[pc][0] == "slot":
-            if self.route(w, r, layer, prog[pc][1]) >> prog[pc][2] & 1 and not self._own(r, prog[pc]):
+            if self.route(w, r, layer, prog[pc][1]) >> prog[pc][2] & 1 and not self._idle(r, layer, c, prog[pc]):
                 break
             pc += 1
         w[at] = pc | (layer + 1) << 8
