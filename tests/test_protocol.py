@@ -147,6 +147,40 @@ def test_layers_of_different_t_still_need_the_ready_wait():
     assert P.OVERWRITE_UNREAD in result.violations, _describe(result)
 
 
+# Double-buffered rows (layer e in half e % 2) and no ready lines at all: the data chain alone orders a row's
+# overwrite after its read (docs/protocol.md, "Double-buffered rows").
+DOUBLE = dict(double_rows=True, wait_ready=False, ready_in="none")
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", EXHAUSTIVE)
+def test_exhaustive_double_rows_without_ready_lines(ranks, tokens, stride, dgrid, cgrid):
+    result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, **DOUBLE))
+    assert result.complete and result.ok and result.finished == 1, _describe(result)
+
+
+@pytest.mark.parametrize("dgrid,cgrid", [(1, 1), (1, 2), (2, 2)])
+def test_exhaustive_double_rows_every_route(dgrid, cgrid):
+    result = P.explore(P.Config(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any", **DOUBLE))
+    assert result.complete and result.ok and result.finished > 1 and not result.errors, _describe(result)
+
+
+@pytest.mark.parametrize("variant", [dict(layer_tokens=(2, 1, 2)), dict(layers=5, tokens=1, stride=2),
+                                     dict(atomic_reads=False)])
+def test_exhaustive_double_rows_variants(variant):
+    config = dict(ranks=2, tokens=2, stride=2, dispatch_grid=2, combine_grid=2, **DOUBLE)
+    config.update(variant)
+    result = P.explore(P.Config(**config))
+    assert result.complete and result.ok and result.finished == 1, _describe(result)
+
+
+def test_single_rows_need_the_ready_lines():
+    """The same model with one half and no ready lines overwrites an unread row (N = 3, default routing)."""
+    config = dict(wait_ready=False, ready_in="none")
+    result = P.explore(_config(3, 1, 1, 1, 1, **config), stop_at=lambda r: bool(r.violations))
+    assert P.OVERWRITE_UNREAD in result.violations, _describe(result)
+    assert P.explore(_config(3, 1, 1, 1, 1, double_rows=True, **config)).ok
+
+
 def test_exhaustive_five_layers():
     result = P.explore(_config(2, 1, 2, 2, 1, layers=5))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
@@ -160,8 +194,9 @@ def test_exhaustive_other_guards_in_sequence(guard):
         assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
+@pytest.mark.parametrize("double", [False, True])
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5, 6, 7, 8])
-def test_random_schedules_correct_protocol(ranks):
+def test_random_schedules_correct_protocol(ranks, double):
     rng = random.Random(ranks)
     runs = 0
     for case in range(3):
@@ -174,6 +209,7 @@ def test_random_schedules_correct_protocol(ranks):
             dispatch_grid=tokens + rng.randint(0, 1),
             combine_grid=rng.randint(1, 3),
             route=P.random_route(rng, ranks, tokens, 3),
+            **(DOUBLE if double else {}),
         )
         result = P.random_runs(config, runs=RANDOM_RUNS, seed=case)
         assert result.ok, _describe(result)

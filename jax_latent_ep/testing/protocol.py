@@ -139,6 +139,10 @@ class Config:
     # rows; in layer l the steps on rows, tokens or stores past its T touch nothing (the kernels neither store nor
     # poll those rows; their outputs are written empty locally).
     layer_tokens: tuple | None = None
+    # Two halves of receive rows (headers and data words), layer e in half e % 2, so that a writer of layer e + 1
+    # overwrites what its reader read in layer e - 1 (a design study: docs/protocol.md, "Double-buffered rows").
+    # Meant with wait_ready=False and ready_in="none" (no ready lines at all).
+    double_rows: bool = False
     # exploration
     atomic_reads: bool = True  # False: every polled word is its own step
     resident: int | None = None  # at most this many CTAs of a kernel run at once (None: the whole grid)
@@ -156,7 +160,7 @@ class Config:
             object.__setattr__(self, "route", default_route(self.ranks, t, self.layers))
         assert self.ranks >= 1 and t >= 1 and self.layers >= 1 and self.words >= 1
         assert self.stride >= t and self.dispatch_grid >= t and self.combine_grid >= 1
-        assert self.guard in GUARDS and self.ready_in in ("combine", "dispatch")
+        assert self.guard in GUARDS and self.ready_in in ("combine", "dispatch", "none")
         assert self.send_source in ("mirror", "header")
         assert self.own_rows in ("bypass", "buffer")
         assert len(self.calls) == self.ranks and all(set(c) <= {"D", "C"} for c in self.calls)
@@ -269,6 +273,7 @@ class Model:
         n, t, s, W = cfg.ranks, cfg.tokens, cfg.stride, cfg.words
         self.n, self.t, self.s, self.W = n, t, s, W
         self.ns = n * s
+        self.nrows = self.ns * (2 if cfg.double_rows else 1)  # receive rows in the buffer (both halves)
         self.polled = [q for q in range(self.ns) if q % s < t]  # the rows that carry something: j < T of each rank
         self.any_route = cfg.route == "any"
         self.bypass = cfg.own_rows == "bypass"
@@ -277,8 +282,8 @@ class Model:
         self.gmax = max(cfg.dispatch_grid, cfg.combine_grid)
         self.rb = _HEAD + 2 * self.gmax + (2 * t if self.any_route else 0)
         self.mem = n * self.rb
-        self.o_data = self.ns
-        self.o_comb = self.ns + self.ns * W
+        self.o_data = self.nrows
+        self.o_comb = self.nrows + self.nrows * W
         self.o_ready = self.o_comb + t * n * W
         self.o_mirror = self.o_ready + n
         self.mb = self.o_mirror + self.ns
@@ -297,7 +302,7 @@ class Model:
         # the same for the words of narrow epochs (`Config.epochs`: data and comb words), and the table of each word
         narrow = [0] + [self.narrow(self.epoch(layer)) for layer in range(63)]
         self._ep_at = [narrow if cfg.epochs is not None and k in (1, 2) else self._ep for k in self.kind_at]
-        self.data_locs = [[tuple(self.data(r, q, i) for i in range(W)) for q in range(self.ns)] for r in range(n)]
+        self.data_locs = [[tuple(self.data(r, q, i) for i in range(W)) for q in range(self.nrows)] for r in range(n)]
         # the words a reduce of token `tok` polls, by destination mask
         self.comb_locs = [
             [
@@ -347,6 +352,10 @@ class Model:
             return op[1] >= t
         return False
 
+    def hq(self, q, layer):
+        """The buffer row that receive row `q` of `layer` occupies (`Config.double_rows`: half `layer % 2`)."""
+        return q + (layer % 2) * self.ns if self.cfg.double_rows and layer >= 0 else q
+
     # ------------------------------------------------------------------------------------------------------
     # addresses
     def hdr(self, d, q):
@@ -383,7 +392,8 @@ class Model:
         return f"mirror[{self._row(i - self.o_mirror)}] on r{d}"
 
     def _row(self, q):
-        return f"{q} (r{q // self.s} j{q % self.s})"
+        half, q = divmod(q, self.ns)
+        return f"{q} (r{q // self.s} j{q % self.s}{' half 1' if half else ''})"
 
     def grid_of(self, kind: str) -> int:
         return self.cfg.dispatch_grid if kind == "D" else self.cfg.combine_grid
@@ -512,7 +522,8 @@ class Model:
                         out.extend(steps)
                     elif name == "send":
                         if cfg.send_source == "header" and self.eager:
-                            out.extend(step + (S,) for S in self._closed(by_at.get(self.hdr(r, op[1]), ())))
+                            out.extend(step + (S,) for S in self._closed(by_at.get(self.hdr(r, self.hq(op[1], layer)),
+                                                                                           ())))
                         elif good and cfg.stream_order and self.eager and cfg.send_source == "mirror":
                             return [step + ((),)]
                         else:
@@ -615,7 +626,7 @@ class Model:
         set per polled word: a prefix in issue order of the stores pending there)."""
         if op[0] != "copy":
             return self._product(w, by_at, self._locs(w, r, layer, op), layer)
-        q = op[1]
+        q = self.hq(op[1], layer)
         h_at = self.hdr(r, q)
         out = []
         for hs in self._product(w, by_at, (h_at,), layer):
@@ -651,15 +662,16 @@ class Model:
     def _polled(self, w, r, layer, op):
         """The words the poll `op` reads."""
         if op[0] == "copy":
-            return (self.hdr(r, op[1]),) + self.data_locs[r][op[1]]
+            q = self.hq(op[1], layer)
+            return (self.hdr(r, q),) + self.data_locs[r][q]
         return self._locs(w, r, layer, op)
 
     def _locs(self, w, r, layer, op):
         name = op[0]
         if name == "hdr":
-            return [self.hdr(r, op[1])]
+            return [self.hdr(r, self.hq(op[1], layer))]
         if name == "data":
-            return [self.data(r, op[1], op[2])]
+            return [self.data(r, self.hq(op[1], layer), op[2])]
         if name == "reduce":
             tok = op[1]
             return self.comb_locs[r][tok][self.route(w, r, layer, tok)]
@@ -771,26 +783,28 @@ class Model:
                 for d in range(n):
                     if self.bypass and d == r:
                         continue  # the own row goes straight into the outputs
+                    hq = self.hq(q, layer)
                     if dests >> d & 1:
                         for i in range(self.W):
-                            new.extend(self._ll_stores(self.data(d, q, i), layer, 0))
-                        new.extend(self._ll_stores(self.hdr(d, q), layer, 1))
+                            new.extend(self._ll_stores(self.data(d, hq, i), layer, 0))
+                        new.extend(self._ll_stores(self.hdr(d, hq), layer, 1))
                     else:
-                        new.extend(self._ll_stores(self.hdr(d, q), layer, 0))
+                        new.extend(self._ll_stores(self.hdr(d, hq), layer, 0))
         elif op in ("copy", "hdr", "data"):
             q = step[4]
+            hq = self.hq(q, layer)
             if op == "data":
-                self._accept(w, self.data(r, q, step[5]), layer, "reader of", pending)
+                self._accept(w, self.data(r, hq, step[5]), layer, "reader of", pending)
                 if step[5] == self.W - 1:
                     self._write_mirror(w, r, q, layer, 1, error)
             else:
-                h = w[self.hdr(r, q)]
-                self._accept(w, self.hdr(r, q), layer, "copy-out of")
+                h = w[self.hdr(r, hq)]
+                self._accept(w, self.hdr(r, hq), layer, "copy-out of")
                 valid = h >> 1 & 1
                 if op == "copy":
                     if valid:
                         for i in range(self.W):
-                            self._accept(w, self.data(r, q, i), layer, "copy-out of", pending)
+                            self._accept(w, self.data(r, hq, i), layer, "copy-out of", pending)
                     self._write_mirror(w, r, q, layer, valid, error)
                 elif not valid:
                     self._write_mirror(w, r, q, layer, 0, error)
@@ -810,7 +824,7 @@ class Model:
                 w[m_at] = m | 1
                 valid = m >> 1 & 1
             else:
-                h_at = self.hdr(r, q)
+                h_at = self.hdr(r, self.hq(q, layer))
                 h = w[h_at]
                 self._check(h, layer, "combine's read of", h_at)
                 valid = h >> 1 & 1
@@ -1014,7 +1028,7 @@ class Model:
         for at in range(self.mem, self.size):
             kind, word = self.kind_at[at], w[at]
             if kind == 3:
-                if word != self.epoch(last - 1):
+                if self.cfg.ready_in != "none" and word != self.epoch(last - 1):
                     return Violation(BAD_FINAL_STATE, f"{self.where(at)} ends at {word}")
             elif word and not word & 1:
                 return Violation(BAD_FINAL_STATE, f"{self.where(at)} was written and never read")
