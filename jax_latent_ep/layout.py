@@ -124,6 +124,12 @@ CTRL_BELOW_PEERS = align(CTRL_BYTES)
 READY_IN_CTRL = 2 * LINE
 
 
+#: Halves of the peer-written receive rows (x, ids, weights, hdr): layer `e` stores into and polls half `e % 2`, so a
+#: writer of layer `e + 1` overwrites the rows its reader read in layer `e - 1`, which the data chain already orders
+#: (docs/protocol.md, "Double-buffered rows"): no ready line, no wait before the stores.
+ROW_HALVES = 2
+
+
 def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> dict[str, tuple]:
     """`{name: (offset, bytes)}` of every region, for `stride_rows = stride(tokens)`.
 
@@ -132,11 +138,12 @@ def region_offsets(stride_rows, tokens, ranks: int, shape: LatentMoEShape) -> di
     and `&` are used), so host and device offsets cannot drift apart.
     """
     rows = stride_rows * ranks
+    halves = rows * ROW_HALVES
     sizes = [
-        ("x", rows * x_pitch(shape)),
-        ("ids", rows * meta_pitch(shape)),
-        ("weights", rows * meta_pitch(shape)),
-        ("hdr", rows * HDR_PITCH),
+        ("x", halves * x_pitch(shape)),
+        ("ids", halves * meta_pitch(shape)),
+        ("weights", halves * meta_pitch(shape)),
+        ("hdr", halves * HDR_PITCH),
         ("mirror", rows * 4),
         ("comb", tokens * (ranks * comb_pitch(shape))),
         ("ctrl", CTRL_BYTES),
@@ -157,11 +164,12 @@ class EpLayout:
     8-byte store) or wide LL words (`WIDE_WORD`: 12 payload bytes + the epoch, one 16-byte store), so a reader
     polls the data itself: no fences, counters or flags (docs/protocol.md).
     Regions, in order, each starting on a 128-byte line:
-      x        [rows, x_pitch]        each receive row's data stream in wide LL words: the MXFP8
+      x        [2, rows, x_pitch]     each receive row's data stream in wide LL words: the MXFP8
                                       (float8_e4m3fn) latent (`L` bytes), then its E8M0 scales (`L // 32`)
-      ids      [rows, meta_pitch]     the token's `K` expert ids (int32), one LL word each
-      weights  [rows, meta_pitch]     the token's `K` routing weights (float32), one LL word each
-      hdr      [rows, 16]             LL word of the source word `(rank << 16) | token`, or -1: row empty
+      ids      [2, rows, meta_pitch]  the token's `K` expert ids (int32), one LL word each
+      weights  [2, rows, meta_pitch]  the token's `K` routing weights (float32), one LL word each
+      hdr      [2, rows, 16]          LL word of the source word `(rank << 16) | token`, or -1: row empty
+                                      (x, ids, weights, hdr: layer `e` uses half `e % 2`, `ROW_HALVES`)
       mirror   [rows] int32           this rank's own copy of each row's source word (written by the dispatch's
                                       copy-out, read by the combine; no peer writes it)
       comb     [tokens, ranks, comb_pitch]  BF16 partial (`2 L` bytes) of every own token from every destination

@@ -24,7 +24,8 @@ def test_stride_rule():
 def test_offsets_for_kimi_by_hand():
     # Kimi K3 (3584 / 112 / K = 16), recomputed from the documented rules by hand: a receive row's data stream
     # (3584 + 112 payload bytes) in wide LL words (16 bytes per 12 payload bytes: 308 words), ids and weights in
-    # LL words (8 bytes per 4), a combine slot's 7168 payload bytes in 598 wide words padded to 600.
+    # LL words (8 bytes per 4), each of them in two halves; a combine slot's 7168 payload bytes in 598 wide words
+    # padded to 600.
     def align(v):
         return (v + 127) // 128 * 128
 
@@ -32,11 +33,12 @@ def test_offsets_for_kimi_by_hand():
         for t in TOKENS:
             lay = EpLayout(n, t)
             rows = n * stride(t)
+            halves = 2 * rows  # the peer-written rows twice: layer e in half e % 2
             x = 0
-            ids = align(x + rows * 308 * 16)
-            weights = align(ids + rows * 16 * 8)
-            hdr = align(weights + rows * 16 * 8)
-            mirror = align(hdr + rows * 16)
+            ids = align(x + halves * 308 * 16)
+            weights = align(ids + halves * 16 * 8)
+            hdr = align(weights + halves * 16 * 8)
+            mirror = align(hdr + halves * 16)
             comb = align(mirror + rows * 4)
             ctrl = align(comb + t * n * 600 * 16)
             peers = align(ctrl + 2 * 128 + 32 * 128)

@@ -53,7 +53,6 @@ from jax_latent_ep.kernels.memory import (
     rms_rstd,
     shfl_bfly_f32,
     store_wide,
-    store_relaxed_sys,
     store_v4,
     warp_or,
 )
@@ -202,10 +201,6 @@ class Combine:
         # one past EPOCH_D).
         if completed + Uint32(1) != epoch:
             fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
-        if cta == 0 and warp == 0 and lane < ranks:
-            # Lane d tells rank d that this rank's receive rows are copied out (the dispatch grid completed
-            # before griddepcontrol.wait returned): its next dispatch may overwrite them.
-            store_relaxed_sys(table + buf.ready + Int64(rank) * lay.LINE, epoch)
         if warp == self.mask_warp:
             # The destination mask of the first own token (routing input: no wait needed), read with the rest.
             if cta < tokens:

@@ -35,7 +35,6 @@ from jax_latent_ep.kernels.common import (
     peer_of,
     peer_row,
     poll_expired,
-    reached,
     trace_stamp,
 )
 from jax_latent_ep.kernels.memory import (
@@ -45,7 +44,6 @@ from jax_latent_ep.kernels.memory import (
     f32_from_bits,
     globaltimer,
     griddepcontrol_wait_after,
-    load_acquire_sys,
     load_b32,
     load_ll,
     load_relaxed_sys,
@@ -231,9 +229,6 @@ class Dispatch:
 
         # The addresses of phase 1 and the buffer's base (the own rows' and the copy-out's addresses), computed before
         # the wait (they read no memory), so that their arithmetic runs while the previous grid still runs.
-        sends = Int32(0)  # 1: this CTA stores into the peers' rows (only rows j < peer_tokens go to a peer)
-        if cta < peer_tokens:
-            sends = Int32(1)
         meta = Int64(cta) * topk + tid
         if tid >= topk or cta >= tokens:
             meta = Int64(0)  # a valid address; the value is not used
@@ -241,13 +236,11 @@ class Dispatch:
         if cta >= tokens:
             token_row = Int64(0)
         x_line = x + (token_row * latent + column) * 2
-        ready_at = ctrl + lay.READY_IN_CTRL + Int64(lane) * lay.LINE
-        griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, ready_at, local + buf.mirror])
+        griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, local + buf.mirror])
         if cutlass.const_expr(TRACE):
             t_wait, c_wait = globaltimer(), clock64()
         # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
-        # inputs, lane d's peer base, the epoch words, then warp 0 lane d's ready word of rank d (an acquire:
-        # last, so it orders only what follows: our stores into rank d's rows).
+        # inputs, lane d's peer base, the epoch words.
         expert_word = load_b32(ids + meta * 4)
         weight_word = load_b32(weights + meta * 4)
         first = load_v4(x_line)
@@ -258,23 +251,16 @@ class Dispatch:
         # first store if the last dispatch was not combined (EPOCH_C already carries this epoch).
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
         current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
-        ready = Uint32(0)
-        if warp == 0 and lane < ranks and sends != 0:
-            ready = load_acquire_sys(ready_at)
         if current == epoch:
             fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
+        # This layer's half of the peer-written receive rows (`layout.ROW_HALVES`): row q of the layer is buffer row
+        # q + half_rows in the x, ids, weights and hdr regions.
+        half_rows = Int64(epoch & Uint32(1)) * buf.rows
 
-        # ---- Phase 2 (CTAs c < S): wait until every rank has copied out the previous layer's rows (its ready
-        # word, stored by its combine, reaches epoch - 1), then store. Invariant after the barrier below: every
-        # store of this CTA into rank d's buffer follows rank d's last read of the rows it overwrites.
-        if warp == 0 and lane < ranks and sends != 0:
-            start = globaltimer()
-            polls = Uint32(0)
-            while reached(ready, epoch - Uint32(1)) == Uint32(0):
-                ready = load_acquire_sys(ready_at)
-                polls = polls + Uint32(1)
-                if poll_expired(start, polls, timeout_ns) != Uint32(0):
-                    fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, lane, epoch - Uint32(1))
+        # ---- Phase 2 (CTAs c < peer_tokens): store, with no wait. Invariant: every store of this layer into rank
+        # d's half e % 2 follows rank d's last read of it, its copy-out of layer e - 2: this rank's dispatch e - 1
+        # completed only after rank d's layer e - 1 headers arrived, which rank d stores after its dispatch e - 2
+        # completed (docs/protocol.md, "Double-buffered rows").
 
         if cta < tokens:
             token = cta
@@ -348,8 +334,8 @@ class Dispatch:
                     stage[(latent + num_sf) // 4 + tid] = Int32(0)
 
             source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
-            slot = Int64(rank) * buf.stride + token  # static receive row of this token on every rank
-            cute.arch.sync_threads()  # the mask, the staged stream, and warp 0's ready wait, for every thread
+            slot = Int64(rank) * buf.stride + token + half_rows  # this layer's receive row of the token on every rank
+            cute.arch.sync_threads()  # the mask and the staged stream, for every thread
             mask = Uint32(shared[0])
             # The three pieces of each of this thread's wide words.
             my_words, has_word = self.my_words(tid)
@@ -393,8 +379,8 @@ class Dispatch:
             if cutlass.const_expr(TRACE):
                 trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
         # Rows without a token that the peers poll (T <= j < peer_tokens; j = c, then c + G, ...; only where a rank of
-        # the call has more tokens than this one): warp 0, which waited for the ready lines, stores an empty header on
-        # every peer; the constants of an empty row go into this rank's own outputs.
+        # the call has more tokens than this one): warp 0 stores an empty header on every peer; the constants of an
+        # empty row go into this rank's own outputs.
         j = cta
         if cta < tokens:
             j = cta + grid
@@ -402,7 +388,7 @@ class Dispatch:
             while j < peer_tokens:
                 own_row = Int64(rank) * buf.stride + j
                 if lane < ranks and lane != rank:
-                    store_ll(table + buf.hdr + own_row * buf.hdr_pitch, Uint32(EMPTY), epoch)
+                    store_ll(table + buf.hdr + (own_row + half_rows) * buf.hdr_pitch, Uint32(EMPTY), epoch)
                 self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
                                     recv_src, local + buf.mirror)
                 j += grid
@@ -450,10 +436,11 @@ class Dispatch:
         while r < peer_rows:
             q = peer_row(r, rank, stride, peer_tokens, ranks)
             row = Int64(q)
-            hdr_at = local + buf.hdr + row * buf.hdr_pitch
-            row_at = local + buf.x + row * buf.x_pitch
-            ids_at = local + buf.ids + row * buf.meta_pitch + meta_col * 8
-            w_at = local + buf.weights + row * buf.meta_pitch + meta_col * 8
+            at = row + half_rows  # the row in this layer's half of the buffer
+            hdr_at = local + buf.hdr + at * buf.hdr_pitch
+            row_at = local + buf.x + at * buf.x_pitch
+            ids_at = local + buf.ids + at * buf.meta_pitch + meta_col * 8
+            w_at = local + buf.weights + at * buf.meta_pitch + meta_col * 8
             pending = Uint32(1)
             start = globaltimer()
             polls = Uint32(0)
