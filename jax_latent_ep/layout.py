@@ -28,13 +28,12 @@ CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a seque
 CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
 # Kernel trace (debug builds only, `kernels.common.TRACE`): from ctrl offset TRACE on, TRACE_LAYERS pairs of lines
-# (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in the ready lines of ranks 16..31 (unused for
-# N <= 16). Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
+# (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in spare lines 16..31 of the control region. Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
 TRACE = 2 * LINE + 16 * LINE
 TRACE_LAYERS = 8
 
 ERROR_NONE = 0
-ERROR_DISPATCH_TIMEOUT = 1  # a dispatch wait (a peer's ready line or a receive row) outlived the timeout
+ERROR_DISPATCH_TIMEOUT = 1  # a dispatch wait (a receive row) outlived the timeout
 ERROR_COMBINE_TIMEOUT = 2  # a combine wait (a partial of an own token) outlived the timeout
 ERROR_DISPATCH_TWICE = 3  # dispatch called again before the combine of the previous dispatch
 ERROR_COMBINE_WITHOUT_DISPATCH = 4  # combine called without a dispatch before it
@@ -115,14 +114,13 @@ def comb_pitch(shape: LatentMoEShape) -> int:
     return _round_up(comb_words(shape) + 1, LINE // WIDE_WORD) * WIDE_WORD
 
 
-#: Bytes of the control region: two control lines, then one `ready` line per rank.
+#: Bytes of the control region: two control lines, then 32 spare lines (the ready lines of the single-buffered
+#: protocol before session 9; debug builds keep their kernel trace in lines 16..31, `TRACE`). Kept so that the
+#: buffer's offsets did not move with the protocol.
 CTRL_BYTES = 2 * LINE + NUM_MAX_RANKS * LINE
 #: The peer table follows the control region directly (`region_offsets`), so a kernel finds its control lines at
 #: `peers - CTRL_BELOW_PEERS`, a constant, without the layout's arithmetic on `max_tokens`.
 CTRL_BELOW_PEERS = align(CTRL_BYTES)
-#: Offset of the first ready line inside the control region.
-READY_IN_CTRL = 2 * LINE
-
 
 #: Halves of the peer-written receive rows (x, ids, weights, hdr): layer `e` stores into and polls half `e % 2`, so a
 #: writer of layer `e + 1` overwrites the rows its reader read in layer `e - 1`, which the data chain already orders
@@ -175,8 +173,7 @@ class EpLayout:
       comb     [tokens, ranks, comb_pitch]  BF16 partial (`2 L` bytes) of every own token from every destination
                                       rank, in wide LL words
       ctrl     2 * 128 + 32 * 128     control words (CTRL_*: epochs and error record, then the arrival counters
-                                      on a line of their own), then one `ready` line per rank: ready[s] = the
-                                      epoch of the last layer whose receive rows rank s has copied out
+                                      on a line of their own), then 32 spare lines (`CTRL_BYTES`)
       peers    [N + 1] int64          local only: the base of every rank's buffer as this rank maps it, then
                                       its own (the kernels' `peers` argument points here, so the local base
                                       is `peers - offset`, with no load)
@@ -268,11 +265,6 @@ class EpLayout:
         return self.ctrl + 4 * index
 
     @property
-    def ready(self) -> int:
-        """Byte offset of the ready lines: rank `s`'s at `ready + 128 * s`."""
-        return self.ctrl + READY_IN_CTRL
-
-    @property
     def peers(self) -> int:
         """Byte offset of the peer table (int64 `[N + 1]`, local only)."""
         return self._regions()["peers"][0]
@@ -297,7 +289,6 @@ class EpLayout:
             "mirror": self.mirror,
             "comb": self.comb,
             "ctrl": self.ctrl,
-            "ready": self.ready,
             "peers": self.peers,
             "bytes": self.bytes,
         }

@@ -47,7 +47,6 @@ def test_offsets_for_kimi_by_hand():
             assert (got["x"], got["ids"], got["weights"], got["hdr"]) == (x, ids, weights, hdr)
             assert (got["mirror"], got["comb"], got["ctrl"], got["peers"], got["bytes"]) == (
                 mirror, comb, ctrl, peers, total)
-            assert got["ready"] == ctrl + 2 * 128
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s.latent}_E{s.experts}_K{s.topk}")
@@ -80,9 +79,10 @@ def test_regions_aligned_disjoint_and_lines_single_source(shape):
             assert lay.comb_pitch >= (-(-2 * shape.latent // 12) + 1) * 16 and lay.meta_pitch >= 8 * shape.topk
             # Combine slots [t, d] are whole lines (one writer each).
             assert lay.comb % LINE == 0 and lay.comb_pitch % LINE == 0
-            # Each ready word owns a line; control words come before them; the peer table is last.
-            assert lay.ready == lay.ctrl + 2 * LINE and lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ctrl + LINE
-            assert lay.ready + 32 * LINE <= lay.peers and lay.peers + 33 * 8 <= lay.bytes
+            # The control words fit their line, the 32 spare lines follow the two control lines, the peer table is
+            # last.
+            assert lay.ctrl + NUM_CTRL_WORDS * 4 <= lay.ctrl + LINE
+            assert lay.ctrl + 2 * LINE + 32 * LINE <= lay.peers and lay.peers + 33 * 8 <= lay.bytes
             # The kernels find the control lines at a constant offset below the peer table.
             assert lay.peers - lay.ctrl == CTRL_BELOW_PEERS
 

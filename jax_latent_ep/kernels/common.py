@@ -5,8 +5,9 @@ The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): ev
 LL word (`memory.store_ll`: 4 payload bytes + the writer's layer epoch in one 8-byte store) or a wide LL word
 (`memory.store_wide`: 12 payload bytes + the epoch in one 16-byte store), so a reader polls the data itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
 control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
-counter per kernel (`arrive_in_sequence`, `hand_over_epoch`); a `ready` line per rank tells writers that a rank has copied its
-receive rows out. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
+counter per kernel (`arrive_in_sequence`, `hand_over_epoch`). Receive rows come in two halves by layer parity
+(`layout.ROW_HALVES`), so a writer overwrites only rows whose reads the data chain already ordered: no wait before
+the stores, no flag. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
 error record and traps (`fail`).
 No JAX here.
 """
@@ -54,7 +55,6 @@ class DeviceLayout:
         self.rows = self.stride * ranks
         for name in ("x", "ids", "weights", "hdr", "mirror", "comb", "ctrl", "peers"):
             setattr(self, name, regions[name][0])
-        self.ready = self.ctrl + lay.READY_IN_CTRL  # = layout.EpLayout.ready
         self.x_pitch = lay.x_pitch(shape)
         self.x_words = lay.x_words(shape)  # wide LL words of a receive row's data stream
         self.meta_pitch = lay.meta_pitch(shape)
@@ -112,15 +112,6 @@ def trace_stamp(ctrl: Int64, epoch: Uint32, index: cutlass.Constexpr[int], stamp
         at = ctrl + lay.TRACE + Int64(epoch % Uint32(lay.TRACE_LAYERS)) * (2 * LINE) + index * 8
         store_u64(at, stamp)
         store_u64(at + LINE, cycles)
-
-
-@cute.jit
-def reached(value: Uint32, target: Uint32) -> Uint32:
-    """1 iff the epoch `value` is at or past `target` (modulo 2^32: epochs wrap after 4e9 layers)."""
-    result = Uint32(0)
-    if Int32(value - target) >= 0:
-        result = Uint32(1)
-    return result
 
 
 @cute.jit

@@ -398,6 +398,8 @@ class Dispatch:
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(TRACE):
+            trace_stamp(ctrl, epoch, 4, globaltimer(), clock64(), traced)
 
         # Rows j >= peer_tokens of every source: no rank stores or polls them in this layer, so they are written here
         # as empty rows (this rank's outputs and mirror; no peer word). One row j per warp of the grid, warps of all
@@ -411,8 +413,6 @@ class Dispatch:
                                     recv_weights, recv_src, local + buf.mirror)
                 source += 1
             j += grid * self.warps
-        if cutlass.const_expr(TRACE):
-            trace_stamp(ctrl, epoch, 4, globaltimer(), clock64(), traced)
 
         # ---- Phase 3: copy the receive rows q = c, c + G, ... out of the local buffer into XLA's outputs. Every
         # thread polls the row's header and its own words of the row together (one round trip once they have

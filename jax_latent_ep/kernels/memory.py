@@ -170,13 +170,6 @@ def griddepcontrol_wait_after(nonzero, values, *, loc=None, ip=None) -> None:
     _asm(None, [_i64(mix, loc, ip)], "{ .reg .pred p; setp.ne.u64 p, $0, 0; @p griddepcontrol.wait; }", "l", loc, ip)
 
 
-@dsl_user_op
-def load_acquire_sys(addr, *, loc=None, ip=None) -> Uint32:
-    """Always issues one `ld.acquire.sys.global.b32`: a fresh read; this thread's later memory operations are
-    ordered after it (a peer's `ready` word: our stores into its rows follow its reads of them)."""
-    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", loc, ip))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Control words, the error record and the trap.
 

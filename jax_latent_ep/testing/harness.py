@@ -669,7 +669,7 @@ def _graph_time(system: System, body, graph_layers, replays):
 
 #: Stamps of a trace build, by index (CTA 0, thread 0 unless said).
 TRACE_STAMPS = {
-    0: "dispatch entry", 1: "dispatch griddepcontrol.wait returned", 2: "dispatch inputs, ready wait, mask done",
+    0: "dispatch entry", 1: "dispatch griddepcontrol.wait returned", 2: "dispatch inputs and mask done",
     3: "dispatch token 0 stored (issued)", 4: "dispatch launch_dependents",
     5: "dispatch first peer row copied out (CTA G - 1)", 6: "dispatch end",
     8: "combine entry", 9: "combine griddepcontrol.wait returned", 10: "combine sends issued",
@@ -774,7 +774,7 @@ def sequence_test(case, artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3", token
     """A call out of sequence corrupts nothing else: N = 2 virtual ranks on one GPU, rank 1's symmetric buffer in
     mapped host memory (the CPU reads it after rank 0's trap has lost the context). Both ranks run layer 0
     (`case` "dispatch_twice": the dispatch; "combine_twice": dispatch and combine) on fresh random inputs; rank
-    1's buffer (receive rows, combine slots, control and ready lines: all a peer may write) is read. Rank 0 then
+    1's buffer (receive rows, combine slots and control lines: all a peer may write) is read. Rank 0 then
     repeats its last call with new random inputs, out of sequence: it must trap with error 3 (4) and leave rank
     1's buffer byte for byte as it was. Returns (ok, status record, bytes of rank 1's buffer changed)."""
     system = System(shape_name, 2, tokens, "virtual", artifacts, host_ranks=(1,))
