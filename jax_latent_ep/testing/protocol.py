@@ -21,6 +21,10 @@
 # T that every rank of the call shares; the kernel writes their outputs as empty rows locally).
 #                    reduce t   (t = c, c + Gc, ... < T) poll slot [t][d] of every d in D(t) until it carries e
 #
+# These are the defaults: the kernels of sessions 3-8. The kernels since session 9 keep the receive rows in two
+# halves by layer parity and have no ready lines at all: `double_rows=True, wait_ready=False, ready_in="none"`
+# (the store waits for nothing, the combine stores no ready line; docs/protocol.md, "Double-buffered rows").
+#
 # `own_rows="bypass"` (the kernels): rank r's own rows (q // S == r) and slots ([t][r]) have no words: the store
 # skips d == r, and the copy, send and slot steps of own rows are no-ops (the kernel writes the outputs from its
 # registers and reads its own partial from `out`); the kernels also walk only the other ranks' rows, which the
