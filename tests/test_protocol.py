@@ -181,6 +181,17 @@ def test_single_rows_need_the_ready_lines():
     assert P.explore(_config(3, 1, 1, 1, 1, double_rows=True, **config)).ok
 
 
+def test_narrow_epochs_with_double_rows():
+    """The narrow-epoch study on the kernels' protocol: with double rows and no ready lines, two epoch values need the
+    reader's invalidation (six layers, every routing at N = 2, and N = 3), and fail without it."""
+    for extra in (dict(route="any"), dict(ranks=3)):
+        config = dict(dict(ranks=2, layers=6, epochs=2, **DOUBLE), **extra)
+        clean = P.explore(P.Config(invalidate=True, **config))
+        assert clean.complete and clean.ok and not clean.errors, _describe(clean)
+        broken = P.explore(P.Config(**config), stop_at=lambda r: bool(r.violations))
+        assert P.STALE_READ in broken.violations, _describe(broken)
+
+
 def test_exhaustive_five_layers():
     result = P.explore(_config(2, 1, 2, 2, 1, layers=5))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
