@@ -55,7 +55,11 @@ for side in ${JIT_SIDES:-new old ${MID:+mid} new-again}; do
   tag=-$side; [ $mt = -1 ] || tag=-$side-buf$mt
   (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens ${JIT_TOKENS:-1,8,32,128} \
     --layers 32 --repeats 10 --max-tokens $mt --only-ranks 2 --only-procs 2 \
-    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=$tag --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" | tail -2)
+    --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=$tag --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" \
+    > $W/jit$tag.txt)
+  tail -2 $W/jit$tag.txt
+  # A failed worker's error survives here (its log beside the CSV is overwritten by the next side's run).
+  grep -E "failed with|Error|error:" $W/jit$tag.txt | grep -v "^W[0-9]" | head -6
 done
 done
 fi
