@@ -181,6 +181,15 @@ def test_single_rows_need_the_ready_lines():
     assert P.explore(_config(3, 1, 1, 1, 1, double_rows=True, **config)).ok
 
 
+@pytest.mark.parametrize("layer_tokens", [((2, 1), (2, 2), (2, 2)), ((2, 2), (2, 1), (2, 2)), ((2, 1), (1, 2), (2, 2))])
+def test_ranks_that_disagree_on_t_time_out_and_accept_no_wrong_word(layer_tokens):
+    """A misuse (the kernels require one peer_tokens on every rank of a call): a rank whose T differs from its peer's
+    ends in a poll that never succeeds (the kernels' timeout: `deadlock` here), never in a wrong word accepted;
+    every routing at N = 2 with the kernels' double rows."""
+    result = P.explore(_config(2, 2, 2, 2, 1, layer_tokens=layer_tokens, route="any", **DOUBLE))
+    assert result.complete and set(result.violations) == {P.DEADLOCK}, _describe(result)
+
+
 def test_narrow_epochs_with_double_rows():
     """The narrow-epoch study on the kernels' protocol: with double rows and no ready lines, two epoch values need the
     reader's invalidation (six layers, every routing at N = 2, and N = 3), and fail without it."""

@@ -141,7 +141,9 @@ class Config:
     # T of each layer (`layer_tokens[l] <= tokens`, the same on every rank: the kernels' peer_tokens), for programs
     # that share one buffer with different T; None: `tokens` in every layer. The CTA programs cover `tokens`
     # rows; in layer l the steps on rows, tokens or stores past its T touch nothing (the kernels neither store nor
-    # poll those rows; their outputs are written empty locally).
+    # poll those rows; their outputs are written empty locally). An entry may also be a tuple of one T per rank:
+    # ranks that disagree (a misuse: the kernels require one peer_tokens per call), which must end in a poll that
+    # never succeeds (the kernels' timeout), never in a wrong word accepted.
     layer_tokens: tuple | None = None
     # Two halves of receive rows (headers and data words), layer e in half e % 2, so that a writer of layer e + 1
     # overwrites what its reader read in layer e - 1 (a design study: docs/protocol.md, "Double-buffered rows").
@@ -174,7 +176,10 @@ class Config:
         assert self.resident is None or self.resident >= 1
         assert self.epochs is None or self.epochs >= 1
         if self.layer_tokens is not None:
-            assert len(self.layer_tokens) >= self.layers and all(1 <= x <= t for x in self.layer_tokens)
+            assert len(self.layer_tokens) >= self.layers
+            for x in self.layer_tokens:
+                assert all(1 <= v <= t for v in (x if isinstance(x, tuple) else (x,)))
+                assert not isinstance(x, tuple) or len(x) == self.ranks
             assert self.epochs is None, "narrow epochs assume every layer writes every word it polls"
 
 
@@ -347,6 +352,8 @@ class Model:
         if self.cfg.layer_tokens is None or layer < 0:
             return False
         t = self.cfg.layer_tokens[layer]
+        if isinstance(t, tuple):
+            t = t[r]  # this rank's own view of the call's T
         name = op[0]
         if name == "store":
             return c >= t  # (Gd >= T: CTA c stores row c only)
