@@ -26,7 +26,8 @@ def floor_rows(raw_rows, date: str, device: str, commit: str):
     peer = [r for r in raw_rows if r["metric"] == "peer_store_GBps"]
     bandwidth = float(max(peer, key=lambda r: int(r["bytes"]))["value"])  # GB/s = bytes per ns
     head = [date, device, commit, "floor", "2"]
-    rows = [head + ["0", "flag_round_trip_us", f"{round_trip:.3f}"], head + ["0", "peer_store_GBps", f"{bandwidth:.3f}"]]
+    rows = [head + ["0", "flag_round_trip_us", f"{round_trip:.3f}"],
+            head + ["0", "peer_store_GBps", f"{bandwidth:.3f}"]]
     for t in TOKENS:
         us = 2 * round_trip + t * (DISPATCH_ROW_BYTES + COMBINE_PARTIAL_BYTES) / (bandwidth * 1e3)
         rows.append(head + [str(t), "floor_us", f"{us:.3f}"])

@@ -28,7 +28,8 @@ CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a seque
 CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
 # Kernel trace (debug builds only, `kernels.common.TRACE`): from ctrl offset TRACE on, TRACE_LAYERS pairs of lines
-# (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in spare lines 16..31 of the control region. Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
+# (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in spare lines 16..31 of the control region.
+# Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
 TRACE = 2 * LINE + 16 * LINE
 TRACE_LAYERS = 8
 

@@ -32,8 +32,8 @@ print(f"{len(devices)} {devices[0].platform} device(s); EP mesh of N = {N}")""")
     ("md", """## 2. The symmetric buffer layout
 
 One buffer per rank: receive rows (MXFP8 latent, scales, ids, weights, a source word per 128-byte line),
-in two halves by layer parity, the combine slots and the control words. `EpLayout` is the one definition; the kernels evaluate
-the same `region_offsets` on run-time integers."""),
+in two halves by layer parity, the combine slots and the control words. `EpLayout` is the one definition; the
+kernels evaluate the same `region_offsets` on run-time integers."""),
     ("code", """rows = []
 for n in (2, 8, 32):
     for t in (1, 8, 128):

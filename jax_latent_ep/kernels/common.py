@@ -97,10 +97,11 @@ def peer_row(r: Int32, rank: Int32, stride: Int32, peer_tokens: Int32, ranks: cu
         if rank == 0:
             row = stride + r
     else:
-        p = r // peer_tokens
+        q = r // peer_tokens
+        p = q
         if p >= rank:
             p = p + 1
-        row = p * stride + r - (r // peer_tokens) * peer_tokens
+        row = p * stride + r - q * peer_tokens
     return row
 
 

@@ -430,8 +430,8 @@ class Dispatch:
             meta_col = Int64(tid)
         peer_rows = Int32(ranks - 1) * peer_tokens  # the polled rows of the other ranks: (N - 1) * peer_tokens
         # The last CTAs take the first rows (r = G - 1 - c, then + G): with G >= (N - 1) * peer_tokens + T no CTA
-        # that stored a token also polls a row (2 x H200, N = 2, kernels alone: 11.6 against 11.9 us at T = 128, 5.95 against
-        # 6.25 at T = 1, `benchmarks/results/raw/gpu_ab_59d664b`).
+        # that stored a token also polls a row (2 x H200, N = 2, kernels alone: 11.6 against 11.9 us at T = 128,
+        # 5.95 against 6.25 at T = 1, `benchmarks/results/raw/gpu_ab_59d664b`).
         r = grid - 1 - cta
         while r < peer_rows:
             q = peer_row(r, rank, stride, peer_tokens, ranks)

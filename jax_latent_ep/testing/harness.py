@@ -1032,8 +1032,8 @@ def _launch_stress_layer(system: System, bufs: StressBuffers, sets, combo, slot,
         if s == delayed and delay_combine:
             _spin(delay_ns)
         system.launch_combine(
-            r, tokens[s], apply_norm, peer_tokens=peer_tokens, out=bufs.ptr(s, "out", combo), ids=bufs.ptr(s, "ids", sets[s]),
-            result=bufs.ptr(s, "result", slot),
+            r, tokens[s], apply_norm, peer_tokens=peer_tokens, out=bufs.ptr(s, "out", combo),
+            ids=bufs.ptr(s, "ids", sets[s]), result=bufs.ptr(s, "result", slot),
         )
 
 
