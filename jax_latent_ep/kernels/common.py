@@ -40,6 +40,9 @@ LINE = lay.LINE
 #: stamp `%globaltimer` and `%clock64` at their phase boundaries into the trace lines of the rank's control
 #: region (`layout.TRACE`, `layout.TRACE_LAYERS`), read by the harness's `--trace`.
 TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "1"
+#: Experiment builds only (`JAX_LATENT_EP_KERNEL_NO_TIMEOUT=1` while compiling; never in the shipped cubins, whose
+#: polls must end in an error when a peer stops): polls without the timeout, to time what its code costs.
+POLL_TIMEOUT = os.environ.get("JAX_LATENT_EP_KERNEL_NO_TIMEOUT", "") != "1"
 #: Source word of an empty receive row (its LL header's payload).
 EMPTY = 0xFFFFFFFF
 
@@ -120,9 +123,10 @@ def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
     """1 iff `timeout_ns != 0` and this is a 32nd poll and `%globaltimer` is past `start + timeout_ns` (the timer
     is read every 32 polls only: a shorter poll period)."""
     late = Uint32(0)
-    if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
-        if globaltimer() - start > timeout_ns:
-            late = Uint32(1)
+    if cutlass.const_expr(POLL_TIMEOUT):
+        if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
+            if globaltimer() - start > timeout_ns:
+                late = Uint32(1)
     return late
 
 
