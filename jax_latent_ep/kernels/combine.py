@@ -31,7 +31,7 @@ from jax_latent_ep.kernels.common import (
     load_peer_table,
     peer_of,
     peer_row,
-    poll_clock,
+    poll_expired,
     trace_stamp,
 )
 from jax_latent_ep.kernels.dispatch import block_threads, check_shape, launch_options
@@ -267,7 +267,7 @@ class Combine:
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
-                    start = Int64(0)  # the poll's clock, started at its 32nd poll (`poll_clock`)
+                    start = globaltimer()
                     polls = Uint32(0)
                     while pending != Uint32(0):
                         a0, a1, a2, ea = load_wide(part)
@@ -290,8 +290,7 @@ class Combine:
                                 values[2 * j + 1] = add_rn(values[2 * j + 1], hi_f32(words[j]))
                         else:
                             polls = polls + Uint32(1)
-                            start, late = poll_clock(start, polls, timeout_ns)
-                            if late != Uint32(0):
+                            if poll_expired(start, polls, timeout_ns) != Uint32(0):
                                 fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
             if cutlass.const_expr(TRACE):
                 if t == cta:

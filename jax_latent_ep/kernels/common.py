@@ -7,7 +7,7 @@ LL word (`memory.store_ll`: 4 payload bytes + the writer's layer epoch in one 8-
 control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
 counter per kernel (`arrive_in_sequence`, `hand_over_epoch`). Receive rows come in two halves by layer parity
 (`layout.ROW_HALVES`), so a writer overwrites only rows whose reads the data chain already ordered: no wait before
-the stores, no flag. Every poll is bounded by `timeout_ns` (`poll_clock`); past it the polling thread writes the
+the stores, no flag. Every poll is bounded by `timeout_ns` (`poll_expired`); past it the polling thread writes the
 error record and traps (`fail`).
 No JAX here.
 """
@@ -119,22 +119,15 @@ def trace_stamp(ctrl: Int64, epoch: Uint32, index: cutlass.Constexpr[int], stamp
 
 
 @cute.jit
-def poll_clock(start: Int64, polls: Uint32, timeout_ns: Int64):
-    """The clock of a bounded poll, read only every 32 polls and never before the 32nd: call it after each failed
-    poll with the count so far (`polls`, from 1) and the last `start` (0 before the first call). Returns `(start,
-    late)`: on the 32nd poll `start` becomes `%globaltimer`; from then on, every 32nd poll, `late` is 1 once the
-    timer is more than `timeout_ns` past it (never if `timeout_ns == 0`). A poll that succeeds within 31 retries
-    (the common case) reads no timer at all: the read is a round trip that cost the kernels 0.2 us when every poll
-    loop began with it (`benchmarks/results/kernel_notes.md`, session 10). The timeout counts from the 32nd poll."""
+def poll_expired(start: Int64, polls: Uint32, timeout_ns: Int64) -> Uint32:
+    """1 iff `timeout_ns != 0` and this is a 32nd poll and `%globaltimer` is past `start + timeout_ns` (the timer
+    is read every 32 polls only: a shorter poll period)."""
     late = Uint32(0)
     if cutlass.const_expr(POLL_TIMEOUT):
         if timeout_ns != Int64(0) and (polls & Uint32(31)) == Uint32(0):
-            now = globaltimer()
-            if polls == Uint32(32):
-                start = now
-            elif now - start > timeout_ns:
+            if globaltimer() - start > timeout_ns:
                 late = Uint32(1)
-    return start, late
+    return late
 
 
 @cute.jit

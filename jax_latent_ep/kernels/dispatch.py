@@ -34,7 +34,7 @@ from jax_latent_ep.kernels.common import (
     load_peer_table,
     peer_of,
     peer_row,
-    poll_clock,
+    poll_expired,
     trace_stamp,
 )
 from jax_latent_ep.kernels.memory import (
@@ -442,7 +442,7 @@ class Dispatch:
             ids_at = local + buf.ids + at * buf.meta_pitch + meta_col * 8
             w_at = local + buf.weights + at * buf.meta_pitch + meta_col * 8
             pending = Uint32(1)
-            start = Int64(0)  # the poll's clock, started at its 32nd poll (`poll_clock`)
+            start = globaltimer()
             polls = Uint32(0)
             while pending != Uint32(0):
                 source, h_epoch = load_ll(hdr_at)
@@ -487,8 +487,7 @@ class Dispatch:
                                 store_b32(local + buf.mirror + row * 4, source)
                 if pending != Uint32(0):
                     polls = polls + Uint32(1)
-                    start, late = poll_clock(start, polls, timeout_ns)
-                    if late != Uint32(0):
+                    if poll_expired(start, polls, timeout_ns) != Uint32(0):
                         fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
             r += grid
             if cutlass.const_expr(TRACE):
