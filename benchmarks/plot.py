@@ -9,15 +9,23 @@ import argparse
 import csv
 import glob
 import os
+import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version_key(path: str):
+    """Sort key of a results file: its name with every run of digits compared as a number."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in re.split(r"(\d+)", os.path.basename(path))]
 
 
 def load(ranks: int, paths=None):
     """{series name: {T: us}} of `layer_us_median` (the newest `bench_*.csv`), `kernel_us_median` (kernel harness)
     and `floor_us` rows."""
     series = {}
-    paths = sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv")))
+    # Oldest first by version: `bench_v10_*` after `bench_v9_*` (numbers compared as numbers, not as text).
+    paths = sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv")), key=_version_key)
     # Per-layer rows from the newest benchmark file that has rows for `ranks` only (every backend of one run,
     # side by side).
     def has_rows(path):

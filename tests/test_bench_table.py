@@ -35,10 +35,10 @@ def test_best_xla_is_the_minimum_over_every_xla_backend_and_mode():
 
 def test_table_command_on_the_recorded_benchmark():
     """The README's speed-up row (benchmark flags) comes out of the recorded CSV."""
-    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v9_2026-11-30.csv")
+    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v10_2026-11-30.csv")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "table", csv, "--exclude",
                           "collectives"], capture_output=True, text=True, check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith("speed-up of nvlink "))
-    assert row.split()[-8:] == ["5.4x", "6.4x", "6.2x", "5.4x", "5.8x", "4.9x", "4.5x", "3.5x"], row
+    assert row.split()[-8:] == ["6.7x", "6.7x", "6.1x", "6.4x", "6.1x", "5.4x", "5.0x", "3.8x"], row
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "| speed-up of `nvlink` over the best XLA variant (benchmark flags) | " + " | ".join(row.split()[-8:]) in readme
