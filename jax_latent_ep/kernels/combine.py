@@ -267,6 +267,7 @@ class Combine:
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
+                    expired = Uint32(0)  # the poll timed out: fail once out of the loop (no cold code in its body)
                     start = globaltimer()
                     polls = Uint32(0)
                     while pending != Uint32(0):
@@ -291,7 +292,10 @@ class Combine:
                         else:
                             polls = polls + Uint32(1)
                             if poll_expired(start, polls, timeout_ns) != Uint32(0):
-                                fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
+                                pending = Uint32(0)
+                                expired = Uint32(1)
+                    if expired != Uint32(0):
+                        fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
             if cutlass.const_expr(TRACE):
                 if t == cta:
                     trace_stamp(ctrl, epoch, 12, globaltimer(), clock64(), traced)
