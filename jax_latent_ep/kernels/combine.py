@@ -267,7 +267,9 @@ class Combine:
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
-                    expired = Uint32(0)  # the poll timed out: fail once out of the loop (no cold code in its body)
+                    # A timed-out poll leaves the loop and fails after it: with the trap's branch inside the loop the
+                    # kernels were 0.15-0.4 us slower at N = 2 (benchmarks/results/kernel_notes.md, session 10).
+                    expired = Uint32(0)
                     start = globaltimer()
                     polls = Uint32(0)
                     while pending != Uint32(0):
