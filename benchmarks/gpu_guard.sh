@@ -19,7 +19,7 @@ for art in jax_latent_ep/_artifacts ${EXTRA_ARTIFACTS:-}; do
   done
 done
 log timeout test
-timeout 60 $H --mode timeout 2>&1 | tail -2
+for case in dispatch combine; do timeout 60 $H --mode timeout --timeout-case $case 2>&1 | tail -2; done
 fi
 if has stress; then
 log stress smoke: 2000 layers

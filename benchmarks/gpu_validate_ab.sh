@@ -15,14 +15,17 @@ cat $OUT/check/summary.txt
 ok=1
 grep -qE "rc=[1-9]" $OUT/check/summary.txt && ok=0
 [ "$(grep -c ' 0 mismatches' $OUT/check/summary.txt)" = 5 ] || ok=0
-[ "$(grep -c 'PASS' $OUT/check/summary.txt)" = 2 ] || ok=0
+[ "$(grep -c 'PASS' $OUT/check/summary.txt)" = 2 ] || ok=0  # the two sequence tests
 if [ $ok = 1 ]; then
   echo "=== $(date +%T) timeout test"
-  timeout 60 $H --mode timeout 2>&1 | tail -2
+  for case in dispatch combine; do timeout 60 $H --mode timeout --timeout-case $case 2>&1 | tail -2; done
   echo "=== $(date +%T) stress: ${STRESS_LAYERS:-100000} layers, N=2 on two GPUs, max_tokens 16, one rank delayed at random"
   timeout 200 $H --mode stress --ranks 2 --layers ${STRESS_LAYERS:-100000} --max-tokens 16 --stress-log-every 50000 \
     --csv $OUT/stress.csv --commit ${GIT_COMMIT:-unknown} 2>&1 | tail -4
-  if [ -n "${LAT_SIDES:-}" ]; then echo "=== $(date +%T) kernels alone, alternated"; SIDES="$LAT_SIDES" OUT=$OUT bash benchmarks/gpu_lat_variants.sh; fi
+  if [ -n "${LAT_SIDES:-}" ]; then
+    echo "=== $(date +%T) kernels alone, alternated"
+    SIDES="$LAT_SIDES" OUT=$OUT bash benchmarks/gpu_lat_variants.sh
+  fi
   echo "=== $(date +%T) A/B"
   OUT=$OUT/ab STAGES="${AB_STAGES:-latency jit}" bash benchmarks/gpu_ab.sh > /dev/null 2>&1
   grep -vE "^\s*$" $OUT/ab/summary.txt

@@ -79,15 +79,17 @@ def test_two_gpus():
 
 @needs_gpu
 @needs_artifacts
-def test_flag_timeout_reports_and_traps():
+@pytest.mark.parametrize("case, record", [("dispatch", "[1, 0, 1, 0]"), ("combine", "[2, 0, 1, 0]")])
+def test_flag_timeout_reports_and_traps(case, record):
+    # Rank 1 of two stops before its dispatch (or after it): rank 0's dispatch (combine) must trap with its record.
     # A separate process: the trap kills its CUDA context.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     result = subprocess.run(
-        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "timeout"],
+        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "timeout", "--timeout-case", case],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "status record [1, 0, 1, 0]" in result.stdout
+    assert f"status record {record}" in result.stdout
 
 
 @needs_gpu

@@ -7,8 +7,9 @@ Modes (`python -m jax_latent_ep.testing.harness --help`):
   latency   kernel-only time of one dispatch + combine per layer at T in {1, 5, 32, 128}, N = 2 on 2 GPUs:
             CUDA graphs of `--graph-layers` layers per GPU (programmatic stream serialization), CUDA events
             around each replay, median over the replays of (elapsed / layers).
-  timeout   rank 0 alone of N = 2 (rank 1 never launches): the dispatch must trap and fill the host status
-            record {code, rank, peer, layer} (run last: the trap kills the context).
+  timeout   N = 2, rank 1 stops (`--timeout-case`): before its dispatch (rank 0's dispatch must trap), or after
+            its dispatch (rank 0's combine must trap); the trap fills the host status record {code, rank, peer,
+            layer} (run last: the trap kills the context).
   sequence  N = 2 virtual ranks, rank 1's buffer in mapped host memory; rank 0 repeats a dispatch / combine out
             of sequence (`--sequence-case`): it must trap with its error record and leave rank 1's buffer
             unchanged, byte for byte (run last: the trap kills the context).
@@ -749,24 +750,43 @@ def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, repla
 # Timeout
 
 
-def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3"):
-    """Rank 0 of N = 2 dispatches alone with a 2 ms timeout: it must trap and report {1, 0, 1, 0}."""
+def timeout_test(artifacts=DEFAULT_ARTIFACTS, shape_name="kimi_k3", case="dispatch"):
+    """A poll that never succeeds must trap and report, with a 2 ms timeout, N = 2 virtual ranks, 4 tokens each.
+    `case` "dispatch": rank 1 never launches, so rank 0's dispatch waits for rank 1's rows: record {1, 0, 1, 0}.
+    "combine": both ranks dispatch, then rank 0 alone combines and waits for rank 1's partials of its tokens:
+    record {2, 0, 1, 0}. Returns (ok, record, the stream's error)."""
     system = System(shape_name, 2, 8, "virtual", artifacts)
     cu = system.cu
     system.status, status_host = _host_status(cu)
-    r = system.ranks[0]
+    system.timeout_ns = 2_000_000_000  # the dispatches of the combine case complete
     rng = np.random.default_rng(0)
-    r.x.upload(make_tokens(rng, 4, system.shape, False))
-    ids, weights = make_routing(rng, 4, system.shape)
-    r.ids.upload(ids)
-    r.weights.upload(weights)
-    started = time.perf_counter()
-    system.launch_dispatch(r, 4, timeout_ns=2_000_000)
+    routed = []
+    for r in system.ranks[:1] if case == "dispatch" else system.ranks:
+        r.x.upload(make_tokens(rng, 4, system.shape, False))
+        ids, weights = make_routing(rng, 4, system.shape)
+        r.ids.upload(ids)
+        r.weights.upload(weights)
+        routed.append(ids)
+    r = system.ranks[0]
+    if case == "combine":
+        if not (np.asarray(routed[0]) // system.shape.num_local_experts(2) == 1).any():
+            raise RuntimeError("the routing sends no token of rank 0 to rank 1")  # not with these seeds and shapes
+        for q in system.ranks:
+            system.launch_dispatch(q, 4)
+        system.sync()
+        system.timeout_ns = 2_000_000
+        started = time.perf_counter()
+        system.launch_combine(r, 4, apply_norm=1)
+    else:
+        started = time.perf_counter()
+        system.launch_dispatch(r, 4, timeout_ns=2_000_000)
     err = cu.cuStreamSynchronize(r.stream)[0]
     elapsed = time.perf_counter() - started
     record = [status_host[i] for i in range(4)]
-    print(f"  timeout: stream sync -> {err!r} after {elapsed * 1e3:.1f} ms, status record {record}", flush=True)
-    ok = err != cu.CUresult.CUDA_SUCCESS and record == [1, 0, 1, 0]
+    print(f"  timeout ({case}): stream sync -> {err!r} after {elapsed * 1e3:.1f} ms, status record {record}",
+          flush=True)
+    code = 1 if case == "dispatch" else 2
+    ok = err != cu.CUresult.CUDA_SUCCESS and record == [code, 0, 1, 0]
     return ok, record, str(err)
 
 
@@ -1221,6 +1241,8 @@ def main(argv=None):
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
     parser.add_argument("--sequence-case", choices=("dispatch_twice", "combine_twice"), default="dispatch_twice")
+    parser.add_argument("--timeout-case", choices=("dispatch", "combine"), default="dispatch",
+                        help="--mode timeout: the kernel whose poll must time out")
     group = parser.add_argument_group("stress mode")
     group.add_argument("--stress-virtual", action="store_true", help="all ranks on one GPU (default: one per GPU)")
     group.add_argument("--stress-pool", type=int, default=8, help="input sets per rank, uploaded once")
@@ -1232,8 +1254,8 @@ def main(argv=None):
     date = time.strftime("%Y-%m-%d", time.gmtime())
     failed = False
     if args.mode == "timeout":
-        ok, record, err = timeout_test(args.artifacts, args.shape)
-        print("TIMEOUT TEST", "PASS" if ok else "FAIL")
+        ok, record, err = timeout_test(args.artifacts, args.shape, args.timeout_case)
+        print("TIMEOUT TEST", args.timeout_case, "PASS" if ok else "FAIL")
         return 0 if ok else 1
     if args.mode == "sequence":
         ok, record, changed = sequence_test(args.sequence_case, args.artifacts, args.shape)
