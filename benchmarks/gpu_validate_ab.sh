@@ -5,10 +5,8 @@
 #   GIT_COMMIT=<sha> OLD=<dir> OLD_COMMIT=<sha> OUT=<dir> [STRESS_LAYERS=100000] [JIT_TOKENS=...]
 #   [JIT_MAX_TOKENS="-1"] [JIT_SIDES="new old new-again old-again"] [AB_STAGES="latency jit"]
 #   [LAT_SIDES="name=tree:artifacts:commit ..." (gpu_lat_variants.sh, before the A/B)] bash benchmarks/gpu_validate_ab.sh
-set -u
-OUT="${OUT:-$PWD/out}"; mkdir -p $OUT/check $OUT/ab
-H="python3 -m jax_latent_ep.testing.harness"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+source "$(dirname "$0")/gpu_common.sh"  # $OUT, $W, the environment, $H
+mkdir -p $OUT/check $OUT/ab
 {
 OUT=$OUT/check STAGES=check bash benchmarks/gpu_ab.sh > /dev/null 2>&1
 cat $OUT/check/summary.txt
@@ -30,7 +28,7 @@ if [ $ok = 1 ]; then
   OUT=$OUT/ab STAGES="${AB_STAGES:-latency jit}" bash benchmarks/gpu_ab.sh > /dev/null 2>&1
   grep -vE "^\s*$" $OUT/ab/summary.txt
 else
-  echo "CHECK FAILED: no A/B"; tail -30 /tmp/w/h*.log
+  echo "CHECK FAILED: no A/B"; tail -30 $W/h*.log
 fi
 } 2>&1 | tee $OUT/summary.txt
 (cd $OUT && tar czf all.tar.gz check ab stress.csv lat.csv 2>/dev/null; rm -rf check ab stress.csv lat.csv)
