@@ -5,6 +5,7 @@
 //
 // Build and run on a machine with 2 GPUs joined by NVLink (nvcc from the CUDA toolkit):
 //   nvcc -O3 -arch=sm_90a -o floor benchmarks/floor.cu && ./floor [csv-out]
+// Also the peer store bandwidth with both GPUs storing into each other at once (`peer_store_bidir_GBps`).
 // Prints one line per figure; with an argument, also writes `metric,bytes,value` rows to that file.
 //
 // The flag round trip is polled the way the kernels poll: one lane spins on relaxed system-scope loads of
@@ -750,6 +751,50 @@ int main(int argc, char** argv) {
       std::printf("%s bytes=%zu %.1f\n", name, bytes, bw);
       if (csv) std::fprintf(csv, "%s,%zu,%.2f\n", name, bytes, bw);
     }
+  }
+
+  // Both directions at once (each GPU storing into the other's memory, as both ranks do in a layer): GB/s of each
+  // direction, the slower of the two; CSV rows `peer_store_bidir_GBps` (not part of the floor, which the issue
+  // defines with the one-way figure above).
+  {
+    uint4* bufs[2] = {local_buf, peer_buf};  // bufs[d] lives on GPU d
+    const size_t bidir_sizes[] = {size_t(1) << 20, size_t(2) << 20, size_t(256) << 20};
+    for (size_t bytes : bidir_sizes) {
+      size_t words = bytes / 16;
+      int blocks = (int)std::min<size_t>((words + 255) / 256, (size_t)prop.multiProcessorCount * 8);
+      int reps = bytes >= (size_t(256) << 20) ? 5 : 50;
+      cudaEvent_t ev[2][2];
+      for (int d = 0; d < 2; ++d) {
+        CHECK(cudaSetDevice(d));
+        CHECK(cudaEventCreate(&ev[d][0]));
+        CHECK(cudaEventCreate(&ev[d][1]));
+        store16<<<blocks, 256>>>(bufs[1 - d], words, 1);  // warm up
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+      }
+      std::vector<double> gbps;
+      for (int r = 0; r < 9; ++r) {
+        for (int d = 0; d < 2; ++d) {
+          CHECK(cudaSetDevice(d));
+          CHECK(cudaEventRecord(ev[d][0]));
+          for (int k = 0; k < reps; ++k) store16<<<blocks, 256>>>(bufs[1 - d], words, r + k);
+          CHECK(cudaEventRecord(ev[d][1]));
+        }
+        double slowest = 1e30;
+        for (int d = 0; d < 2; ++d) {
+          CHECK(cudaSetDevice(d));
+          CHECK(cudaEventSynchronize(ev[d][1]));
+          float ms = 0;
+          CHECK(cudaEventElapsedTime(&ms, ev[d][0], ev[d][1]));
+          slowest = std::min(slowest, double(bytes) * reps / (ms * 1e-3) / 1e9);
+        }
+        gbps.push_back(slowest);
+      }
+      double bw = median(gbps);
+      std::printf("peer_store_bidir_GBps bytes=%zu %.1f\n", bytes, bw);
+      if (csv) std::fprintf(csv, "peer_store_bidir_GBps,%zu,%.2f\n", bytes, bw);
+    }
+    CHECK(cudaSetDevice(0));
   }
 
   // The skeleton of a layer (see `exchange`): two stages (the kernels alone) and three (a jitted layer's

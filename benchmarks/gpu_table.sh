@@ -13,7 +13,7 @@ T=/tmp/table; rm -rf $T; mkdir -p $T/final  # gpu_final.sh clears $W: its output
 {
 if has floor; then
   log "floor: flag round trip and SM store bandwidth (benchmarks/floor.cu)"
-  nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | grep -E "round|peer_store" | tail -6
+  nvcc -O3 -arch=sm_90a -o $W/floor benchmarks/floor.cu && $W/floor $OUT/floor_raw.csv 2>&1 | grep -E "round|peer_store" | tail -9
 fi
 if has latency; then
   for mt in 8 128; do
