@@ -23,6 +23,7 @@ from jax_latent_ep.config import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
     TRACE,
+    TRACE_WARPS,
     DeviceLayout,
     arrive_in_sequence,
     hand_over_epoch,
@@ -33,6 +34,7 @@ from jax_latent_ep.kernels.common import (
     peer_row,
     poll_expired,
     trace_stamp,
+    trace_warp,
 )
 from jax_latent_ep.kernels.dispatch import block_threads, check_shape, launch_options
 from jax_latent_ep.kernels.memory import (
@@ -217,6 +219,10 @@ class Combine:
             source_q = load_b32(local + buf.mirror + row * 4)
             self.send_row(table, buf, source_q, self.row_pieces(out + row * (2 * latent), tid), epoch, rank, tid)
             r += grid
+        if cutlass.const_expr(TRACE_WARPS):
+            lane_of_cta0 = Int32(0)
+            if cta == 0 and lane == 0:
+                lane_of_cta0 = Int32(1)
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 8, t_entry, c_entry, traced)
             trace_stamp(ctrl, epoch, 9, t_wait, c_wait, traced)
@@ -298,6 +304,9 @@ class Combine:
                                 expired = Uint32(1)
                     if expired != Uint32(0):
                         fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
+            if cutlass.const_expr(TRACE_WARPS):
+                if t == cta:
+                    trace_warp(ctrl, epoch, warp, lane_of_cta0)  # this warp's polls of token 0 returned
             if cutlass.const_expr(TRACE):
                 if t == cta:
                     trace_stamp(ctrl, epoch, 12, globaltimer(), clock64(), traced)
@@ -321,10 +330,16 @@ class Combine:
                 if lane == 0:
                     stash[warp] = Int32(bits_from_f32(total))
                 cute.arch.sync_threads()
+                if cutlass.const_expr(TRACE_WARPS):
+                    if t == cta:
+                        trace_warp(ctrl, epoch, 8 + warp, lane_of_cta0)  # this warp past the stash barrier
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(self.warps):
                     total = add_rn(total, f32_from_bits(Uint32(stash[w])))
                 rstd = rms_rstd(total, eps, latent)
+                if cutlass.const_expr(TRACE_WARPS):
+                    if t == cta and warp == 0:
+                        trace_warp(ctrl, epoch, 15, lane_of_cta0)  # warp 0's rstd
                 normed = []
                 for j in cutlass.range_constexpr(8):
                     a = mul_rn(mul_rn(lo_f32(routed[j]), rstd), lo_f32(gamma[j]))
@@ -332,6 +347,9 @@ class Combine:
                     normed.append(bf16x2(a, b))
                 store_v4(dest, normed[0:4])
                 store_v4(dest + 16, normed[4:8])
+                if cutlass.const_expr(TRACE_WARPS):
+                    if t == cta and warp == 0:
+                        trace_warp(ctrl, epoch, 7, lane_of_cta0)  # warp 0's result stores issued
             cute.arch.sync_threads()  # shared_mask / stash are reused by the next token
             if cutlass.const_expr(TRACE):
                 if t == cta:

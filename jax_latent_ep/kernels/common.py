@@ -39,7 +39,12 @@ LINE = lay.LINE
 #: Debug builds only (`JAX_LATENT_EP_KERNEL_TRACE=1` while compiling; never in the shipped cubins): the kernels
 #: stamp `%globaltimer` and `%clock64` at their phase boundaries into the trace lines of the rank's control
 #: region (`layout.TRACE`, `layout.TRACE_LAYERS`), read by the harness's `--trace`.
-TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "1"
+TRACE = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") in ("1", "2")
+#: Debug builds only (`JAX_LATENT_EP_KERNEL_TRACE=2`): the trace's second line of each layer holds, instead of
+#: `%clock64`, `%globaltimer` stamps of the combine's CTA 0 (lane 0 of a warp) through token 0's reduce: slot w
+#: when warp w's polls returned, slot 8 + w when it passed the RMSNorm's stash barrier, slot 15 at warp 0's rstd,
+#: slot 7 when warp 0's result stores were issued (`trace_warp`; harness `--trace` prints them).
+TRACE_WARPS = os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "2"
 #: Experiment builds only (`JAX_LATENT_EP_KERNEL_NO_TIMEOUT=1` while compiling; never in the shipped cubins, whose
 #: polls must end in an error when a peer stops): polls without the timeout, to time what its code costs.
 POLL_TIMEOUT = os.environ.get("JAX_LATENT_EP_KERNEL_NO_TIMEOUT", "") != "1"
@@ -115,7 +120,17 @@ def trace_stamp(ctrl: Int64, epoch: Uint32, index: cutlass.Constexpr[int], stamp
     if on != 0:
         at = ctrl + lay.TRACE + Int64(epoch % Uint32(lay.TRACE_LAYERS)) * (2 * LINE) + index * 8
         store_u64(at, stamp)
-        store_u64(at + LINE, cycles)
+        if cutlass.const_expr(not TRACE_WARPS):
+            store_u64(at + LINE, cycles)
+
+
+@cute.jit
+def trace_warp(ctrl: Int64, epoch: Uint32, slot: Int32, on: Int32):
+    """`TRACE_WARPS` builds: if `on != 0`, stores `%globaltimer` as slot `slot` of layer `epoch`'s second trace
+    line (call it from one lane per warp)."""
+    if on != 0:
+        at = ctrl + lay.TRACE + Int64(epoch % Uint32(lay.TRACE_LAYERS)) * (2 * LINE) + LINE + Int64(slot) * 8
+        store_u64(at, globaltimer())
 
 
 @cute.jit

@@ -702,6 +702,16 @@ def trace_report(system: System):
         }
         for name, v in gaps.items():
             lines.append(f"    {name:<61s} {np.median(v):8.0f} ns")
+        if os.environ.get("JAX_LATENT_EP_KERNEL_TRACE", "") == "2":  # a warp trace build (kernels.common.TRACE_WARPS)
+            polls = cycles[:, 0:7] - timer[:, 12:13]
+            barrier = cycles[:, 8:15] - timer[:, 12:13]
+            lines.append("    warp trace (ns from stamp 12; combine CTA 0, warps 0-6): polls of token 0 returned: "
+                         + " ".join(f"{np.median(polls[:, w]):6.0f}" for w in range(7)))
+            lines.append("    warp trace: past the stash barrier:                                         "
+                         + " ".join(f"{np.median(barrier[:, w]):6.0f}" for w in range(7)))
+            lines.append(f"    warp trace: warp 0's rstd {np.median(cycles[:, 15] - timer[:, 12]):6.0f}, its result stores "
+                         f"issued {np.median(cycles[:, 7] - timer[:, 12]):6.0f}, stamp 13 "
+                         f"{np.median(timer[:, 13] - timer[:, 12]):6.0f}")
         steps = np.unique(np.diff(np.sort(timer[:, :15].ravel())))
         lines.append(f"    smallest non-zero timer step: {steps[steps > 0].min() if (steps > 0).any() else 0} ns")
     print("\n".join(lines), flush=True)
