@@ -44,8 +44,8 @@ def load(ranks: int, paths=None):
                 if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1:
                     continue
                 if any(k in r["backend"] for k in ("cta0-guard", "strided", "mergedbarriers", "grid128", "grid256",
-                                                    "-ll8-", "wide-staged", "-ab")):
-                    continue  # variants kept for comparison only (kernel_harness_v3/v4/v5.csv)
+                                                    "-ll8-", "wide-staged", "-ab", "-trace-max")):
+                    continue  # variants and trace builds kept for comparison only (kernel_harness_v3/v4/v5.csv, v11)
                 if r["metric"] == "kernel_us_median" and "max128" in r["backend"] and int(r["tokens"]) <= 8:
                     continue  # T <= 8: the rows measured with a buffer for 8 tokens (the benchmark sizes per T)
                 name = {"floor_us": "floor (2 flag round trips + bytes at peer bandwidth)",

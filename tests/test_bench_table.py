@@ -35,10 +35,10 @@ def test_best_xla_is_the_minimum_over_every_xla_backend_and_mode():
 
 def test_table_command_on_the_recorded_benchmark():
     """The README's speed-up row (benchmark flags) comes out of the recorded CSV."""
-    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v10_2026-11-30.csv")
+    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v11_2026-12-01.csv")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "table", csv, "--exclude",
                           "collectives"], capture_output=True, text=True, check=True).stdout
-    row = next(line for line in out.splitlines() if line.startswith("speed-up of nvlink "))
-    assert row.split()[-8:] == ["6.7x", "6.7x", "6.1x", "6.4x", "6.1x", "5.4x", "5.0x", "3.8x"], row
+    row = next(line for line in out.splitlines() if line.startswith("speed-up of nvlink ") and line.split()[3] == "2")
+    assert row.split()[-8:] == ["4.5x", "5.2x", "5.4x", "5.9x", "4.7x", "3.3x", "3.7x", "3.1x"], row
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "| speed-up of `nvlink` over the best XLA variant (benchmark flags) | " + " | ".join(row.split()[-8:]) in readme
