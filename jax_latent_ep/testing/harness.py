@@ -6,7 +6,8 @@ Modes (`python -m jax_latent_ep.testing.harness --help`):
   devices   N ranks on N GPUs of one process (peer access), one stream per GPU.
   latency   kernel-only time of one dispatch + combine per layer at T in {1, 5, 32, 128}, N = 2 on 2 GPUs:
             CUDA graphs of `--graph-layers` layers per GPU (programmatic stream serialization), CUDA events
-            around each replay, median over the replays of (elapsed / layers).
+            around each replay, median over the replays of (elapsed / layers). `--latency-virtual`: the ranks on
+            one GPU, one stream each (a one-GPU view of the ranks' interplay, without NVLink).
   timeout   N = 2, rank 1 stops (`--timeout-case`): before its dispatch (rank 0's dispatch must trap), or after
             its dispatch (rank 0's combine must trap); the trap fills the host status record {code, rank, peer,
             layer} (run last: the trap kills the context).
@@ -1248,6 +1249,9 @@ def main(argv=None):
     parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids max(T, min(N * S, this))")
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
+    parser.add_argument("--latency-virtual", action="store_true",
+                        help="latency mode: all ranks on one GPU, one stream each (the peers' stores stay on the "
+                             "device: no NVLink in the times)")
     parser.add_argument("--sequence-case", choices=("dispatch_twice", "combine_twice"), default="dispatch_twice")
     parser.add_argument("--timeout-case", choices=("dispatch", "combine"), default="dispatch",
                         help="--mode timeout: the kernel whose poll must time out")
@@ -1280,14 +1284,16 @@ def main(argv=None):
                 break  # a trapped context is unusable
             continue
         if args.mode == "latency":
-            system = System(args.shape, n, args.max_tokens, "devices", args.artifacts)
+            system = System(args.shape, n, args.max_tokens, "virtual" if args.latency_virtual else "devices",
+                            args.artifacts)
             system.timeout_ns = args.timeout_ns
             if args.grid_cap:
                 system.grid_cap = min(args.grid_cap, system.cap)
-            print(f"latency {args.shape} N={n} on {n} GPUs, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
+            where = "1 GPU (virtual ranks)" if args.latency_virtual else f"{n} GPUs"
+            print(f"latency {args.shape} N={n} on {where}, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
             counts = tuple(args.latency_tokens) if args.latency_tokens else (1, 5, 32, 128)
             res = latency(system, token_counts=counts, trace=args.trace)
-            backend_device = f"{n}x {device}"
+            backend_device = f"1x {device} ({n} virtual ranks)" if args.latency_virtual else f"{n}x {device}"
             rows = []
             for t, row in res.items():
                 rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t, "kernel_us_median", f"{row['layer'][0]:.2f}"))
