@@ -18,6 +18,16 @@ Rows go to the CSV (`date,device,commit,backend,ranks,tokens,metric,value`, metr
 and `enqueue_us_per_layer`: the host's time to enqueue the sample's programs, per layer (when it is as large as
 `layer_us_median`, the host is the bottleneck).
 
+The same run also measures, on the same machine and into the same CSV (`--stages`, all by default):
+- `floor` (two or more GPUs, `nvcc` on the PATH): `benchmarks/floor.cu` compiled for the GPU's architecture: the flag
+  round trip and the SM-store peer bandwidth, and from them `floor_us` of one dispatch + combine at each T
+  (`floor_rows.py`: two flag round trips plus the bytes one rank sends at N = 2 at that bandwidth);
+- `kernels`: `kernel_us_median`, dispatch + combine alone from CUDA-graph replays (the kernel harness, JAX-free,
+  `jax_latent_ep.testing.harness --mode latency`), at each N and T, with the layer benchmark's buffer sizes;
+- `layers`: the jitted layers above, and for the smallest and largest T (`--count-tokens`) `launches_per_layer`:
+  every kernel and copy that one program put on the GPU (the profiler's device trace), divided by the layers, and
+  `our_launches_per_layer`, the NVLink backend's own kernels among them.
+
 `python benchmarks/bench.py worker ...` is one process's share (the `all` command spawns them);
 `python benchmarks/bench.py table CSV [--exclude NAME]` prints a CSV's table again, with the best XLA variant per T
 and each NVLink backend's speed-up over it.
@@ -37,6 +47,7 @@ import time
 TOKENS = (1, 2, 5, 8, 16, 32, 64, 128)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)  # floor_rows
 ROOT = os.path.dirname(HERE)
 
 
@@ -115,6 +126,64 @@ def allgather_backend(mesh, axis_name, max_tokens, shape):
     return AllGather()
 
 
+#: Kernel names of the NVLink backend (the cubins' symbols; `ep_dispatch_0`, `ep_combine_0` in a device trace).
+OUR_KERNELS = ("ep_dispatch", "ep_combine")
+
+
+def launch_counts(events, layers):
+    """Per-layer launch counts from one program's device trace: `events` are `(line name, event name)` pairs of one
+    GPU's plane. Counts the events on its stream lines (kernels, memcpy and memset; the profiler's derived lines such
+    as "XLA Ops" repeat them and are skipped). Returns `{"launches_per_layer": float, "our_launches_per_layer":
+    float, "by_name": {name: count per layer}}`."""
+    names = [name for line, name in events if line.startswith("Stream")]
+    by_name = {}
+    for name in names:
+        by_name[name] = by_name.get(name, 0) + 1
+    ours = sum(c for name, c in by_name.items() if name.startswith(OUR_KERNELS))
+    return {"launches_per_layer": len(names) / layers, "our_launches_per_layer": ours / layers,
+            "by_name": {name: c / layers for name, c in sorted(by_name.items(), key=lambda kv: -kv[1])}}
+
+
+def trace_launches(fn, args, layers, plane_index=0):
+    """Runs `x = fn(*args)` once under `jax.profiler` and returns `(x, launch_counts(...))` of the first GPU plane
+    (`plane_index`-th in name order). The counts are None, with the reason on stderr, on a machine without GPU planes
+    or when the profiler fails; `x` is returned either way (`args[0]` is donated to `fn`)."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="bench_trace_")
+    try:
+        jax.profiler.start_trace(trace_dir)
+    except Exception as e:  # nothing ran yet: the caller's arguments are intact
+        print(f"launch count: the profiler did not start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return fn(*args), None
+    try:
+        x = fn(*args)
+        x.block_until_ready()
+    finally:
+        try:
+            jax.profiler.stop_trace()
+        except Exception as e:
+            print(f"launch count: stop_trace failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    try:
+        paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        planes = sorted((p for p in jax.profiler.ProfileData.from_file(paths[0]).planes
+                         if p.name.startswith("/device:GPU:")), key=lambda p: p.name) if paths else []
+        if len(planes) <= plane_index:
+            print("launch count: no GPU plane in the trace", file=sys.stderr, flush=True)
+            return x, None
+        plane = planes[plane_index]
+        return x, launch_counts([(line.name, e.name) for line in plane.lines for e in line.events], layers)
+    except Exception as e:
+        print(f"launch count: reading the trace failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return x, None
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
 def worker(args):
     if args.num_processes > 1:
         import jax
@@ -146,6 +215,8 @@ def worker(args):
     rng = np.random.default_rng(1234)  # the same global inputs on every process
     pool = 8  # routings rotated over the layers
     combos = [(b, t) for b in backends for t in args.tokens]
+    count_tokens = set(args.count_tokens if args.count_tokens is not None else
+                       (min(args.tokens), max(args.tokens)))
     show = args.process_id == 0
     it = _progress(combos, len(combos), f"N={n} procs={args.num_processes}") if show else combos
     for backend, t in it:
@@ -206,11 +277,18 @@ def worker(args):
             x_d.block_until_ready()
             times.append((time.perf_counter() - start) / (args.inner * args.layers) * 1e6)
             enqueue.append((queued - start) / (args.inner * args.layers) * 1e6)
-        results.append({"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
-                        "max_tokens": max_tokens,
-                        "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
-                        "enqueue_us_per_layer": float(np.median(enqueue)),
-                        "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""})
+        result = {"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
+                  "max_tokens": max_tokens,
+                  "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
+                  "enqueue_us_per_layer": float(np.median(enqueue)),
+                  "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""}
+        if t in count_tokens and jax.devices()[0].platform == "gpu":
+            # After the timing: one more program under the profiler (every process runs it: collectives).
+            x_d, counts = trace_launches(fn, (x_d, ids_d, w_d, nw_d), args.layers)
+            x_d.block_until_ready()
+            if counts:
+                result.update(counts)
+        results.append(result)
         ep.close()
     if show:
         print("RESULT " + json.dumps(results), flush=True)
@@ -230,7 +308,10 @@ def _free_port():
 def _run_workers(ranks, procs, args, env):
     cmd = [sys.executable, os.path.abspath(__file__), "worker", "--ranks", str(ranks),
            "--tokens", ",".join(map(str, args.tokens)), "--layers", str(args.layers),
-           "--repeats", str(args.repeats), "--inner", str(args.inner), "--backends", args.backends, "--max-tokens", str(args.max_tokens)]
+           "--repeats", str(args.repeats), "--inner", str(args.inner), "--backends", args.backends,
+           "--max-tokens", str(args.max_tokens)]
+    if args.count_tokens is not None:
+        cmd += ["--count-tokens", ",".join(map(str, args.count_tokens)) or "none"]
     if procs == 1:
         out = subprocess.run(cmd + ["--num-processes", "1"], env=env, capture_output=True, text=True,
                              timeout=args.timeout)
@@ -262,6 +343,110 @@ def _run_workers(ranks, procs, args, env):
     return results
 
 
+def _append_rows(path, rows):
+    """Appends CSV rows to `path` (the header first when the file is new): each stage writes its rows when it
+    ends, so a run cut off later keeps what it measured."""
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
+        for row in rows:
+            f.write(",".join(map(str, row)) + "\n")
+
+
+def _cuda_arch():
+    """`sm_90a` / `sm_100a` ...: the architecture of GPU 0 for nvcc (the `a` features: `griddepcontrol`)."""
+    from cuda.bindings import driver
+
+    def check(result):
+        err, *value = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return value[0] if value else None
+
+    check(driver.cuInit(0))
+    dev = check(driver.cuDeviceGet(0))
+    attr = driver.CUdevice_attribute
+    major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+    minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+    return f"sm_{major}{minor}a"
+
+
+def stage_floor(args, gpus, device, commit, date):
+    """The floor rows (`floor.cu` compiled and run on GPUs 0 and 1; `floor_rows.py`): `[]` and a reason printed
+    when it cannot run here."""
+    import shutil
+    import tempfile
+
+    from floor_rows import floor_rows
+
+    if gpus < 2:
+        print(f"floor: skipped (it needs two GPUs with peer access; {gpus} here)", flush=True)
+        return []
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        print("floor: skipped (nvcc is not on the PATH)", flush=True)
+        return []
+    work = tempfile.mkdtemp(prefix="bench_floor_")
+    binary, raw = os.path.join(work, "floor"), os.path.join(work, "floor_raw.csv")
+    subprocess.run([nvcc, "-O3", f"-arch={_cuda_arch()}", "-o", binary, os.path.join(HERE, "floor.cu")], check=True,
+                   timeout=args.timeout)
+    out = subprocess.run([binary, raw], capture_output=True, text=True, timeout=args.timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith(("flag_round_trip_us", "peer_store")):
+            print("floor: " + line, flush=True)
+    if out.returncode:
+        print(f"floor: failed with {out.returncode}: {out.stderr[-2000:]}", flush=True)
+        return []
+    import csv
+
+    with open(raw) as f:
+        raw_rows = list(csv.DictReader(f))
+    shutil.copy(raw, f"{os.path.splitext(args.out)[0]}.floor_raw.csv")  # every skeleton figure, kept beside the CSV
+    rows = [tuple(r) for r in floor_rows(raw_rows, date, device, commit)]
+    rows = [r for r in rows if r[6] != "floor_us" or int(r[5]) in args.tokens]
+    _append_rows(args.out, rows)
+    return rows
+
+
+def _kernel_buffers(args):
+    """{max_tokens: [T, ...]}: the kernel harness's buffer for each T, as the layer benchmark sizes it."""
+    groups = {}
+    for t in args.tokens:
+        m = t if args.max_tokens < 0 else (args.max_tokens or max(args.tokens))
+        groups.setdefault(m, []).append(t)
+    return groups
+
+
+def stage_kernels(args, gpus, device, commit, date, env):
+    """`kernel_us_median` rows (and the dispatch and combine alone): the kernel harness's latency mode at N = 1 and,
+    with two GPUs, N = 2 (one GPU per rank), each T with the layer benchmark's buffer."""
+    import csv
+    import tempfile
+
+    ranks = [r for r in (1, 2) if r <= gpus and (not args.only_ranks or r in args.only_ranks)]
+    tmp = os.path.join(tempfile.mkdtemp(prefix="bench_kernels_"), "kernels.csv")
+    for m, tokens in sorted(_kernel_buffers(args).items()):
+        cmd = [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "latency", "--ranks",
+               *map(str, ranks), "--max-tokens", str(m), "--latency-tokens", *map(str, tokens), "--csv", tmp,
+               "--commit", commit]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+        for line in out.stdout.splitlines():
+            if line.strip().startswith(("latency", "T=")):
+                print(f"kernels (buffer {m}): {line.strip()}", flush=True)
+        if out.returncode:
+            print(f"kernels (buffer {m}): harness failed with {out.returncode}: {out.stderr[-2000:]}", flush=True)
+    rows = []
+    if os.path.exists(tmp):
+        with open(tmp) as f:
+            for r in csv.DictReader(f):
+                if r["metric"] in ("kernel_us_median", "dispatch_us_median", "combine_us_median"):
+                    rows.append((date, device, commit, "kernels" + args.tag, r["ranks"], r["tokens"], r["metric"],
+                                 r["value"]))
+    _append_rows(args.out, rows)
+    return rows
+
+
 def run_all(args):
     import jax
 
@@ -282,7 +467,20 @@ def run_all(args):
     rows = []
     plans = [(1, 1)] + ([(2, 1), (2, 2)] if gpus >= 2 else [])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    stages = args.stages.split(",")
+    unknown = set(stages) - {"floor", "kernels", "layers"}
+    if unknown:
+        raise SystemExit(f"unknown stages {sorted(unknown)}: floor, kernels, layers")
+    if "floor" in stages:
+        rows += stage_floor(args, gpus, device, commit, date)
+    if "kernels" in stages:
+        if gpus:
+            rows += stage_kernels(args, gpus, device, commit, date, env)
+        else:
+            print("kernels: skipped (no GPU)", flush=True)
     for ranks, procs in plans:
+        if "layers" not in stages:
+            break
         if args.only_ranks and ranks not in args.only_ranks:
             continue
         if args.only_procs and procs not in args.only_procs:
@@ -290,31 +488,58 @@ def run_all(args):
         new_rows = []
         for r in _run_workers(ranks, procs, args, env):
             backend = r["backend"] + ("-1proc" if ranks > 1 and procs == 1 else "") + args.tag
-            for metric in ("layer_us_median", "enqueue_us_per_layer"):
-                new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], metric, f"{r[metric]:.2f}"))
-        new = not os.path.exists(args.out)
-        with open(args.out, "a") as f:  # written per mode, so a cut-off run keeps what it measured
-            if new:
-                f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
-            for row in new_rows:
-                f.write(",".join(map(str, row)) + "\n")
+            for metric in ("layer_us_median", "enqueue_us_per_layer", "launches_per_layer", "our_launches_per_layer"):
+                if metric in r:
+                    new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], metric,
+                                     f"{r[metric]:.2f}"))
+            if "by_name" in r:
+                print(f"launches per layer, {backend} N={r['ranks']} T={r['tokens']}: "
+                      + ", ".join(f"{c:g} x {name[:60]}" for name, c in r["by_name"].items()), flush=True)
+        _append_rows(args.out, new_rows)  # written per mode, so a cut-off run keeps what it measured
         rows += new_rows
     _print_table(rows)
 
 
 def _print_table(rows):
-    by = {}
+    """Prints per rank count: the floor, the kernels alone and every backend's `layer_us_median` per T, the best XLA
+    variant, each NVLink backend's speed-up over it, the kernels' ratio to the floor, and the launches per layer
+    (where counted)."""
+    by, launches = {}, {}
     for _, _, _, backend, ranks, tokens, metric, value in rows:
-        if metric != "layer_us_median":
-            continue
-        by.setdefault((backend, ranks), {})[int(tokens)] = float(value)
-    tokens = sorted({int(r[5]) for r in rows})
+        key = {"layer_us_median": backend, "kernel_us_median": "kernels only", "floor_us": "floor"}.get(metric)
+        if key is not None:
+            by.setdefault((key, int(ranks)), {})[int(tokens)] = float(value)
+        elif metric in ("launches_per_layer", "our_launches_per_layer"):
+            name = backend + (" (ours)" if metric.startswith("our") else "")
+            launches.setdefault((name, int(ranks)), {})[int(tokens)] = float(value)
+    tokens = sorted({int(r[5]) for r in rows if r[6] in ("layer_us_median", "kernel_us_median", "floor_us")})
     width = _name_width(by)
+    order = {"floor": 0, "kernels only": 1}
     print("backend".ljust(width) + "N " + "".join(f"T={t}".rjust(9) for t in tokens))
-    for (backend, ranks), vals in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (backend, ranks), vals in sorted(by.items(), key=lambda kv: (kv[0][1], order.get(kv[0][0], 2), kv[0][0])):
         print(backend.ljust(width) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.1f}" for t in tokens))
     for line in _speedups(by, tokens, width):
         print(line)
+    for line in _floor_ratios(by, tokens, width):
+        print(line)
+    if launches:
+        counted = sorted({t for v in launches.values() for t in v})
+        print("launches per layer".ljust(width) + "N " + "".join(f"T={t}".rjust(9) for t in counted))
+        for (name, ranks), vals in sorted(launches.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            print(name.ljust(width) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.2f}" for t in counted))
+
+
+def _floor_ratios(by, tokens, width):
+    """Lines of the kernels' time over the floor per T (`by` as in `_speedups`, with "kernels only" and "floor")."""
+    lines = []
+    floor = {r: v for (b, r), v in by.items() if b == "floor"}
+    for (b, ranks), kernels in sorted(by.items()):
+        if b != "kernels only" or ranks not in floor:
+            continue
+        f = floor[ranks]
+        lines.append("kernels / floor".ljust(width) + f"{ranks} " + "".join(
+            f"{kernels[t] / f[t]:8.2f}x" if t in kernels and t in f else f"{'nan':>9}" for t in tokens))
+    return lines
 
 
 def _name_width(by):
@@ -353,6 +578,9 @@ def main():
         p.add_argument("--backends", default="nvlink,xla,xla-allgather")
         p.add_argument("--max-tokens", type=int, default=0,
                        help="receive-buffer size: 0 = the largest T of the run, -1 = each T its own, N = N")
+        p.add_argument("--count-tokens", type=lambda s: [] if s == "none" else [int(v) for v in s.split(",")],
+                       default=None, help="T at which launches per layer are counted (default: the smallest and "
+                                          "largest T; 'none': never)")
     sub.choices["all"].add_argument("--out", default=os.path.join(HERE, "results", "bench.csv"))
     sub.choices["all"].add_argument("--timeout", type=int, default=900)
     sub.choices["all"].add_argument("--only-ranks", type=lambda s: [int(v) for v in s.split(",")], default=None)
@@ -361,6 +589,8 @@ def main():
                                     help="leave XLA's command-buffer settings at their defaults")
     sub.choices["all"].add_argument("--xla-flags", default="", help="more XLA_FLAGS for every worker")
     sub.choices["all"].add_argument("--tag", default="", help="appended to every backend name in the CSV")
+    sub.choices["all"].add_argument("--stages", default="floor,kernels,layers",
+                                    help="comma-separated: floor (floor.cu), kernels (kernel harness), layers (jit)")
     t = sub.add_parser("table", help="print the table (and the speed-ups) of a CSV written by `all`")
     t.add_argument("csv")
     t.add_argument("--exclude", default="", help="leave out backends whose name contains this")

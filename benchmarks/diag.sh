@@ -25,7 +25,7 @@ for t in 5 8; do
 done
 log bench N=2, buffer for 128 vs for T
 for mt in 0 -1; do
-  XLA_FLAGS="" timeout 300 python3 benchmarks/bench.py all --only-ranks 2 --backends nvlink,xla --tokens 1,8,128 \
+  XLA_FLAGS="" timeout 300 python3 benchmarks/bench.py all --stages layers --only-ranks 2 --backends nvlink,xla --tokens 1,8,128 \
     --layers 32 --repeats 10 --max-tokens $mt --out $OUT/bench_mt$mt.csv 2>&1 | grep -v "^\[" | tail -8
 done
 log harness latency, buffer for 8

@@ -53,7 +53,7 @@ log "jitted layer, N = 2 (one process per GPU), the NVLink backend of each tree,
 for side in ${JIT_SIDES:-new old ${MID:+mid} new-again}; do
   dir=$(side_dir $side); commit=$(side_commit $side)
   tag=-$side; [ $mt = -1 ] || tag=-$side-buf$mt
-  (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens ${JIT_TOKENS:-1,8,32,128} \
+  (cd $dir && GIT_COMMIT=$commit PYTHONPATH=$dir timeout 120 python3 benchmarks/bench.py all --stages layers --backends nvlink --tokens ${JIT_TOKENS:-1,8,32,128} \
     --layers 32 --repeats 10 --max-tokens $mt --only-ranks 2 --only-procs 2 \
     --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=$tag --out $OUT/bench_ab.csv 2>&1 | grep -v "^\[" \
     > $W/jit$tag.txt)
@@ -65,7 +65,7 @@ done
 fi
 if has bench; then
 log "bench N=2: every backend (SKIP_TEMP), both process modes"
-timeout 280 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
+timeout 280 python3 benchmarks/bench.py all --stages layers --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
   --repeats 10 --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
   --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -14
 fi

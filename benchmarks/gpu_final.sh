@@ -25,12 +25,12 @@ python3 -c "import jax; jax.devices(); from jax_latent_ep import ffi; ffi.regist
 fi
 if has bench; then
 log "bench: every backend (XLA flags: command buffers for fusions and custom calls, temps at fixed addresses)"
-timeout 300 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
+timeout 300 python3 benchmarks/bench.py all --stages layers --backends nvlink,xla,xla-allgather --tokens $TOK --layers 32 --repeats 10 \
   --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} $FLAGS --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -12
 grep -ho '"launch_path": "[a-z]*"' $W/bench.N*.log | sort | uniq -c
 cp $W/bench.csv $OUT/bench.csv
 log "bench: the NVLink backend on the traced path (JAX_LATENT_EP_FFI_RECORD=0), N=$(( GPUS < 2 ? 1 : 2 ))"
-JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 \
+JAX_LATENT_EP_FFI_RECORD=0 timeout 90 python3 benchmarks/bench.py all --stages layers --backends nvlink --tokens 1,8,128 --layers 32 \
   --repeats 10 --max-tokens -1 --only-ranks $(( GPUS < 2 ? 1 : 2 )) $FLAGS --tag=-traced --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -4
 cp $W/bench.csv $OUT/bench.csv
 fi
@@ -39,7 +39,7 @@ CB_ALL=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES
 for v in ${XLACB_VARIANTS:-default collectives-cmdbuf}; do
   extra=""; [ $v = default ] || extra=" --xla_gpu_enable_command_buffer=$CB_ALL"
   log "bench N=2, XLA variants ($v)"
-  timeout 300 python3 benchmarks/bench.py all --backends xla,xla-allgather$([ $v = default ] && echo ,nvlink) \
+  timeout 300 python3 benchmarks/bench.py all --stages layers --backends xla,xla-allgather$([ $v = default ] && echo ,nvlink) \
     --tokens ${XLACB_TOKENS:-1,8,32,128} --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 \
     --xla-flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP$extra" --tag=-$v --out $OUT/bench_xlacb.csv 2>&1 \
     | grep -v "^\[" | tail -8

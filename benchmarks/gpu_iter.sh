@@ -68,7 +68,7 @@ for pdl in false true; do
 done
 log "bench N=2, nvlink and xla, XLA's PDL for its own kernels off / on"
 for pdl in false true; do
-  timeout 150 python3 benchmarks/bench.py all --backends nvlink,xla --tokens 1,8,32,128 --layers 32 --repeats 10 \
+  timeout 150 python3 benchmarks/bench.py all --stages layers --backends nvlink,xla --tokens 1,8,32,128 --layers 32 --repeats 10 \
     --max-tokens -1 --only-ranks 2 --xla-flags="--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_enable_pdl=$pdl --xla_gpu_enable_pdl_launch=$pdl" \
     --tag=-xlapdl-$pdl --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -5
 done
@@ -76,18 +76,18 @@ fi
 if has abbench; then
 log "bench N=2 (one process per GPU), the NVLink backend with each of ARTS"
 for art in $ARTS; do
-  JAX_LATENT_EP_ARTIFACTS=$PWD/$art timeout 120 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,32,128 \
+  JAX_LATENT_EP_ARTIFACTS=$PWD/$art timeout 120 python3 benchmarks/bench.py all --stages layers --backends nvlink --tokens 1,8,32,128 \
     --layers 32 --repeats 10 --max-tokens -1 --only-ranks 2 --only-procs 2 \
     --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-$(basename $art) --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -2
 done
 fi
 if has bench; then
 log "bench N=2: every backend (SKIP_TEMP)"
-timeout 260 python3 benchmarks/bench.py all --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
+timeout 260 python3 benchmarks/bench.py all --stages layers --backends nvlink,xla,xla-allgather --tokens 1,2,5,8,16,32,64,128 --layers 32 \
   --repeats 10 --inner 20 --max-tokens -1 --only-ranks ${BENCH_RANKS:-2} --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
   --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -14
 log "bench N=2: nvlink with 5 programs per sample (the earlier setting)"
-timeout 100 python3 benchmarks/bench.py all --backends nvlink --tokens 1,8,128 --layers 32 --repeats 10 --inner 5 \
+timeout 100 python3 benchmarks/bench.py all --stages layers --backends nvlink --tokens 1,8,128 --layers 32 --repeats 10 --inner 5 \
   --max-tokens -1 --only-ranks 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --tag=-inner5 \
   --out $OUT/bench.csv 2>&1 | grep -v "^\[" | tail -4
 fi

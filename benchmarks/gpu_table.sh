@@ -29,7 +29,7 @@ if has final; then
 fi
 if has buf128; then
   log "jitted NVLink layer, N = 2 (one process per GPU), one buffer of 128 tokens for every T"
-  timeout 150 python3 benchmarks/bench.py all --backends nvlink --tokens 1,2,5,8,16,32,64,128 --layers 32 --repeats 10 \
+  timeout 150 python3 benchmarks/bench.py all --stages layers --backends nvlink --tokens 1,2,5,8,16,32,64,128 --layers 32 --repeats 10 \
     --max-tokens 128 --only-ranks 2 --only-procs 2 --xla-flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
     --tag=-buf128 --out $T/bench_buf128.csv 2>&1 | grep -v "^\[" | tail -3
   cp $T/bench_buf128.csv $OUT/

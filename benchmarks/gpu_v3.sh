@@ -51,7 +51,7 @@ if [ "$mode" != quick ] && [ $r0 -eq 0 ] && [ $r1 -eq 0 ] && [ $r2 -eq 0 ]; then
   log nvlink 1000 layers, two processes
   timeout 200 python3 benchmarks/nvlink_layers.py --procs 2 --layers 1000 --csv $W/results.csv 2>&1 | tail -4
   log bench
-  timeout 420 python3 benchmarks/bench.py all --backends ${BACKENDS:-nvlink,xla,xla-allgather} --tokens 1,2,5,8,16,32,64,128 \
+  timeout 420 python3 benchmarks/bench.py all --stages layers --backends ${BACKENDS:-nvlink,xla,xla-allgather} --tokens 1,2,5,8,16,32,64,128 \
     --layers ${LAYERS:-32} --repeats 10 --inner 5 --max-tokens -1 --only-ranks ${BENCH_RANKS:-1,2} --out $W/bench.csv 2>&1 | grep -v "^\[" | tail -14
 fi
 log done

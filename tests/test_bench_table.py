@@ -42,3 +42,77 @@ def test_table_command_on_the_recorded_benchmark():
     assert row.split()[-8:] == ["4.5x", "5.2x", "5.4x", "5.9x", "4.7x", "3.3x", "3.7x", "3.1x"], row
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "| speed-up of `nvlink` over the best XLA variant (benchmark flags) | " + " | ".join(row.split()[-8:]) in readme
+
+
+def test_floor_and_kernel_rows_in_the_table():
+    """`floor_us` and `kernel_us_median` rows of the same CSV give the table's floor and kernels rows and the kernels'
+    ratio to the floor per T (made-up values with known answers)."""
+    rng = np.random.default_rng(11)
+    tokens = [1, 5, 128]
+    floor = {t: float(rng.uniform(2, 7)) for t in tokens}
+    kernels = {t: float(rng.uniform(4, 12)) for t in tokens}
+    rows = [("d", "dev", "c", "floor", "2", str(t), "floor_us", f"{floor[t]:.3f}") for t in tokens]
+    rows += [("d", "dev", "c", "kernels", "2", str(t), "kernel_us_median", f"{kernels[t]:.2f}") for t in tokens]
+    rows += [("d", "dev", "c", "nvlink", "2", str(t), "layer_us_median", "6.0") for t in tokens]
+    rows += [("d", "dev", "c", "nvlink", "2", "1", "launches_per_layer", "3.00"),
+             ("d", "dev", "c", "nvlink", "2", "1", "our_launches_per_layer", "2.00")]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench._print_table(rows)
+    lines = buf.getvalue().splitlines()
+    ratio = next(line for line in lines if line.startswith("kernels / floor")).split()[-3:]
+    want = [f"{float(f'{kernels[t]:.2f}') / float(f'{floor[t]:.3f}'):.2f}x" for t in tokens]
+    assert ratio == want, (ratio, want)
+    assert next(line for line in lines if line.startswith("floor ")).split()[-3:] == [f"{floor[t]:.1f}" for t in tokens]
+    head = lines.index(next(line for line in lines if line.startswith("launches per layer")))
+    assert lines[head + 1].split()[-1] == "3.00" and lines[head + 2].split()[:2] == ["nvlink", "(ours)"]
+
+
+def test_launch_counts_from_a_device_trace():
+    """Per-layer launches count the stream lines' events only, and ours by the cubins' kernel names."""
+    layers = 4
+    events = []
+    for _ in range(layers):
+        events += [("Stream #24(Compute)", "ep_dispatch_0"), ("Stream #24(Compute)", "wrapped_convert"),
+                   ("Stream #24(Compute)", "ep_combine_0")]
+        events += [("XLA Ops", "custom-call.1"), ("XLA Ops", "convert.2")]  # derived lines: not launches
+    events += [("Stream #30(MemcpyD2D)", "MemcpyD2D")]
+    counts = bench.launch_counts(events, layers)
+    assert counts["launches_per_layer"] == (3 * layers + 1) / layers
+    assert counts["our_launches_per_layer"] == 2
+    assert counts["by_name"]["wrapped_convert"] == 1 and counts["by_name"]["MemcpyD2D"] == 1 / layers
+
+
+def test_all_runs_on_cpu(tmp_path):
+    """`bench.py all` on this machine's CPU (the XLA backends; the floor and the kernels say why they are skipped):
+    every backend and T gets its per-layer rows, with finite positive times."""
+    out = tmp_path / "bench.csv"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "all", "--backends",
+                           "xla,xla-allgather", "--tokens", "1,3", "--layers", "2", "--repeats", "2", "--inner", "2",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "floor: skipped" in proc.stdout and "kernels: skipped (no GPU)" in proc.stdout
+    import csv
+
+    rows = list(csv.DictReader(open(out)))
+    got = {(r["backend"], r["tokens"], r["metric"]): float(r["value"]) for r in rows}
+    for backend in ("xla", "xla-allgather"):
+        for t in ("1", "3"):
+            for metric in ("layer_us_median", "enqueue_us_per_layer"):
+                assert 0 < got[(backend, t, metric)] < 1e7, (backend, t, metric)
+    assert {r["ranks"] for r in rows} == {"1"} and {r["device"] for r in rows} == {"cpu"}
+
+
+def test_trace_launches_returns_the_program_output_without_gpu_planes():
+    """On a machine without GPUs the launch count is None, and the program still ran once (its output returned)."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(lambda x, y: x * 2 + y)
+    x, counts = bench.trace_launches(fn, (jnp.arange(4.0), jnp.ones(4)), layers=1)
+    assert counts is None
+    np.testing.assert_array_equal(np.asarray(x), np.arange(4.0) * 2 + 1)
