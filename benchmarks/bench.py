@@ -441,8 +441,9 @@ def stage_kernels(args, gpus, device, commit, date, env):
         with open(tmp) as f:
             for r in csv.DictReader(f):
                 if r["metric"] in ("kernel_us_median", "dispatch_us_median", "combine_us_median"):
-                    rows.append((date, device, commit, "kernels" + args.tag, r["ranks"], r["tokens"], r["metric"],
-                                 r["value"]))
+                    # The harness's device column names the GPUs used ("2x NVIDIA H200").
+                    rows.append((date, r["device"], commit, "kernels" + args.tag, r["ranks"], r["tokens"],
+                                 r["metric"], r["value"]))
     _append_rows(args.out, rows)
     return rows
 
@@ -489,7 +490,7 @@ def run_all(args):
         for r in _run_workers(ranks, procs, args, env):
             backend = r["backend"] + ("-1proc" if ranks > 1 and procs == 1 else "") + args.tag
             for metric in ("layer_us_median", "enqueue_us_per_layer", "launches_per_layer", "our_launches_per_layer"):
-                if metric in r:
+                if metric in r and not (metric == "our_launches_per_layer" and not r["backend"].startswith("nvlink")):
                     new_rows.append((date, device, commit, backend, r["ranks"], r["tokens"], metric,
                                      f"{r[metric]:.2f}"))
             if "by_name" in r:

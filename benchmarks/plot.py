@@ -33,15 +33,24 @@ def load(ranks: int, paths=None):
             return any(r.get("ranks") == str(ranks) and r.get("metric") == "layer_us_median" for r in csv.DictReader(f))
 
     newest_bench = [p for p in paths if os.path.basename(p).startswith("bench_") and has_rows(p)][-1:]
+    # `bench.py all` writes the kernels alone and the floor into the same CSV: where the newest run has them for
+    # `ranks`, they come from that run only.
+    own_metrics = set()
+    for path in newest_bench:
+        with open(path) as f:
+            own_metrics = {r["metric"] for r in csv.DictReader(f)
+                           if r.get("ranks") == str(ranks) and r.get("metric") in ("kernel_us_median", "floor_us")}
     for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
                 if r.get("metric") == "layer_us_median" and path not in newest_bench:
                     continue
+                if r.get("metric") in own_metrics and path not in newest_bench:
+                    continue
                 if r.get("ranks") != str(ranks) or r.get("metric") not in ("layer_us_median", "kernel_us_median",
                                                                             "floor_us"):
                     continue
-                if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1:
+                if r["metric"] == "kernel_us_median" and "2x" not in r["device"] and ranks > 1 and path not in newest_bench:
                     continue
                 if any(k in r["backend"] for k in ("cta0-guard", "strided", "mergedbarriers", "grid128", "grid256",
                                                     "-ll8-", "wide-staged", "-ab", "-trace-max")):

@@ -163,9 +163,10 @@ class ExpertParallel:
         if backend in ("auto", "nvlink"):
             reason = _nvlink_reason(mesh)
             if reason is None and backend == "auto" and self.ranks == 1:
-                # Measured (benchmarks/results/bench_2026-11-30.csv): with one rank nothing crosses NVLink and
-                # the XLA backend (a local quantize) is faster than the kernels' fixed cost.
-                reason = "N=1: nothing to communicate; the xla backend is faster there"
+                # Measured (benchmarks/results/bench_v12_2026-12-01.csv): with one rank nothing crosses NVLink;
+                # the XLA backend (a local quantize and sum) needs no symmetric buffer and is within ~1.5 us of the
+                # kernels per layer (faster at T = 1, slower above).
+                reason = "N=1: nothing to communicate; the xla backend needs no symmetric buffer there"
             if reason is None:
                 from jax_latent_ep.nvlink import NvlinkBackend
 
