@@ -465,6 +465,9 @@ def run_all(args):
     commit = os.environ.get("GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
     date = datetime.date.today().isoformat()
+    if not gpus and "nvlink" in args.backends.split(","):
+        args.backends = ",".join(b for b in args.backends.split(",") if b != "nvlink")
+        print(f"nvlink: skipped (no GPU); backends {args.backends}", flush=True)
     rows = []
     plans = [(1, 1)] + ([(2, 1), (2, 2)] if gpus >= 2 else [])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
