@@ -440,7 +440,8 @@ def stage_kernels(args, gpus, device, commit, date, env):
     if os.path.exists(tmp):
         with open(tmp) as f:
             for r in csv.DictReader(f):
-                if r["metric"] in ("kernel_us_median", "dispatch_us_median", "combine_us_median"):
+                if r["metric"] in ("kernel_us_median", "kernel_replay_us_median", "dispatch_us_median",
+                                   "combine_us_median"):
                     # The harness's device column names the GPUs used ("2x NVIDIA H200").
                     rows.append((date, r["device"], commit, "kernels" + args.tag, r["ranks"], r["tokens"],
                                  r["metric"], r["value"]))

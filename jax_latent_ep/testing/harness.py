@@ -639,34 +639,47 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
 # Latency
 
 
-def _graph_time(system: System, body, graph_layers, replays):
-    """Median over `replays` graph replays of (elapsed / graph_layers) in us, the max over the ranks' GPUs;
-    `body(rank)` launches one layer's kernels of a rank."""
+def _graph_time(system: System, body, graph_layers, replays, warmup_layers=10):
+    """Kernel time per layer from CUDA-graph replays: each GPU's graph runs `warmup_layers + graph_layers` layers,
+    with events recorded inside the graph (event record nodes) after the warm-up layers and at the end, and events
+    around each replay. Returns `(steady median, steady min, whole median)` in us per layer over `replays` replays,
+    each the max over the ranks' GPUs: "steady" over the last `graph_layers` layers only (the per-layer cost of a long
+    run of layers), "whole" over the whole replay (it also pays the replay's start: the host launches the GPUs'
+    graphs one after the other, and the GPU launched first waits for the others in its first layer, a skew of
+    ~10-30 us that adds skew / layers to every layer). `body(rank)` launches one layer's kernels of a rank."""
     cu = system.cu
+    external = cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
+    total = warmup_layers + graph_layers
     graphs, events = [], []
     for r in system.ranks:
         check(cu.cuCtxSetCurrent(r.ctx))
+        inner = (check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0)))
         check(cu.cuStreamBeginCapture(r.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-        for _ in range(graph_layers):
+        for i in range(total):
+            if i == warmup_layers:
+                check(cu.cuEventRecordWithFlags(inner[0], r.stream, external))
             body(r)
+        check(cu.cuEventRecordWithFlags(inner[1], r.stream, external))
         graph = check(cu.cuStreamEndCapture(r.stream))
         graphs.append(check(cu.cuGraphInstantiate(graph, 0)))
-        events.append((check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))))
-    samples = []
+        events.append((check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))) + inner)
+    steady, whole = [], []
     for it in range(replays + 2):
-        for r, g, (start, stop) in zip(system.ranks, graphs, events):
+        for r, g, (start, stop, _, _) in zip(system.ranks, graphs, events):
             check(cu.cuCtxSetCurrent(r.ctx))
             check(cu.cuEventRecord(start, r.stream))
             check(cu.cuGraphLaunch(g, r.stream))
             check(cu.cuEventRecord(stop, r.stream))
         system.sync()
         if it >= 2:  # warm-up replays
-            per = []
-            for r, (start, stop) in zip(system.ranks, events):
+            per_steady, per_whole = [], []
+            for r, (start, stop, first, last) in zip(system.ranks, events):
                 check(cu.cuCtxSetCurrent(r.ctx))
-                per.append(check(cu.cuEventElapsedTime(start, stop)) * 1000.0 / graph_layers)
-            samples.append(max(per))
-    return float(np.median(samples)), float(min(samples))
+                per_steady.append(check(cu.cuEventElapsedTime(first, last)) * 1000.0 / graph_layers)
+                per_whole.append(check(cu.cuEventElapsedTime(start, stop)) * 1000.0 / total)
+            steady.append(max(per_steady))
+            whole.append(max(per_whole))
+    return float(np.median(steady)), float(min(steady)), float(np.median(whole))
 
 
 #: Stamps of a trace build, by index (CTA 0, thread 0 unless said).
@@ -751,7 +764,7 @@ def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, repla
         text = ""
         results[tokens] = row
         print(f"  T={tokens}: {row['layer'][0]:.2f} us per dispatch + combine (median of {replays}, min "
-              f"{row['layer'][1]:.2f}){text}", flush=True)
+              f"{row['layer'][1]:.2f}; whole replays {row['layer'][2]:.2f}){text}", flush=True)
         if trace:
             trace_report(system)
     return results
@@ -1297,6 +1310,8 @@ def main(argv=None):
             rows = []
             for t, row in res.items():
                 rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t, "kernel_us_median", f"{row['layer'][0]:.2f}"))
+                rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t,
+                             "kernel_replay_us_median", f"{row['layer'][2]:.2f}"))
                 for part in ("dispatch", "combine"):
                     if part in row:
                         rows.append((date, backend_device, args.commit, "kernel-harness" + args.tag, n, t, f"{part}_us_median", f"{row[part][0]:.2f}"))
