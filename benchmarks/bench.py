@@ -23,7 +23,8 @@ The same run also measures, on the same machine and into the same CSV (`--stages
   round trip and the SM-store peer bandwidth, and from them `floor_us` of one dispatch + combine at each T
   (`floor_rows.py`: two flag round trips plus the bytes one rank sends at N = 2 at that bandwidth);
 - `kernels`: `kernel_us_median`, dispatch + combine alone from CUDA-graph replays (the kernel harness, JAX-free,
-  `jax_latent_ep.testing.harness --mode latency`), at each N and T, with the layer benchmark's buffer sizes;
+  `jax_latent_ep.testing.harness --mode latency`), at each N and T, with the layer benchmark's buffer sizes: per
+  layer over the steady layers of each replay (`kernel_replay_us_median`: over the whole replay, start-up included);
 - `layers`: the jitted layers above, and for the smallest and largest T (`--count-tokens`) `launches_per_layer`:
   every kernel and copy that one program put on the GPU (the profiler's device trace), divided by the layers, and
   `our_launches_per_layer`, the NVLink backend's own kernels among them.
