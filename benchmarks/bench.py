@@ -506,10 +506,19 @@ def run_all(args):
     _print_table(rows)
 
 
-def _print_table(rows):
+def _print_table(rows, markdown=False):
     """Prints per rank count: the floor, the kernels alone and every backend's `layer_us_median` per T, the best XLA
     variant, each NVLink backend's speed-up over it, the kernels' ratio to the floor, and the launches per layer
-    (where counted)."""
+    (where counted); with `markdown`, as markdown tables (one per rank count and kind), the README's form."""
+    if markdown:
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            _print_table(rows)
+        print(_markdown(text.getvalue().splitlines()))
+        return
     by, launches = {}, {}
     for _, _, _, backend, ranks, tokens, metric, value in rows:
         key = {"layer_us_median": backend, "kernel_us_median": "kernels only", "floor_us": "floor"}.get(metric)
@@ -533,6 +542,30 @@ def _print_table(rows):
         print("launches per layer".ljust(width) + "N " + "".join(f"T={t}".rjust(9) for t in counted))
         for (name, ranks), vals in sorted(launches.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             print(name.ljust(width) + f"{ranks} " + "".join(f"{vals.get(t, float('nan')):9.2f}" for t in counted))
+
+
+def _markdown(lines):
+    """The fixed-width lines of `_print_table` as markdown tables: a header line ("backend ... N T=1 ...") starts a
+    table kind; its rows are split by rank count; "nan" cells are left empty."""
+    tables, header, kind = {}, None, None
+    for line in lines:
+        fields = line.split()
+        if "N" in fields and fields[-1].startswith("T="):  # a header: "<kind> N T=1 T=2 ..."
+            kind, header = line[:line.index(" N ")].strip(), fields[fields.index("N") + 1:]
+            continue
+        if header is None or len(fields) < len(header) + 2:
+            continue
+        name, ranks, cells = " ".join(fields[:-len(header) - 1]), fields[-len(header) - 1], fields[-len(header):]
+        tables.setdefault((kind, ranks, tuple(header)), []).append((name, cells))
+    out = []
+    for (kind, ranks, header), body in tables.items():
+        title = f"{kind} (N = {ranks})"
+        out.append(f"| {title} | " + " | ".join(header) + " |")
+        out.append("|---|" + "---|" * len(header))
+        for name, cells in body:
+            out.append(f"| {name} | " + " | ".join("" if c == "nan" else c for c in cells) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _floor_ratios(by, tokens, width):
@@ -600,6 +633,7 @@ def main():
     t = sub.add_parser("table", help="print the table (and the speed-ups) of a CSV written by `all`")
     t.add_argument("csv")
     t.add_argument("--exclude", default="", help="leave out backends whose name contains this")
+    t.add_argument("--markdown", action="store_true", help="markdown tables (the README's form)")
     w = sub.choices["worker"]
     w.add_argument("--ranks", type=int, required=True)
     w.add_argument("--num-processes", type=int, default=1)
@@ -614,7 +648,7 @@ def main():
         with open(args.csv) as f:
             rows = [tuple(r[k] for k in ("date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"))
                     for r in csv.DictReader(f) if not (args.exclude and args.exclude in r["backend"])]
-        _print_table(rows)
+        _print_table(rows, markdown=args.markdown)
     else:
         run_all(args)
 

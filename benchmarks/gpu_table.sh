@@ -5,7 +5,7 @@
 # command buffers (stage xlacb), and the jitted NVLink layer with one buffer of 128 tokens for every T (stage buf128:
 # a decode server's case, one ExpertParallel for every batch size).
 #   GIT_COMMIT=<sha> OUT=<dir> [STAGES="all xlacb buf128"] bash benchmarks/gpu_table.sh
-# Then: python benchmarks/bench.py table $OUT/bench.csv; python benchmarks/plot.py --ranks 2 (and --ranks 1).
+# Then: python benchmarks/bench.py table $OUT/bench.csv --markdown (the README's tables); python benchmarks/plot.py --ranks 2.
 # At most 8 files come back from a device call: the CSVs, table.txt, and the workers' logs in logs.tar.gz.
 source "$(dirname "$0")/gpu_common.sh"
 stages="${STAGES:-all xlacb buf128}"

@@ -117,3 +117,22 @@ def test_trace_launches_returns_the_program_output_without_gpu_planes():
     x, counts = bench.trace_launches(fn, (jnp.arange(4.0), jnp.ones(4)), layers=1)
     assert counts is None
     np.testing.assert_array_equal(np.asarray(x), np.arange(4.0) * 2 + 1)
+
+
+def test_markdown_tables_carry_the_same_cells():
+    """`table --markdown` renders the fixed-width table's rows as markdown, cell for cell (empty for a missing T)."""
+    rows = [("d", "dev", "c", "floor", "2", str(t), "floor_us", v) for t, v in ((1, "2.43"), (8, "2.64"))]
+    rows += [("d", "dev", "c", "kernels", "2", "1", "kernel_us_median", "5.02")]
+    rows += [("d", "dev", "c", b, "2", str(t), "layer_us_median", v)
+             for b, t, v in (("nvlink", 1, "6.3"), ("nvlink", 8, "6.7"), ("xla", 1, "31.5"), ("xla", 8, "40.2"))]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench._print_table(rows, markdown=True)
+    md = buf.getvalue().splitlines()
+    assert md[0] == "| backend (N = 2) | T=1 | T=8 |"
+    assert "| kernels only | 5.0 |  |" in md
+    assert "| speed-up of nvlink | 5.0x | 6.0x |" in md
+    assert f"| kernels / floor | {5.02 / 2.43:.2f}x |  |" in md
