@@ -390,19 +390,27 @@ def stage_floor(args, gpus, device, commit, date):
         return []
     work = tempfile.mkdtemp(prefix="bench_floor_")
     binary, raw = os.path.join(work, "floor"), os.path.join(work, "floor_raw.csv")
-    subprocess.run([nvcc, "-O3", f"-arch={_cuda_arch()}", "-o", binary, os.path.join(HERE, "floor.cu")], check=True,
-                   timeout=args.timeout)
-    out = subprocess.run([binary, raw], capture_output=True, text=True, timeout=args.timeout)
-    for line in out.stdout.splitlines():
-        if line.startswith(("flag_round_trip_us", "peer_store")):
-            print("floor: " + line, flush=True)
-    if out.returncode:
-        print(f"floor: failed with {out.returncode}: {out.stderr[-2000:]}", flush=True)
+    built = subprocess.run([nvcc, "-O3", f"-arch={_cuda_arch()}", "-o", binary, os.path.join(HERE, "floor.cu")],
+                           capture_output=True, text=True, timeout=args.timeout)
+    if built.returncode:
+        print(f"floor: nvcc failed with {built.returncode}: {built.stderr[-2000:]}", flush=True)
         return []
+    out = subprocess.run([binary, raw], capture_output=True, text=True, timeout=args.timeout)
+    for line in out.stdout.splitlines():  # the round trip, the bandwidths, the skeletons (floor.cu's own lines)
+        print("floor: " + line, flush=True)
     import csv
 
-    with open(raw) as f:
-        raw_rows = list(csv.DictReader(f))
+    raw_rows = []
+    if os.path.exists(raw):
+        with open(raw) as f:
+            raw_rows = list(csv.DictReader(f))
+    have = {r["metric"] for r in raw_rows}
+    if out.returncode:
+        # floor.cu writes the round trip and the bandwidth first; its later parts (the skeletons) are not the floor.
+        print(f"floor: floor.cu failed with {out.returncode}: {out.stderr[-2000:]}", flush=True)
+    if not {"flag_round_trip_us", "peer_store_GBps"} <= have:
+        print("floor: no round trip or bandwidth measured; no floor rows", flush=True)
+        return []
     shutil.copy(raw, f"{os.path.splitext(args.out)[0]}.floor_raw.csv")  # every skeleton figure, kept beside the CSV
     rows = [tuple(r) for r in floor_rows(raw_rows, date, device, commit)]
     rows = [r for r in rows if r[6] != "floor_us" or int(r[5]) in args.tokens]
