@@ -164,6 +164,41 @@ class Kernel:
         check(cu.cuLaunchKernelEx(config, self.function, (values, self.types), 0))
 
 
+#: A one-thread kernel that spins until `ns` nanoseconds of `%globaltimer` have passed (PTX, JIT-compiled by the
+#: driver): `latency(delay_ns=...)` puts it before one rank's dispatch, to make that rank the late one.
+_SPIN_PTX = b"""
+.version 7.8
+.target sm_90
+.address_size 64
+.visible .entry spin_ns(.param .u64 ns)
+{
+  .reg .u64 %t0, %t1, %d, %n;
+  .reg .pred %p;
+  ld.param.u64 %n, [ns];
+  mov.u64 %t0, %globaltimer;
+SPIN:
+  mov.u64 %t1, %globaltimer;
+  sub.u64 %d, %t1, %t0;
+  setp.lt.u64 %p, %d, %n;
+  @%p bra SPIN;
+  ret;
+}
+\0"""
+
+
+class SpinKernel:
+    """`_SPIN_PTX` loaded into the current context."""
+
+    def __init__(self):
+        cu = _cu()
+        self.module = check(cu.cuModuleLoadData(_SPIN_PTX))
+        self.function = check(cu.cuModuleGetFunction(self.module, b"spin_ns"))
+
+    def launch(self, stream, ns):
+        cu = _cu()
+        check(cu.cuLaunchKernel(self.function, 1, 1, 1, 1, 1, 1, 0, stream, ((int(ns),), (ctypes.c_uint64,)), 0))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Ranks and buffers
 
@@ -731,14 +766,22 @@ def trace_report(system: System):
     print("\n".join(lines), flush=True)
 
 
-def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, replays=30, apply_norm=1, trace=False):
+def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, replays=30, apply_norm=1, trace=False,
+            delay_ns=0, delay_rank=1):
     """Median kernel-only microseconds per T of one dispatch + combine layer (`layer`): CUDA graphs of
-    `graph_layers` layers per GPU, events around each replay. (A dispatch alone repeated is refused by the
-    kernels' sequence guard, so only whole layers are timed.)"""
+    `graph_layers` layers per GPU (`_graph_time`). (A dispatch alone repeated is refused by the kernels' sequence
+    guard, so only whole layers are timed.) `delay_ns > 0` (an experiment): a one-thread kernel spinning that long
+    runs before rank `delay_rank`'s every dispatch, so that this rank is the late one of every layer."""
     cu = system.cu
     rng = np.random.default_rng(1)
     shape = system.shape
     results = {}
+    spin = {}
+    if delay_ns:
+        for r in system.ranks:
+            if r.rank == delay_rank:
+                check(cu.cuCtxSetCurrent(r.ctx))
+                spin[r.rank] = SpinKernel()
     for tokens in token_counts:
         tokens = min(tokens, system.max_tokens)
         for r in system.ranks:
@@ -757,6 +800,8 @@ def latency(system: System, token_counts=(1, 5, 32, 128), graph_layers=50, repla
         system.sync()
 
         def layer(r):
+            if r.rank in spin:
+                spin[r.rank].launch(r.stream, delay_ns)
             system.launch_dispatch(r, tokens)
             system.launch_combine(r, tokens, apply_norm)
 
@@ -1262,6 +1307,8 @@ def main(argv=None):
     parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids max(T, min(N * S, this))")
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
+    parser.add_argument("--latency-delay-ns", type=int, default=0,
+                        help="latency mode, an experiment: rank 1 spins this long before each dispatch (the late rank)")
     parser.add_argument("--latency-virtual", action="store_true",
                         help="latency mode: all ranks on one GPU, one stream each (the peers' stores stay on the "
                              "device: no NVLink in the times)")
@@ -1305,7 +1352,7 @@ def main(argv=None):
             where = "1 GPU (virtual ranks)" if args.latency_virtual else f"{n} GPUs"
             print(f"latency {args.shape} N={n} on {where}, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
             counts = tuple(args.latency_tokens) if args.latency_tokens else (1, 5, 32, 128)
-            res = latency(system, token_counts=counts, trace=args.trace)
+            res = latency(system, token_counts=counts, trace=args.trace, delay_ns=args.latency_delay_ns)
             backend_device = f"1x {device} ({n} virtual ranks)" if args.latency_virtual else f"{n}x {device}"
             rows = []
             for t, row in res.items():
