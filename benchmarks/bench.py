@@ -25,7 +25,7 @@ The same run also measures, on the same machine and into the same CSV (`--stages
 - `kernels`: `kernel_us_median`, dispatch + combine alone from CUDA-graph replays (the kernel harness, JAX-free,
   `jax_latent_ep.testing.harness --mode latency`), at each N and T, with the layer benchmark's buffer sizes: per
   layer over the steady layers of each replay (`kernel_replay_us_median`: over the whole replay, start-up included);
-- `layers`: the jitted layers above, and for the smallest and largest T (`--count-tokens`) `launches_per_layer`:
+- `layers`: the jitted layers above, and, after every timing, for the smallest and largest T (`--count-tokens`) `launches_per_layer`:
   every kernel and copy that one program put on the GPU (the profiler's device trace), divided by the layers, and
   `our_launches_per_layer`, the NVLink backend's own kernels among them.
 
@@ -219,8 +219,10 @@ def worker(args):
     count_tokens = set(args.count_tokens if args.count_tokens is not None else
                        (min(args.tokens), max(args.tokens)))
     show = args.process_id == 0
-    it = _progress(combos, len(combos), f"N={n} procs={args.num_processes}") if show else combos
-    for backend, t in it:
+
+    def run_combo(backend, t, count=False):
+        """Builds the program of `(backend, t)` and times it (`count`: traces one program under the profiler
+        instead and returns its launch counts)."""
         max_tokens = t if args.max_tokens < 0 else fixed_max_tokens
         if backend == "xla-allgather":
             ep = allgather_backend(mesh, "ep", max_tokens, shape)
@@ -266,6 +268,12 @@ def worker(args):
         for _ in range(3):
             x_d = fn(x_d, ids_d, w_d, nw_d)
         x_d.block_until_ready()
+        if count:
+            # One program under the profiler (every process runs it: collectives).
+            x_d, counts = trace_launches(fn, (x_d, ids_d, w_d, nw_d), args.layers)
+            x_d.block_until_ready()
+            ep.close()
+            return counts
         # Each timed sample is `--inner` programs enqueued back to back (JAX dispatches asynchronously), then
         # one wait: the host's launch cost and, with one process per GPU, the skew between the processes'
         # launches are paid once per sample instead of once per program; the median is over the samples.
@@ -278,19 +286,25 @@ def worker(args):
             x_d.block_until_ready()
             times.append((time.perf_counter() - start) / (args.inner * args.layers) * 1e6)
             enqueue.append((queued - start) / (args.inner * args.layers) * 1e6)
-        result = {"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
-                  "max_tokens": max_tokens,
-                  "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
-                  "enqueue_us_per_layer": float(np.median(enqueue)),
-                  "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""}
-        if t in count_tokens and jax.devices()[0].platform == "gpu":
-            # After the timing: one more program under the profiler (every process runs it: collectives).
-            x_d, counts = trace_launches(fn, (x_d, ids_d, w_d, nw_d), args.layers)
-            x_d.block_until_ready()
-            if counts:
-                result.update(counts)
-        results.append(result)
         ep.close()
+        return {"backend": backend, "ranks": n, "tokens": t, "procs": args.num_processes,
+                "max_tokens": max_tokens,
+                "layer_us_median": float(np.median(times)), "layer_us_min": float(np.min(times)),
+                "enqueue_us_per_layer": float(np.median(enqueue)),
+                "finite": ok, "launch_path": jax_latent_ep.ffi.launch_path() if backend == "nvlink" else ""}
+
+    # Every timing first, then the launch counts: the profiler runs after the last timed program, so that
+    # nothing it leaves behind (CUPTI stays loaded) can touch a timing.
+    counted = [(b, t) for b, t in combos if t in count_tokens] if jax.devices()[0].platform == "gpu" else []
+    steps = [(b, t, False) for b, t in combos] + [(b, t, True) for b, t in counted]
+    it = _progress(steps, len(steps), f"N={n} procs={args.num_processes}") if show else steps
+    for backend, t, count in it:
+        if not count:
+            results.append(run_combo(backend, t))
+            continue
+        counts = run_combo(backend, t, count=True)
+        if counts:
+            next(r for r in results if r["backend"] == backend and r["tokens"] == t).update(counts)
     if show:
         print("RESULT " + json.dumps(results), flush=True)
 
