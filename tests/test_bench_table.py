@@ -136,3 +136,14 @@ def test_markdown_tables_carry_the_same_cells():
     assert "| kernels only | 5.0 |  |" in md
     assert "| speed-up of nvlink | 5.0x | 6.0x |" in md
     assert f"| kernels / floor | {5.02 / 2.43:.2f}x |  |" in md
+
+
+def test_kernel_buffers_follow_the_layer_benchmark():
+    """The kernels alone are timed with the buffer the jitted layer of the same T gets (`--max-tokens`)."""
+    import argparse
+
+    tokens = [1, 2, 8, 16, 128]
+    per_t = bench._kernel_buffers(argparse.Namespace(tokens=tokens, max_tokens=-1))
+    assert per_t == {t: [t] for t in tokens}
+    assert bench._kernel_buffers(argparse.Namespace(tokens=tokens, max_tokens=0)) == {128: tokens}
+    assert bench._kernel_buffers(argparse.Namespace(tokens=tokens, max_tokens=256)) == {256: tokens}
