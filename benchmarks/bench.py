@@ -359,32 +359,20 @@ def _run_workers(ranks, procs, args, env):
 
 
 def _append_rows(path, rows):
-    """Appends CSV rows to `path` (the header first when the file is new): each stage writes its rows when it
-    ends, so a run cut off later keeps what it measured."""
-    new = not os.path.exists(path)
-    with open(path, "a") as f:
-        if new:
-            f.write("date,device,commit,backend,ranks,tokens,metric,value\n")
-        for row in rows:
-            f.write(",".join(map(str, row)) + "\n")
+    """Appends CSV rows to `path` (the header first when the file is new), as the harness writes its rows: each stage
+    writes its rows when it ends, so a run cut off later keeps what it measured."""
+    from jax_latent_ep.testing.harness import _csv_rows
+
+    _csv_rows(path, rows)
 
 
 def _cuda_arch():
-    """`sm_90a` / `sm_100a` ...: the architecture of GPU 0 for nvcc (the `a` features: `griddepcontrol`)."""
-    from cuda.bindings import driver
+    """`sm_90a` / `sm_100a`: the first GPU's architecture for nvcc, as the NVLink backend picks its cubins."""
+    import jax
 
-    def check(result):
-        err, *value = result
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver error {err}")
-        return value[0] if value else None
+    from jax_latent_ep.nvlink import _arch
 
-    check(driver.cuInit(0))
-    dev = check(driver.cuDeviceGet(0))
-    attr = driver.CUdevice_attribute
-    major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
-    minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
-    return f"sm_{major}{minor}a"
+    return _arch(jax.devices("gpu")[0])
 
 
 def stage_floor(args, gpus, device, commit, date):
