@@ -640,8 +640,8 @@ def main():
     sub.choices["all"].add_argument("--tag", default="", help="appended to every backend name in the CSV")
     sub.choices["all"].add_argument("--stages", default="floor,kernels,layers",
                                     help="comma-separated: floor (floor.cu), kernels (kernel harness), layers (jit)")
-    t = sub.add_parser("table", help="print the table (and the speed-ups) of a CSV written by `all`")
-    t.add_argument("csv")
+    t = sub.add_parser("table", help="print the table (and the speed-ups) of CSVs written by `all`")
+    t.add_argument("csv", nargs="+", help="one or more CSVs, read as one (the best XLA variant is over all of them)")
     t.add_argument("--exclude", default="", help="leave out backends whose name contains this")
     t.add_argument("--markdown", action="store_true", help="markdown tables (the README's form)")
     w = sub.choices["worker"]
@@ -655,9 +655,11 @@ def main():
     elif args.cmd == "table":
         import csv
 
-        with open(args.csv) as f:
-            rows = [tuple(r[k] for k in ("date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"))
-                    for r in csv.DictReader(f) if not (args.exclude and args.exclude in r["backend"])]
+        rows = []
+        for path in args.csv:
+            with open(path) as f:
+                rows += [tuple(r[k] for k in ("date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"))
+                         for r in csv.DictReader(f) if not (args.exclude and args.exclude in r["backend"])]
         _print_table(rows, markdown=args.markdown)
     else:
         run_all(args)
