@@ -67,6 +67,13 @@ from jax_latent_ep.kernels.memory import (
 SMEM_BYTES = 256
 
 
+#: From this many own tokens on, the combine lets the next kernel be scheduled (PDL trigger) after its reduce
+#: instead of before it: at T = 128 the next dispatch's early CTAs slow the reduce more than an early launch
+#: saves (2 x H200, N = 2, T = 128: 11.06 us against 11.47 per layer), at T = 5-8 the early trigger is 0.2 us
+#: faster (benchmarks/results/raw/gpu_trace_split_b2be505/).
+LATE_TRIGGER_TOKENS = 64
+
+
 def smem_bytes(shape: LatentMoEShape) -> int:
     """Dynamic shared memory bytes the launcher must pass (`SMEM_BYTES` for every shape)."""
     return SMEM_BYTES
@@ -230,8 +237,10 @@ class Combine:
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
         # before the end).
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_C, grid, tid)
-        # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
-        cute.arch.griddepcontrol_launch_dependents()
+        # The next kernel may be scheduled now (T < LATE_TRIGGER_TOKENS; else after the reduce); its
+        # griddepcontrol.wait still waits for this grid's end. The branch is grid-uniform.
+        if tokens < Int32(LATE_TRIGGER_TOKENS):
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 11, globaltimer(), clock64(), traced)
 
@@ -356,6 +365,8 @@ class Combine:
                     trace_stamp(ctrl, epoch, 13, globaltimer(), clock64(), traced)
             t += grid
 
+        if tokens >= Int32(LATE_TRIGGER_TOKENS):
+            cute.arch.griddepcontrol_launch_dependents()
         # ---- End: the layer is combined; the last CTA hands its epoch to the next dispatch (EPOCH_D).
         hand_over_epoch(ctrl, lay.CTRL_EPOCH_D, epoch, arrived, grid, tid)
         if cutlass.const_expr(TRACE):
