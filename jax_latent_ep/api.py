@@ -163,9 +163,9 @@ class ExpertParallel:
         if backend in ("auto", "nvlink"):
             reason = _nvlink_reason(mesh)
             if reason is None and backend == "auto" and self.ranks == 1:
-                # Measured (benchmarks/results/bench_v13_2026-12-01.csv): with one rank nothing crosses NVLink;
+                # Measured (benchmarks/results/bench_v15_2026-12-01.csv): with one rank nothing crosses NVLink;
                 # the XLA backend (a local quantize and sum) needs no symmetric buffer, is faster at T = 1, within
-                # 0.3 us at T = 2-32 and 2.4 us slower per layer at T >= 64.
+                # 0.3 us at T = 2-32 and 2.2 us slower per layer at T >= 64.
                 reason = "N=1: nothing to communicate; the xla backend needs no symmetric buffer there"
             if reason is None:
                 from jax_latent_ep.nvlink import NvlinkBackend

@@ -33,15 +33,38 @@ def test_best_xla_is_the_minimum_over_every_xla_backend_and_mode():
         assert got[(b, "2")] == want, (b, got[(b, "2")], want)
 
 
+def _table(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "table", *args],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _row(out, name, ranks="2"):
+    return next(line for line in out.splitlines() if line.startswith(name) and line.split()[len(name.split())] == ranks)
+
+
 def test_table_command_on_the_recorded_benchmark():
-    """The README's speed-up row (benchmark flags) comes out of the recorded CSV."""
-    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v11_2026-12-01.csv")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "table", csv, "--exclude",
-                          "collectives"], capture_output=True, text=True, check=True).stdout
-    row = next(line for line in out.splitlines() if line.startswith("speed-up of nvlink ") and line.split()[3] == "2")
-    assert row.split()[-8:] == ["4.5x", "5.2x", "5.4x", "5.9x", "4.7x", "3.3x", "3.7x", "3.1x"], row
+    """The README's speed-up rows (benchmark flags, any flags) and kernels / floor come out of the recorded CSV."""
+    csv = os.path.join(ROOT, "benchmarks", "results", "bench_v15_2026-12-01.csv")
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "| speed-up of `nvlink` over the best XLA variant (benchmark flags) | " + " | ".join(row.split()[-8:]) in readme
+    bench_flags = _row(_table(csv, "--exclude", "collectives"), "speed-up of nvlink ").split()[-8:]
+    assert bench_flags == ["5.9x", "4.7x", "5.7x", "4.8x", "5.6x", "4.5x", "4.6x", "3.4x"], bench_flags
+    assert "| speed-up of `nvlink` over the best XLA variant (benchmark flags) | " + " | ".join(bench_flags) in readme
+    everything = _table(csv)
+    any_flags = _row(everything, "speed-up of nvlink ").split()[-8:]
+    assert any_flags == ["3.7x", "4.0x", "3.8x", "4.8x", "5.3x", "4.5x", "4.2x", "3.4x"], any_flags
+    assert "| speed-up of `nvlink` over the best XLA variant (any flags above) | " + " | ".join(any_flags) in readme
+    ratio = _row(everything, "kernels / floor").split()[-8:]
+    assert "| kernels only / floor | " + " | ".join(ratio) + " |" in readme
+
+
+def test_table_reads_several_csvs_as_one():
+    """`table A B C` prints what `table` prints for the rows of A, B and C in one file (bench_v14 is the three raw
+    CSVs of its run put together)."""
+    raw = os.path.join(ROOT, "benchmarks", "results", "raw", "gpu_bench_all_b2be505")
+    parts = [os.path.join(raw, name) for name in ("bench.csv", "bench_xlacb.csv", "bench_buf128.csv")]
+    joined = os.path.join(ROOT, "benchmarks", "results", "bench_v14_2026-12-01.csv")
+    assert _table(*parts) == _table(joined)
+    assert _table(*parts) != _table(parts[0])  # the XLA rows in command buffers change the best XLA variant
 
 
 def test_floor_and_kernel_rows_in_the_table():

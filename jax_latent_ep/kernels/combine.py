@@ -68,9 +68,9 @@ SMEM_BYTES = 256
 
 
 #: From this many own tokens on, the combine lets the next kernel be scheduled (PDL trigger) after its reduce
-#: instead of before it: at T = 128 the next dispatch's early CTAs slow the reduce more than an early launch
-#: saves (2 x H200, N = 2, T = 128: 11.06 us against 11.47 per layer), at T = 5-8 the early trigger is 0.2 us
-#: faster (benchmarks/results/raw/gpu_trace_split_b2be505/).
+#: instead of before it: at T = 128 the late trigger is faster (2 x H200, N = 2, T = 128: 11.06 us against 11.47
+#: per layer; at N = 1 4.5 against 4.9), even at T = 32-64, and at T = 5-8 the early trigger is 0.2 us
+#: faster (benchmarks/results/raw/gpu_trace_split_b2be505/, raw/gpu_pdl_9a2f82d/).
 LATE_TRIGGER_TOKENS = 64
 
 
