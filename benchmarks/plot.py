@@ -1,6 +1,11 @@
-"""Plots per-layer latency against T (one line per backend, the floor dashed) from benchmarks/results/*.csv.
+"""Plots per-layer latency against T (one line per backend, the floor dashed) from benchmarks/results/*.csv,
+or from the CSVs named by `--csv` (e.g. the output of `bench.py all --out bench.csv`).
 
-    python benchmarks/plot.py [--ranks 2] [--out benchmarks/results/latency_n2.png] [--table]
+    python benchmarks/plot.py [--ranks 2] [--csv PATH ...] [--out PNG] [--table]
+
+Without `--csv` it reads benchmarks/results/*.csv and writes benchmarks/results/latency_n<ranks>.png; with it,
+it reads only the files named (in the order given: a later file's row wins) and writes <first CSV>_n<ranks>.png
+unless `--out` says otherwise.
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ def load(ranks: int, paths=None):
     """{series name: {T: us}} of `layer_us_median` (the newest `bench_*.csv`), `kernel_us_median` (kernel harness)
     and `floor_us` rows."""
     series = {}
-    # Oldest first by version: `bench_v10_*` after `bench_v9_*` (numbers compared as numbers, not as text).
-    paths = sorted(paths or glob.glob(os.path.join(HERE, "results", "*.csv")), key=_version_key)
+    explicit = bool(paths)
+    if explicit:
+        paths = list(paths)  # the files named, in the order given (a later file's row wins)
+    else:
+        # Oldest first by version: `bench_v10_*` after `bench_v9_*` (numbers compared as numbers, not as text).
+        paths = sorted(glob.glob(os.path.join(HERE, "results", "*.csv")), key=_version_key)
     # Per-layer rows from the newest benchmark file that has rows for `ranks` only (every backend of one run,
     # side by side).
     def has_rows(path):
         with open(path) as f:
             return any(r.get("ranks") == str(ranks) and r.get("metric") == "layer_us_median" for r in csv.DictReader(f))
 
-    newest_bench = [p for p in paths if os.path.basename(p).startswith("bench_") and has_rows(p)][-1:]
+    newest_bench = [p for p in paths
+                    if (explicit or os.path.basename(p).startswith("bench_")) and has_rows(p)][-1:]
     # `bench.py all` writes the kernels alone and the floor into the same CSV: where the newest run has them for
     # `ranks`, they come from that run only.
     own_metrics = set()
@@ -66,10 +76,21 @@ def load(ranks: int, paths=None):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--out", default=None)
+    p.add_argument("--csv", action="append", default=None, metavar="PATH",
+                   help="a CSV of bench.py rows to plot (repeatable; later files win); "
+                        "default: every benchmarks/results/*.csv")
+    p.add_argument("--out", default=None,
+                   help="the PNG to write (default: benchmarks/results/latency_n<ranks>.png, "
+                        "with --csv: <first CSV>_n<ranks>.png)")
     p.add_argument("--table", action="store_true", help="print a markdown table instead of plotting")
     args = p.parse_args()
-    series = load(args.ranks)
+    for path in args.csv or ():
+        if not os.path.isfile(path):
+            p.error(f"--csv {path}: no such file")
+    series = load(args.ranks, args.csv)
+    if not series:
+        p.error(f"no layer_us_median, kernel_us_median or floor_us rows for ranks {args.ranks} in "
+                + (", ".join(args.csv) if args.csv else "benchmarks/results/*.csv"))
     if args.table:
         tokens = sorted({t for s in series.values() for t in s})
         print("| backend (N = %d) | " % args.ranks + " | ".join(f"T={t}" for t in tokens) + " |")
@@ -104,7 +125,12 @@ def main():
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    out = args.out or os.path.join(HERE, "results", f"latency_n{args.ranks}.png")
+    if args.out:
+        out = args.out
+    elif args.csv:
+        out = f"{os.path.splitext(args.csv[0])[0]}_n{args.ranks}.png"
+    else:
+        out = os.path.join(HERE, "results", f"latency_n{args.ranks}.png")
     fig.savefig(out, dpi=120)
     print("wrote", out)
 

@@ -197,7 +197,9 @@ struct Rank {
 };
 
 std::mutex g_mutex;
-std::map<std::pair<int64_t, int>, std::unique_ptr<Rank>> g_ranks;  // (instance, ordinal) -> rank
+// (instance, ordinal) -> rank. Shared: a handler keeps the registration it found alive while it uses it, even if
+// the backend unregisters it meanwhile (close() or the garbage collector's release, on another thread).
+std::map<std::pair<int64_t, int>, std::shared_ptr<const Rank>> g_ranks;
 // Loaded modules, once per (ordinal, image hash, image size): kept for the life of the process (a CUDA
 // graph captured from a handler may still launch them).
 std::map<std::tuple<int, size_t, size_t>, CUmodule> g_modules;
@@ -278,14 +280,14 @@ int load_kernel(int ordinal, const void* image, size_t size, const char* name, i
 
 // Finds the registration of `instance` on the device the handler runs on: XLA's device ordinal first, then
 // the device of the current context (the two agree unless a process was given a subset of its visible GPUs).
-const Rank* find_rank(int64_t instance, int32_t ordinal) {
+std::shared_ptr<const Rank> find_rank(int64_t instance, int32_t ordinal) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (auto it = g_ranks.find({instance, ordinal}); it != g_ranks.end()) return it->second.get();
+  if (auto it = g_ranks.find({instance, ordinal}); it != g_ranks.end()) return it->second;
   const Driver& d = driver();
   CUdevice dev;
   if (d.error.empty() && d.cuCtxGetDevice(&dev) == kCudaSuccess) {
     if (auto it = g_ranks.find({instance, static_cast<int>(dev)}); it != g_ranks.end()) {
-      return it->second.get();
+      return it->second;
     }
   }
   return nullptr;
@@ -514,7 +516,7 @@ ffi::Error prepare_dispatch(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer id
                             ffi::Result<ffi::AnyBuffer> recv_ids, ffi::Result<ffi::AnyBuffer> recv_weights,
                             ffi::Result<ffi::AnyBuffer> recv_src, int64_t instance, int64_t grid, Launch& out) {
   constexpr const char* what = "dispatch";
-  const Rank* r = find_rank(instance, ordinal);
+  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held until this handler returns
   if (r == nullptr) return missing_rank(what, instance, ordinal);
   if (ffi::Error e = check_status(*r, what); !e.success()) return e;
   auto xd = x.dimensions();
@@ -631,7 +633,7 @@ ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer i
                            ffi::Result<ffi::AnyBuffer> result, int64_t instance, int64_t grid, float eps,
                            int64_t apply_norm, Launch& l) {
   constexpr const char* what = "combine";
-  const Rank* r = find_rank(instance, ordinal);
+  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held until this handler returns
   if (r == nullptr) return missing_rank(what, instance, ordinal);
   if (ffi::Error e = check_status(*r, what); !e.success()) return e;
   auto id = ids.dimensions();
@@ -803,7 +805,7 @@ __attribute__((visibility("default"))) int ep_register_rank(
     return fail("bad shape latent=" + std::to_string(latent) + " topk=" + std::to_string(topk));
   }
   if (peers == 0) return fail("peers must be a device address");
-  auto entry = std::make_unique<Rank>();
+  auto entry = std::make_shared<Rank>();
   entry->instance = instance;
   entry->ordinal = ordinal;
   entry->rank = rank;

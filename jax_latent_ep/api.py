@@ -24,6 +24,11 @@ checked; the XLA backend then ignores an out-of-range id for routing (it selects
 combine alike, is carried unchanged in the received `ids`, and is never local to a rank) and the NVLink
 backend's behaviour is undefined. Duplicate ids within a token are allowed: a token reaches a rank once,
 however many of its ids live there.
+
+A stuck peer (nvlink): every wait inside the kernels is bounded by `timeout_s` (a backend option, 5 s by
+default); a rank whose peer never answers traps its kernel, so the computation fails with a CUDA error, and
+`ep.check()` then raises RuntimeError naming the rank, the peer it waited for and the layer (`ep.status()`
+gives the raw records).
 """
 
 from __future__ import annotations
@@ -292,7 +297,7 @@ class ExpertParallel:
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
-        self._check_pairing("dispatch", x, ids, weights)
+        self._check_pairing("dispatch", t, x, ids, weights)
         return self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
@@ -319,21 +324,28 @@ class ExpertParallel:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
         if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
             raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
-        self._check_pairing("combine", out, ids)
+        self._check_pairing("combine", t, out, ids)
         return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
 
-    def _check_pairing(self, where: str, *arrays):
+    def _check_pairing(self, where: str, tokens: int, *arrays):
         """Calls traced into one function must alternate: dispatch, combine, dispatch, ... (the contract's
         pairs; the NVLink kernels fail a second dispatch or combine at run time, error 3 / 4, and lose the CUDA
-        context). The first call of a trace may be either (a layer may be split over two traced functions).
-        Keyed by the JAX trace of the first traced argument; outside tracing nothing is checked."""
+        context), and a combine takes the `T` of its dispatch (its `ids` are the dispatch's; the NVLink combine
+        reduces and sends by its own `T`). The first call of a trace may be either (a layer may be split over two
+        traced functions). Keyed by the JAX trace of the first traced argument; outside tracing nothing is
+        checked."""
         trace = next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
         if trace is None:
             return
         try:
-            last = self._last_call.get(trace)
+            last, last_tokens = self._last_call.get(trace, (None, None))
         except TypeError:  # pragma: no cover - a JAX whose traces are not weakly referenceable
             return
+        if last == "dispatch" and where == "combine" and tokens != last_tokens:
+            raise ValueError(
+                f"ExpertParallel.combine: ids has T={tokens} tokens, but this layer's dispatch sent T={last_tokens}; "
+                "combine takes the ids of its dispatch"
+            )
         if last == where == "dispatch":
             raise ValueError(
                 "ExpertParallel.dispatch: called again in this traced function before the combine of the previous "
@@ -345,11 +357,29 @@ class ExpertParallel:
                 "combine; every combine needs its own dispatch (for both the routed latent and its RMSNorm, apply "
                 "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
             )
-        self._last_call[trace] = where
+        self._last_call[trace] = (where, tokens)
 
     def _check_open(self):
         if self._closed:
             raise ValueError("ExpertParallel is closed")
+
+    # -- run-time errors ------------------------------------------------------------------------------
+
+    def status(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """The kernels' error records of the ranks this process drives: `{(group, rank): (code, rank, peer,
+        layer)}` (nvlink; see `jax_latent_ep.nvlink.NvlinkBackend.status` for the codes), `{}` for xla, whose
+        collectives record nothing. Host memory: no synchronization, readable after a failed computation."""
+        status = getattr(self._impl, "status", None)
+        return {} if status is None else status()
+
+    def check(self) -> None:
+        """Raises RuntimeError naming every rank whose kernel recorded an error: a peer that never answered
+        within `timeout_s` (the rank, the peer waited for, the layer), or a call-sequence error. Call it after a
+        computation failed (the kernels trap on a timeout, so JAX raises a CUDA error without the cause). No-op
+        for xla."""
+        check = getattr(self._impl, "check", None)
+        if check is not None:
+            check()
 
     def close(self):
         """Releases the backend's resources (symmetric buffers for nvlink); idempotent.

@@ -75,7 +75,17 @@ def param_specs(axis_name: str) -> dict:
 
 
 def route(h, router, topk: int):
-    """Top-k experts of `h @ router` (FP32 logits) and their softmax-normalized weights: (int32, f32) [T, K]."""
+    """The router: top-k experts of each token and their normalized weights.
+
+    Args:
+      h: bf16 `[T, H]`, the tokens' hidden states.
+      router: bf16 `[H, E]`, the router projection.
+      topk: `K`, experts per token.
+
+    Returns:
+      `(ids, weights)`: ids int32 `[T, K]`, the global expert ids of the `K` largest FP32 logits `h @ router`
+      (largest first); weights f32 `[T, K]`, the softmax over those `K` logits (each row sums to 1).
+    """
     logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
     top, ids = lax.top_k(logits, topk)
     return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(jnp.float32)
@@ -89,14 +99,42 @@ def local_coefficients(ids, weights, first_expert, local: int):
 
 
 def experts_mlp(xf, w1, w2, coef):
-    """bf16 [R, L] = sum_j coef[:, j] * (silu(xf @ w1[j]) @ w2[j]), FP32 inside."""
+    """One rank's experts applied to its receive rows, weighted and summed per row.
+
+    Args:
+      xf: f32 `[R, L]`, the rows' latents (dequantized MXFP8; zero rows where nothing was received).
+      w1: bf16 `[J, L, I]`, the first projection of each of the rank's `J` local experts.
+      w2: bf16 `[J, I, L]`, their second projection.
+      coef: f32 `[R, J]`, the routing weight of local expert `j` in row `r` (0 where the row does not use it;
+        see `local_coefficients`).
+
+    Returns:
+      bf16 `[R, L]`: `sum_j coef[:, j] * (silu(xf @ w1[j]) @ w2[j])`, computed in FP32 and rounded once.
+    """
     hid = jax.nn.silu(jnp.einsum("rl,jli->rji", xf, w1.astype(jnp.float32)))
     y = jnp.einsum("rji,jil->rjl", hid, w2.astype(jnp.float32))
     return jnp.einsum("rj,rjl->rl", coef, y).astype(jnp.bfloat16)
 
 
 def layer(ep, p: dict, h, eps: float):
-    """One layer on one rank, inside `jax.shard_map` over `ep.axis_name`; `p` holds this rank's experts."""
+    """One layer on one rank, inside `jax.shard_map` over `ep.axis_name` (see the module docstring).
+
+    Args:
+      ep: the `ExpertParallel` of the axis (`N = ep.ranks` ranks, `ep.shape` = (L, E, K)).
+      p: this layer's parameters as this rank sees them (one layer of `init_params`, sharded by
+        `param_specs`): router bf16 `[H, E]`, down bf16 `[H, L]`, w1 bf16 `[E/N, L, I]` and w2 bf16
+        `[E/N, I, L]` (this rank's experts only), up bf16 `[L, H]`, norm bf16 `[L]`.
+      h: bf16 `[T, H]`, this rank's tokens.
+      eps: the RMSNorm epsilon of combine.
+
+    Returns:
+      bf16 `[T, H]`: `h` plus the up-projection of the tokens' RMS-normed routed latent.
+    """
+    return _layer(ep, p, h, eps)[0]
+
+
+def _layer(ep, p: dict, h, eps: float):
+    """`layer`, and this rank's routing ids int32 `[T, K]` of the layer."""
     local = ep.shape.num_local_experts(ep.ranks)
     rank = lax.axis_index(ep.axis_name).astype(jnp.int32)
     ids, weights = route(h, p["router"], ep.shape.topk)
@@ -106,25 +144,39 @@ def layer(ep, p: dict, h, eps: float):
     coef = local_coefficients(recv.ids, recv.weights, rank * local, local)
     out = experts_mlp(xf, p["w1"], p["w2"], coef)
     y = ep.combine(out, ids, p["norm"], eps)
-    return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16), ids
 
 
-def make_forward(ep, cfg: MoEConfig, scan: bool = True):
+def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False):
     """`forward(params, h)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over `ep.mesh`,
     as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`).
 
     `h` is bf16 [N*T, H] sharded over the axis (rank `r` owns rows `r*T ... r*T + T - 1`); params as
-    `param_specs` shards them (see `shard_params`)."""
+    `param_specs` shards them (see `shard_params`). Returns bf16 [N*T, H]; with `per_layer` (for tests),
+    `(hs, ids)` instead: every layer's output bf16 [Ly, N*T, H] and routing ids int32 [Ly, N*T, K]."""
     axis = ep.axis_name
 
+    def step(h, p):  # per_layer: the carry, and the layer's (output, ids)
+        out, ids = _layer(ep, p, h, cfg.eps)
+        return out, (out, ids)
+
     def body(params, h):
+        if per_layer:
+            if scan:
+                return lax.scan(step, h, params)[1]
+            outs = []
+            for i in range(cfg.layers):
+                h, out = step(h, jax.tree.map(lambda a: a[i], params))
+                outs.append(out)
+            return jax.tree.map(lambda *a: jnp.stack(a), *outs)
         if not scan:
             for i in range(cfg.layers):
                 h = layer(ep, jax.tree.map(lambda a: a[i], params), h, cfg.eps)
             return h
         return lax.scan(lambda h, p: (layer(ep, p, h, cfg.eps), None), h, params)[0]
 
-    return jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(param_specs(axis), P(axis)), out_specs=P(axis)))
+    out_specs = (P(None, axis), P(None, axis)) if per_layer else P(axis)
+    return jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(param_specs(axis), P(axis)), out_specs=out_specs))
 
 
 def shard_params(params: dict, mesh, axis_name: str) -> dict:
@@ -134,14 +186,30 @@ def shard_params(params: dict, mesh, axis_name: str) -> dict:
 
 
 def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
-    """One layer for all `N*T` tokens on one device, no collectives.
+    """One layer for all `N*T` tokens on one device, no collectives: what `layer` computes on `N` ranks.
 
     It lays the computation out as the ranks do, with array shapes equal to theirs (so XLA picks the same
     kernels and the result is normally bit-identical): every rank's tokens are routed and projected on their
     own (`lax.map` over ranks), rank `d`'s expert input is the `[N*S, L]` block of rows its dispatch would
     receive (zero rows and non-local ids elsewhere), and each token's routed latent sums its ranks' partials
     in ascending order in FP32, rounded once, like combine.
+
+    Args:
+      p: this layer's full parameters (one layer of `init_params`, all experts): router bf16 `[H, E]`, down
+        bf16 `[H, L]`, w1 bf16 `[E, L, I]`, w2 bf16 `[E, I, L]`, up bf16 `[L, H]`, norm bf16 `[L]`.
+      h: bf16 `[N*T, H]`, every rank's tokens, rank-major (rows `r*T ... r*T + T - 1` are rank `r`'s).
+      shape: the layer's `LatentMoEShape` (L, E, K).
+      ranks: `N`, the number of ranks to model (`shape.check_ranks(N)`); `S = stride(T)`.
+      eps: the RMSNorm epsilon.
+
+    Returns:
+      bf16 `[N*T, H]`, the layer's output for every token, laid out like `h`.
     """
+    return _reference_layer(p, h, shape, ranks, eps)[0]
+
+
+def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
+    """`reference_layer`, and the routing ids int32 `[N*T, K]` of the layer."""
     local = shape.num_local_experts(ranks)
     t = h.shape[0] // ranks
     s_rows = stride(t)
@@ -183,17 +251,30 @@ def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
         y = rms_norm(lax.optimization_barrier(acc.astype(jnp.bfloat16)), p["norm"], eps)  # as combine does
         return hr + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    return lax.map(combine_rank, (rank_ids, hs, member)).reshape(h.shape)
+    return lax.map(combine_rank, (rank_ids, hs, member)).reshape(h.shape), ids.reshape(-1, shape.topk)
 
 
-def make_reference_forward(cfg: MoEConfig, ranks: int):
+def make_reference_forward(cfg: MoEConfig, ranks: int, per_layer: bool = False):
     """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (put the inputs on one
-    device). One jitted layer, applied `cfg.layers` times (one compilation)."""
-    one = jax.jit(lambda p, h: reference_layer(p, h, cfg.shape, ranks, cfg.eps))
+    device). One jitted layer, applied `cfg.layers` times (one compilation). Returns bf16 [N*T, H]; with
+    `per_layer`, `(hs, ids)` as `make_forward(..., per_layer=True)` returns them."""
+    if not per_layer:
+        one = jax.jit(lambda p, h: reference_layer(p, h, cfg.shape, ranks, cfg.eps))
 
-    def forward(params, h):
+        def forward(params, h):
+            for i in range(cfg.layers):
+                h = one(jax.tree.map(lambda a: a[i], params), h)
+            return h
+
+        return forward
+
+    one_ids = jax.jit(lambda p, h: _reference_layer(p, h, cfg.shape, ranks, cfg.eps))
+
+    def forward_per_layer(params, h):
+        outs = []
         for i in range(cfg.layers):
-            h = one(jax.tree.map(lambda a: a[i], params), h)
-        return h
+            h, ids = one_ids(jax.tree.map(lambda a: a[i], params), h)
+            outs.append((h, ids))
+        return jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    return forward
+    return forward_per_layer

@@ -41,6 +41,8 @@ when garbage-collected. Executables compiled with a backend must not run after i
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import threading
 import weakref
 
@@ -190,9 +192,11 @@ class NvlinkBackend:
         self.ranks = shape.check_ranks(int(axes[axis_name]))
         self.stride = stride(max_tokens)
         self.rows = self.ranks * self.stride
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be >= 0")
-        self.timeout_ns = int(round(timeout_s * 1e9))
+        # A real number of seconds (not bool), finite, >= 0, and within the kernels' int64 nanoseconds.
+        if (isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real)
+                or not math.isfinite(timeout_s) or not 0 <= timeout_s * 1e9 < 2.0**63):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds >= 0 (0 waits forever)")
+        self.timeout_ns = max(1, int(round(timeout_s * 1e9))) if timeout_s > 0 else 0  # > 0 never becomes 0 (forever)
         self._grid = self._check_grid(grid)
         with _instances_lock:
             self.instance = next(_instances)
@@ -290,7 +294,19 @@ class NvlinkBackend:
             raise ValueError("NvlinkBackend is closed")
 
     def dispatch(self, x, ids, weights) -> Received:
-        """Per rank: x bf16 [T, L], ids int32 [T, K], weights f32 [T, K] -> Received with N*S rows."""
+        """Per rank, inside `jax.shard_map` over `axis_name`: the contract's dispatch (one kernel launch).
+
+        Args:
+          x: bfloat16 `[T, L]`, `1 <= T <= max_tokens` (and within `max_grids`, see `grids`).
+          ids: int32 `[T, K]` global expert ids in `[0, E)` (others: undefined behaviour).
+          weights: float32 `[T, K]` routing weights.
+
+        Returns:
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+
+        `jax_latent_ep.ExpertParallel.dispatch` is the checked public entry; this method checks no argument
+        (only that the backend is open and the grid fits).
+        """
         self._check_open()
         tokens = int(x.shape[0])
         x, ids, weights = (_varying(a, self.axis_name) for a in (x, ids, weights))
@@ -299,7 +315,23 @@ class NvlinkBackend:
         return Received(*(_varying(o, self.axis_name) for o in outs))
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
-        """Per rank: out bf16 [N*S, L] (derived from this layer's Received), ids int32 [T, K] -> bf16 [T, L]."""
+        """Per rank, inside `jax.shard_map` over `axis_name`: the contract's combine (one kernel launch).
+
+        Args:
+          out: bfloat16 `[N*S, L]`, the expert output of every receive row; it must be derived from this
+            layer's `Received` (see "Ordering" in the module docstring).
+          ids: int32 `[T, K]`, the same ids (and `T`) as this layer's dispatch.
+          norm_weight: bfloat16 `[L]`, the RMSNorm weight, or None for the routed latent without RMSNorm.
+          eps: RMSNorm epsilon, `rstd = rsqrt(mean(routed^2) + eps)` (used only with `norm_weight`).
+
+        Returns:
+          bfloat16 `[T, L]`: each own token's routed latent (FP32 sum over its ranks in ascending order, one
+          bf16 rounding), RMS-normed with `norm_weight` unless that is None (the routed latent is exact; the
+          kernel's `rsqrt.approx` and summation order may move a small fraction of normed elements by 1 ulp).
+
+        `jax_latent_ep.ExpertParallel.combine` is the checked public entry; this method checks no argument
+        (only that the backend is open and the grid fits).
+        """
         self._check_open()
         tokens = int(ids.shape[0])
         apply_norm = norm_weight is not None

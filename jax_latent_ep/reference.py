@@ -76,6 +76,18 @@ class XlaBackend:
         self.stride = stride(max_tokens)
 
     def dispatch(self, x, ids, weights) -> Received:
+        """Per rank, inside `jax.shard_map` over `axis_name`: the contract's dispatch.
+
+        Args:
+          x: bfloat16 `[T, L]`, `1 <= T <= max_tokens`.
+          ids: int32 `[T, K]` global expert ids (ids outside `[0, E)` select no rank; see the module docstring).
+          weights: float32 `[T, K]` routing weights.
+
+        Returns:
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+
+        `jax_latent_ep.ExpertParallel.dispatch` is the checked public entry; this method checks no argument.
+        """
         n, s_rows, shp = self.ranks, self.stride, self.shape
         lat, nsf, k = shp.latent, shp.num_sf, shp.topk
         t_count = x.shape[0]
@@ -112,6 +124,20 @@ class XlaBackend:
         return Received(rx, rsf, rids, rw, rsrc)
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
+        """Per rank, inside `jax.shard_map` over `axis_name`: the contract's combine.
+
+        Args:
+          out: bfloat16 `[N*S, L]`, the expert output of every receive row (rows with `src == -1` are ignored).
+          ids: int32 `[T, K]`, the same ids as this layer's dispatch.
+          norm_weight: bfloat16 `[L]`, or None for the routed latent without RMSNorm.
+          eps: RMSNorm epsilon (used only with `norm_weight`).
+
+        Returns:
+          bfloat16 `[T, L]`: each own token's routed latent (FP32 sum over its ranks, one bf16 rounding),
+          RMS-normed with `norm_weight` unless that is None.
+
+        `jax_latent_ep.ExpertParallel.combine` is the checked public entry; this method checks no argument.
+        """
         n, s_rows = self.ranks, self.stride
         t_count = ids.shape[0]
         parts = out.reshape(n, s_rows, self.shape.latent)  # block s: rows of source s

@@ -219,7 +219,7 @@ def test_check_ids_rejects_out_of_range():
     x, ids, w = good_inputs()
     run(ep, _dispatch_combine(ep), x, ids, w)  # in range: fine
     ids[4, 1] = SHAPE.experts
-    with pytest.raises(Exception, match=r"ids\[1, 1\] = 8 on rank 1 is outside \[0, 8\) \(1 bad id\(s\) on all ranks\)"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"ids\[1, 1\] = 8 on rank 1 is outside \[0, 8\) \(1 bad id\(s\) on all ranks\)"):
         run(ep, _dispatch_combine(ep), x, ids, w)
     try:  # the failed callback is also recorded in JAX's runtime tokens: consume it here, not at exit
         jax.effects_barrier()
@@ -286,7 +286,7 @@ def test_check_ids_names_the_call_that_got_the_bad_id(repeat):
     ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, check_ids=True)
     x, ids, w = good_inputs(seed=repeat)
     ids[2, 0] = -3
-    with pytest.raises(Exception) as info:
+    with pytest.raises(jax.errors.JaxRuntimeError) as info:
         run(ep, _dispatch_combine(ep), x, ids, w)
     _consume_callback_error()
     message = str(info.value)
@@ -328,7 +328,7 @@ def test_check_ids_names_combine_for_its_own_bad_id():
         recv = ep.dispatch(x, i, w)
         return ep.combine(recv.x.astype(jnp.bfloat16), b)
 
-    with pytest.raises(Exception, match=r"ExpertParallel.combine: ids\[2, 1\] = 10 on rank 1"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"ExpertParallel.combine: ids\[2, 1\] = 10 on rank 1"):
         run(ep, f, x, ids, bad, w)
     _consume_callback_error()
 
@@ -351,15 +351,41 @@ def test_out_of_range_ids_are_ignored_without_check():
 
 
 def test_duplicate_ids_reach_a_rank_once():
+    """Repeated ids within a token: the token reaches each rank once (one row, all K ids and weights), and its
+    routed latent sums each rank's partial once (the model's result, bit for bit)."""
     ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE)
     x, ids, w = good_inputs()
     ids[:] = [[5, 5]] * (N * T)  # every token: expert 5 twice (rank 1)
     ids[2] = [0, 1]  # rank 0 only, two of its experts
+    ids[4] = [1, 6]  # both ranks
     recv, routed = run(ep, _dispatch_combine(ep), x, ids, w)
     src = recv[4].reshape(N, ep.rows)
     valid1 = sorted(int(s) for s in src[1] if s != -1)
     assert valid1 == sorted(((r << 16) | t) for r in range(N) for t in range(T) if not (r == 0 and t == 2))
-    assert [int(s) for s in src[0] if s != -1] == [2]
+    assert sorted(int(s) for s in src[0] if s != -1) == [2, (1 << 16) | 1]
+    per = lambda a: a.reshape(N, T, *a.shape[1:])  # noqa: E731
+    want = model.dispatch(per(x), per(ids), per(w), shape=SHAPE, max_tokens=MT)
+    for r in range(N):
+        rows = slice(r * ep.rows, (r + 1) * ep.rows)
+        check.compare_received(tuple(a[rows] for a in recv), want, r, "duplicate ids")
+    # combine over the expert stage `_dispatch_combine` uses (the dequantized received rows), in the model
+    outs = np.asarray(want.x).astype(model.BF16)
+    want_routed = model.combine(outs, per(ids), None, shape=SHAPE, max_tokens=MT)
+    np.testing.assert_array_equal(routed.reshape(N, T, -1).view(np.uint16), np.asarray(want_routed).view(np.uint16))
+
+
+def test_combine_takes_the_tokens_of_its_dispatch():
+    """A combine whose ids have another T than its dispatch's is refused at trace time, on every backend."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="xla")
+    x, ids, w = good_inputs()
+    fewer = ids.reshape(N, T, -1)[:, : T - 1].reshape(N * (T - 1), -1)
+
+    def body(x, i, w, i2):
+        return ep.combine(_expert(ep.dispatch(x, i, w)), i2)
+
+    with pytest.raises(ValueError, match=rf"ExpertParallel.combine: ids has T={T - 1} tokens, but this layer's "
+                                         rf"dispatch sent T={T}"):
+        run(ep, body, x, ids, w, fewer)
 
 
 def test_numpy_eps_is_accepted_and_equal_to_python_float():
@@ -377,3 +403,23 @@ def test_numpy_eps_is_accepted_and_equal_to_python_float():
     a, b = f(np.float32(1e-3)), f(1e-3)
     assert np.isfinite(a.astype(np.float32)).all() and np.any(a.astype(np.float32) != 0)
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_status_and_check_forward_to_the_backend():
+    """`ExpertParallel.status()` / `check()`: nothing recorded for xla; for a backend with error records they
+    return its records and raise its error (a stand-in with a recorded timeout)."""
+    ep = ExpertParallel(mesh_of(), "ep", max_tokens=MT, shape=SHAPE, backend="xla")
+    assert ep.status() == {}
+    ep.check()
+
+    class Recording:
+        def status(self):
+            return {(0, 1): (1, 1, 0, 7)}
+
+        def check(self):
+            raise RuntimeError("jax_latent_ep: dispatch on rank 1 timed out waiting for rank 0")
+
+    ep._impl = Recording()
+    assert ep.status() == {(0, 1): (1, 1, 0, 7)}
+    with pytest.raises(RuntimeError, match="timed out waiting for rank 0"):
+        ep.check()

@@ -70,6 +70,16 @@ def test_routings_at_full_stride(backend, name):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,t", [(1, 5), (2, 2), (2, 13), (4, 5)])
+def test_out_of_range_ids_reach_no_rank(backend, n, t):
+    """Ids outside [0, E) without `check_ids` (the API's documented behaviour): they select no rank in dispatch
+    and combine and travel unchanged in the received ids; a token made of them only is routed to 0. Kimi K3
+    (the shipped kernels), small negative ids among them."""
+    stats = run_and_check(backend, KIMI_K3, n, t, 13, "out_of_range")
+    assert sum(s["valid_rows"] for s in stats) <= 2 * n * n * (t - 1)  # two layers; no rank's token 0 reached one
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_other_shapes(backend):
     """K = 1 and K = 32 with N = 2 (E not a power of two)."""
     run_and_check(backend, LatentMoEShape(latent=64, experts=6, topk=1), 2, 3, 3)

@@ -28,6 +28,7 @@ from jax_latent_ep.kernels.common import (
     arrive_in_sequence,
     hand_over_epoch,
     compile_cubin,
+    expert_rank_bit,
     fail,
     load_peer_table,
     peer_of,
@@ -414,11 +415,11 @@ class Combine:
     @cute.jit
     def token_mask(self, ids: Int64, t: Int32, lane: Int32, shared_mask):
         """Warp-wide: shared_mask[0] = the destination-rank mask of own token `t` (bit d iff one of its K experts
-        lives on rank d)."""
+        lives on rank d; an id outside [0, E) sets no bit, as in the dispatch)."""
         bit = Uint32(0)
         if lane < self.shape.topk:
-            expert = Int32(load_b32(ids + (Int64(t) * self.shape.topk + lane) * 4))
-            bit = Uint32(1) << Uint32(expert // self.local_experts)
+            expert = load_b32(ids + (Int64(t) * self.shape.topk + lane) * 4)
+            bit = expert_rank_bit(expert, self.local_experts, self.ranks)
         mask = warp_or(bit)
         if lane == 0:
             shared_mask[0] = Int32(mask)

@@ -93,6 +93,18 @@ def peer_of(table: Int64, target: Int32) -> Int64:
 
 
 @cute.jit
+def expert_rank_bit(expert: Uint32, local_experts: cutlass.Constexpr[int], ranks: cutlass.Constexpr[int]) -> Uint32:
+    """`1 << d` for the rank `d = expert // local_experts` that holds expert id `expert` (the id's int32 bits),
+    0 for an id outside `[0, E)`: unsigned, a negative id is at least 2**31, so its quotient is at least N too, and
+    no shift is ever wider than the word. The XLA backend routes such ids to no rank; so do the kernels."""
+    holder = expert // Uint32(local_experts)
+    bit = Uint32(0)
+    if holder < Uint32(ranks):
+        bit = Uint32(1) << holder
+    return bit
+
+
+@cute.jit
 def peer_row(r: Int32, rank: Int32, stride: Int32, peer_tokens: Int32, ranks: cutlass.Constexpr[int]) -> Int32:
     """Receive row of the `r`-th polled row of the other ranks (`r < (N - 1) * peer_tokens`, in rank order): row
     `r % peer_tokens` of rank `p = r // peer_tokens`, or of `p + 1` from this rank on. Rows `peer_tokens ..

@@ -30,6 +30,7 @@ from jax_latent_ep.kernels.common import (
     arrive_in_sequence,
     hand_over_epoch,
     compile_cubin,
+    expert_rank_bit,
     fail,
     load_peer_table,
     peer_of,
@@ -264,11 +265,12 @@ class Dispatch:
 
         if cta < tokens:
             token = cta
-            # Destination mask of the token: bit d set iff one of its experts lives on rank d.
+            # Destination mask of the token: bit d set iff one of its experts lives on rank d (`expert_rank`: an id
+            # outside [0, E) selects no rank, as in the XLA backend).
             if warp == 0:
                 bit = Uint32(0)
                 if lane < topk:
-                    bit = Uint32(1) << Uint32(Int32(expert_word) // self.local_experts)
+                    bit = expert_rank_bit(expert_word, self.local_experts, ranks)
                 mask = warp_or(bit)
                 if lane == 0:
                     shared[0] = Int32(mask)

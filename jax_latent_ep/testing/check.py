@@ -5,7 +5,8 @@ Used by the single-process tests (N virtual CPU devices) and by every rank of th
 Layer 1: `recv1 = dispatch(x, ids, w)`, `out1 = toy_expert(recv1)` with junk in the empty rows,
 `routed = combine(out1, ids)`. Layer 2 chains: `recv2 = dispatch(routed, ids, w)`, `out2` likewise,
 `normed = combine(out2, ids, norm_weight, eps)`. Every received row and `routed` must equal the model bit for
-bit; `normed` may differ by 1 bf16 ulp (exact `1/sqrt` and NumPy summation order in the model).
+bit; `normed` may differ by 1 bf16 ulp on at most 1% of its elements (exact `1/sqrt` and NumPy summation order
+in the model).
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def random_latent(rng: np.random.Generator, lead: tuple[int, ...], latent: int, 
 
 @dataclasses.dataclass
 class Case:
+    """The inputs of one `two_layers` case, stacked over ranks (rank `r`'s arrays are `x[r]`, `ids[r]`, ...).
+
+    Attributes:
+      shape: the layer's `LatentMoEShape` (L, E, K).
+      ranks: `N`, ranks of the expert-parallel axis.
+      tokens: `T`, tokens per rank in both layers.
+      max_tokens: the backend's `max_tokens` (`T <= max_tokens`); `S = stride(max_tokens)`.
+      x: bf16 `[N, T, L]`, layer 1's tokens (`random_latent`, with its special blocks).
+      ids: int32 `[N, T, K]`, global expert ids, the same in both layers.
+      weights: f32 `[N, T, K]`, routing weights, the same in both layers.
+      junk: bf16 `[2, N, N*S, L]`, what each layer's expert stage leaves in the empty rows (combine ignores it).
+      norm_weight: bf16 `[L]`, layer 2's RMSNorm weight.
+    """
+
     shape: LatentMoEShape
     ranks: int
     tokens: int
@@ -64,6 +79,8 @@ class Case:
 
 def make_case(seed: int, shape: LatentMoEShape, ranks: int, tokens: int, max_tokens: int,
               routing_name: str = "random_topk") -> Case:
+    """A fresh random `Case`, reproducible from `seed`: tokens from `random_latent`, ids / weights from the
+    routing generator `routing_name` (`routing.GENERATORS`), junk ~ N(0, 1e3), norm_weight ~ 1 + N(0, 0.25)."""
     rng = np.random.default_rng(seed)
     x = random_latent(rng, (ranks, tokens), shape.latent)
     ids, weights = routing.generate(routing_name, rng, (ranks, tokens), shape, ranks)
@@ -172,8 +189,9 @@ def compare_received(got, want, rank: int, label: str):
 
 
 def compare_rank(got, want, rank: int) -> dict:
-    """Compares one rank's results of `two_layers` (`got` = numpy arrays of that rank) with the model's.
-    Returns statistics: valid rows seen, normed elements that differ by 1 ulp."""
+    """Compares one rank's results of `two_layers` (`got` = numpy arrays of that rank) with the model's
+    (`model_two_layers`): received rows and routed latent bit for bit, normed within 1 bf16 ulp on at most 1%
+    of its elements. Returns statistics: valid rows seen, normed elements that differ by 1 ulp, normed elements."""
     g_recv1, g_routed, g_recv2, g_normed = got
     w_recv1, w_routed, w_recv2, w_normed = want
     rows = compare_received(g_recv1, w_recv1, rank, "layer 1 dispatch")
@@ -181,7 +199,13 @@ def compare_rank(got, want, rank: int) -> dict:
     rows += compare_received(g_recv2, w_recv2, rank, "layer 2 dispatch")
     ulps = model.bf16_ulp_diff(np.asarray(g_normed), w_normed[rank])
     assert ulps.max() <= 1, f"rank {rank}: normed differs by up to {ulps.max()} bf16 ulp (allowed 1)"
-    return {"valid_rows": rows, "normed_1ulp": int((ulps == 1).sum()), "normed_elems": int(ulps.size)}
+    one_ulp = int((ulps == 1).sum())
+    # The contract: 1 ulp on a small fraction only. Observed <= 0.05% per rank (XLA, CPU tests) and ~5e-6 overall
+    # (kernels, kernel_harness.md); 1% (at least 1 element, for tiny outputs) leaves a wide margin.
+    allowed = max(1, ulps.size // 100)
+    assert one_ulp <= allowed, (
+        f"rank {rank}: {one_ulp} of {ulps.size} normed elements differ by 1 bf16 ulp (allowed {allowed})")
+    return {"valid_rows": rows, "normed_1ulp": one_ulp, "normed_elems": int(ulps.size)}
 
 
 def run_case(ep, case: Case):

@@ -586,8 +586,22 @@ def make_routing(rng, tokens, shape):
     return ids, weights
 
 
-def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100, check_every=1):
-    """Runs `layers` consecutive dispatch + combine layers; returns (layers, mismatches, details)."""
+def spoil_ids(rng, ids, experts, local):
+    """A copy of `ids` (int32 [T, K]) holding ids outside [0, E): about one in eight, and every id of token 0 (it
+    reaches no rank), replaced by one of -1, -(local - 1), -local, -2**31, E, E + local, 2**20, 2**31 - 1 (the
+    small negatives are what a signed division by `local` would send to rank 0)."""
+    bad = np.array([-1, -(local - 1), -local, -(1 << 31), experts, experts + local, 1 << 20, (1 << 31) - 1],
+                   np.int64)
+    spoil = rng.random(ids.shape) < 0.125
+    spoil[0] = True
+    spoiled = ids.astype(np.int64)
+    spoiled[spoil] = bad[rng.integers(0, len(bad), size=int(spoil.sum()))]
+    return spoiled.astype(np.int32)
+
+
+def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100, check_every=1, bad_ids=False):
+    """Runs `layers` consecutive dispatch + combine layers; returns (layers, mismatches, details). With `bad_ids`
+    every layer's routing also holds ids outside [0, E) (`spoil_ids`), which must select no rank."""
     rng = np.random.default_rng(seed)
     shape, lay, n = system.shape, system.layout, system.n
     latent, topk, nsf, S = shape.latent, shape.topk, shape.num_sf, lay.stride
@@ -608,6 +622,8 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
             tokens = int(rng.integers(1, system.max_tokens + 1))
             x = make_tokens(rng, tokens, shape, special)
             ids, weights = make_routing(rng, tokens, shape)
+            if bad_ids:
+                ids = spoil_ids(rng, ids, shape.experts, shape.experts // n)
             check(system.cu.cuCtxSetCurrent(r.ctx))
             r.x.upload(x)
             r.ids.upload(ids)
@@ -1298,6 +1314,8 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--timeout-ns", type=int, default=10_000_000_000, help="flag-wait bound (0: forever)")
     parser.add_argument("--nonfinite-every", type=int, default=50, help="every k-th layer has NaN/Inf blocks")
+    parser.add_argument("--bad-ids", action="store_true",
+                        help="virtual/devices: every layer's routing also holds ids outside [0, E) (they reach no rank)")
     parser.add_argument("--artifacts", default=str(DEFAULT_ARTIFACTS))
     parser.add_argument("--csv", default=None, help="append figures to this CSV")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
@@ -1369,7 +1387,8 @@ def main(argv=None):
         where = "1 GPU (virtual ranks)" if args.mode == "virtual" else f"{n} GPUs"
         print(f"{args.mode}: {args.shape} N={n} on {where}, max_tokens {system.max_tokens}, {args.layers} layers", flush=True)
         started = time.perf_counter()
-        layers, mismatches, info = run_layers(system, args.layers, seed=args.seed + n, nonfinite_every=args.nonfinite_every)
+        layers, mismatches, info = run_layers(system, args.layers, seed=args.seed + n, nonfinite_every=args.nonfinite_every,
+                                              bad_ids=args.bad_ids)
         print(f"  -> {layers} layers, {mismatches} mismatches, {info['ulp1']} normed elements at 1 ulp, "
               f"{time.perf_counter() - started:.1f} s; ctrl {info['ctrl'][0]}", flush=True)
         for line in info["details"][:20]:

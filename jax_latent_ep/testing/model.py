@@ -27,6 +27,8 @@ _TINY = np.float32(2.0**-126)
 
 
 class ModelReceived(NamedTuple):
+    """Every rank's receive rows (`jax_latent_ep.types.Received` stacked over the receiving rank `d`)."""
+
     x: np.ndarray  # float8_e4m3fn [N, N*S, L]
     sf: np.ndarray  # uint8 [N, N*S, L // 32]
     ids: np.ndarray  # int32 [N, N*S, K]
@@ -65,14 +67,16 @@ def mxfp8_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mxfp8_dequantize(q: np.ndarray, sf: np.ndarray) -> np.ndarray:
-    """`f32(q) * 2^(sf - 127)` per 32-block (NumPy)."""
+    """NumPy MXFP8 dequantization: float8_e4m3fn `[..., L]`, uint8 `[..., L // 32]` -> float32 `[..., L]`,
+    `f32(q) * 2^(sf - 127)` per 32-block."""
     lead, width = q.shape[:-1], q.shape[-1]
     scale = (sf.astype(np.uint32) << 23).view(np.float32)
     return (q.astype(np.float32).reshape(*lead, width // 32, 32) * scale[..., None]).reshape(*lead, width)
 
 
 def rms_norm(v: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """vLLM RMSNorm, one rounding, exact `1 / sqrt` (may differ from the device by 1 bf16 ulp)."""
+    """vLLM RMSNorm of bf16 `v [..., L]` with bf16 weight `w [L]` -> bf16 `[..., L]`: FP32 inside, one rounding,
+    exact `1 / sqrt` (may differ from the device by 1 bf16 ulp)."""
     f = v.astype(np.float32)
     ss = np.sum(f * f, axis=-1, dtype=np.float32, keepdims=True)
     rstd = (np.float32(1) / np.sqrt(ss / np.float32(v.shape[-1]) + np.float32(eps))).astype(np.float32)
@@ -89,6 +93,19 @@ def destinations(ids: np.ndarray, shape: LatentMoEShape, ranks: int) -> np.ndarr
 
 
 def dispatch(x, ids, weights, *, shape: LatentMoEShape, max_tokens: int) -> ModelReceived:
+    """The contract's dispatch on every rank at once.
+
+    Args:
+      x: bf16 `[N, T, L]`, every rank's tokens (`N` ranks, `T` tokens each, `1 <= T <= max_tokens`).
+      ids: int32 `[N, T, K]`, global expert ids (ids outside `[0, E)` select no rank).
+      weights: float32 `[N, T, K]`, routing weights.
+      shape: the layer's `LatentMoEShape` (L, E, K).
+      max_tokens: fixes `S = stride(max_tokens)`.
+
+    Returns:
+      `ModelReceived`, arrays `[N, N*S, ...]`: rank `d`'s rows source-major (row `s * S + t` is token `t` of rank
+      `s`); rows no token reached hold the contract's empty values and zero `x` / `sf`.
+    """
     x, ids, weights = np.asarray(x), np.asarray(ids, np.int32), np.asarray(weights, np.float32)
     n, t_count, width = x.shape
     assert width == shape.latent and ids.shape == (n, t_count, shape.topk) == weights.shape
@@ -117,7 +134,16 @@ def dispatch(x, ids, weights, *, shape: LatentMoEShape, max_tokens: int) -> Mode
 
 
 def combine(out, ids, norm_weight=None, eps: float = 1e-5, *, shape: LatentMoEShape, max_tokens: int):
-    """Routed (or RMS-normed) latent `[N, T, L]` bf16 of every rank's own tokens."""
+    """The contract's combine on every rank at once: routed (or RMS-normed) latent bf16 `[N, T, L]` of every
+    rank's own tokens.
+
+    Args:
+      out: bf16 `[N, N*S, L]`, each rank's expert output for its receive rows (rows with nothing are ignored).
+      ids: int32 `[N, T, K]`, the ids of the layer's dispatch.
+      norm_weight: bf16 `[L]`, or None for the routed latent without RMSNorm.
+      eps: the RMSNorm epsilon.
+      shape, max_tokens: as for `dispatch`.
+    """
     out, ids = np.asarray(out), np.asarray(ids, np.int32)
     n, t_count, _ = ids.shape
     s_rows = stride(max_tokens)

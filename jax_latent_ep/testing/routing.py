@@ -8,6 +8,11 @@ that sum to 1 per token (normalized top-k weights, as a router produces them).
   hot_expert        every token includes expert `hot` (all tokens reach its rank), the rest random
   all_to_one_rank   every expert of every token lives on rank `rank` (needs K <= E // N)
   duplicates        ids with repeats inside a token (allowed: a rank is reached once per token)
+
+Not in GENERATORS (its ids break the rule above on purpose):
+
+  out_of_range      random_topk with ids outside [0, E) mixed in (and token 0 made of them only): without the
+                    API's `check_ids` every backend must route such ids to no rank and carry them unchanged
 """
 
 from __future__ import annotations
@@ -75,6 +80,22 @@ def duplicates(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoE
     return ids, _weights(rng, lead, shape.topk)
 
 
+def out_of_range(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, ranks: int):
+    """`random_topk`, then about one id in four, and every id of the first token of each leading index, replaced
+    by one of -1, -(local - 1), -local, -2**31, E, E + local, 2**20, 2**31 - 1 (`local = E // ranks`; the small
+    negatives are the ids a signed division by `local` would give to rank 0)."""
+    lead = tuple(lead)
+    ids, weights = random_topk(rng, lead, shape)
+    local = shape.num_local_experts(ranks)
+    e = shape.experts
+    bad = np.array([-1, -(local - 1), -local, -(1 << 31), e, e + local, 1 << 20, (1 << 31) - 1], np.int64)
+    spoil = rng.random(ids.shape) < 0.25
+    spoil[..., 0, :] = True
+    spoiled = ids.astype(np.int64)
+    spoiled[spoil] = bad[rng.integers(0, len(bad), size=int(spoil.sum()))]
+    return spoiled.astype(np.int32), weights
+
+
 GENERATORS = ("random_topk", "skewed", "hot_expert", "all_to_one_rank", "duplicates")
 
 
@@ -90,4 +111,6 @@ def generate(name: str, rng: np.random.Generator, lead: tuple[int, ...], shape: 
         return all_to_one_rank(rng, lead, shape, ranks, rank=int(rng.integers(ranks)))
     if name == "duplicates":
         return duplicates(rng, lead, shape)
-    raise ValueError(f"unknown routing generator {name!r}; expected one of {GENERATORS}")
+    if name == "out_of_range":
+        return out_of_range(rng, lead, shape, ranks)
+    raise ValueError(f"unknown routing generator {name!r}; expected one of {GENERATORS} or 'out_of_range'")

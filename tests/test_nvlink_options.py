@@ -1,0 +1,34 @@
+"""NvlinkBackend's constructor options, checked before any GPU work (runs on CPU-only machines)."""
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from jax_latent_ep import KIMI_K3
+from jax_latent_ep.nvlink import NvlinkBackend
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("-inf"), float("nan"), -1, -1e-9, 1e12, "x", "5", None,
+                                       True, False, np.bool_(True)])
+def test_timeout_s_must_be_a_finite_number_of_seconds(timeout_s):
+    """Refused right after the axis checks, before any device is touched: a mesh needs only its shape here."""
+    mesh = SimpleNamespace(shape={"ep": 2})
+    with pytest.raises(ValueError, match=r"timeout_s=.* must be a finite number of seconds >= 0"):
+        NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("timeout_s", [0, 0.5, 5, np.float32(2.0), np.int64(3)])
+def test_valid_timeout_s_passes_to_the_device_checks(timeout_s):
+    """A valid timeout_s gets past the check: on CPU devices the backend then refuses the devices themselves."""
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError:
+        cpus = []
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPU devices, have {len(cpus)}")
+    mesh = jax.make_mesh((2,), ("ep",), devices=cpus[:2])
+    with pytest.raises(ValueError, match="compute capability") as info:
+        NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=timeout_s)
+    assert "timeout_s" not in str(info.value)
