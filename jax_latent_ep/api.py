@@ -20,9 +20,9 @@ trip) fails the computation on every rank at the same point with a `JaxRuntimeEr
 first bad id, its token, its rank and the call that first received it (combine's check runs after its
 dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
 it nothing is
-checked; the XLA backend then ignores an out-of-range id for routing (it selects no rank, in dispatch and
-combine alike, is carried unchanged in the received `ids`, and is never local to a rank) and the NVLink
-backend's behaviour is undefined. Duplicate ids within a token are allowed: a token reaches a rank once,
+checked; both backends then ignore an out-of-range id for routing (it selects no rank, in dispatch and combine
+alike, is carried unchanged in the received `ids`, and is never local to a rank; the kernels compute the rank
+unsigned, `kernels.common.expert_rank_bit`). Duplicate ids within a token are allowed: a token reaches a rank once,
 however many of its ids live there.
 
 A stuck peer (nvlink): every wait inside the kernels is bounded by `timeout_s` (a backend option, 5 s by

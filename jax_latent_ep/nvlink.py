@@ -298,7 +298,7 @@ class NvlinkBackend:
 
         Args:
           x: bfloat16 `[T, L]`, `1 <= T <= max_tokens` (and within `max_grids`, see `grids`).
-          ids: int32 `[T, K]` global expert ids in `[0, E)` (others: undefined behaviour).
+          ids: int32 `[T, K]` global expert ids; one outside `[0, E)` selects no rank (as in the XLA backend).
           weights: float32 `[T, K]` routing weights.
 
         Returns:
