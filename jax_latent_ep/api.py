@@ -133,7 +133,10 @@ class ExpertParallel:
         "auto" falls back to xla; an error with backend="xla".
 
     Raises:
-      ValueError: naming the bad value, for a bad axis, rank count, max_tokens or backend.
+      ValueError: naming the bad value, for a bad axis, rank count, max_tokens, backend or backend option; with
+        backend="nvlink", also when that backend cannot serve the mesh (the message says why; the cause, e.g. a
+        LookupError for a rank count without compiled kernels, or a SymmetricMemoryError when peer access, CUDA
+        IPC or another process of the group failed, is chained as `__cause__`); "auto" falls back to xla then.
     """
 
     def __init__(
@@ -181,7 +184,7 @@ class ExpertParallel:
                 # peer access, a module that does not load: "auto" falls back, "nvlink" raises.
                 except (LookupError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
                     if backend == "nvlink":
-                        raise
+                        raise ValueError(f"backend='nvlink' is not available: {type(e).__name__}: {e}") from e
                     reason = f"{type(e).__name__}: {e}"
             if backend == "nvlink" and reason is not None:
                 raise ValueError(f"backend='nvlink' is not available: {reason}")
@@ -312,6 +315,10 @@ class ExpertParallel:
 
         Returns:
           bfloat16 `[T, L]`.
+
+        `out` must be computed from this layer's dispatch result (as an expert stage is): XLA drops a call
+        whose results nothing uses, so a combine fed from elsewhere may run without its dispatch, which the
+        nvlink kernels refuse at run time (error 4, "combine called without its dispatch", `check()`).
         """
         self._check_open()
         self._check_axis("combine")
