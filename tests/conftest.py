@@ -17,6 +17,16 @@ def cuda_devices():
         return []
 
 
+def xla_devices(count: int):
+    """`count` devices for the XLA backend: JAX's default ones (GPUs on a GPU machine) when there are that many,
+    else the 8 virtual CPU devices set up above (so a one-GPU machine still runs the multi-rank XLA tests);
+    skips the test when neither has `count`."""
+    for devices in (jax.devices(), jax.devices("cpu")):
+        if len(devices) >= count:
+            return devices[:count]
+    pytest.skip(f"needs {count} devices, have {len(jax.devices())} (and {len(jax.devices('cpu'))} CPU devices)")
+
+
 def have_gpus(count: int = 1) -> bool:
     return len(cuda_devices()) >= count
 

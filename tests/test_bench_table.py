@@ -131,14 +131,19 @@ def test_all_runs_on_cpu(tmp_path):
     assert {r["ranks"] for r in rows} == {"1"} and {r["device"] for r in rows} == {"cpu"}
 
 
-def test_trace_launches_returns_the_program_output_without_gpu_planes():
-    """On a machine without GPUs the launch count is None, and the program still ran once (its output returned)."""
+def test_trace_launches_returns_the_program_output_and_counts_gpu_launches():
+    """The program runs once and its output comes back; without GPUs the launch count is None (no GPU planes in
+    the device trace), on a GPU it is the one fused kernel of this program, none of them ours."""
     import jax
     import jax.numpy as jnp
 
     fn = jax.jit(lambda x, y: x * 2 + y)
     x, counts = bench.trace_launches(fn, (jnp.arange(4.0), jnp.ones(4)), layers=1)
-    assert counts is None
+    if jax.devices()[0].platform == "gpu":
+        assert counts is not None and counts["launches_per_layer"] == 1.0, counts
+        assert counts["our_launches_per_layer"] == 0.0, counts
+    else:
+        assert counts is None
     np.testing.assert_array_equal(np.asarray(x), np.arange(4.0) * 2 + 1)
 
 

@@ -8,17 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_devices
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_latent_ep import ExpertParallel, LatentMoEShape, moe
 
 
 def run_both(n, t, cfg, scan=True, seed=0):
-    """(got, got per layer, want per layer, h): the sharded model's output bf16 [N*T, H] as float32, and both
-    programs' `(hs [Ly, N*T, H], ids [Ly, N*T, K])` (`per_layer=True`), as numpy."""
-    if jax.device_count() < n:
-        pytest.skip(f"needs {n} devices, have {jax.device_count()}")
-    mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+    """(got, got per layer, want per layer, h, platform): the sharded model's output bf16 [N*T, H] as float32,
+    both programs' `(hs [Ly, N*T, H], ids [Ly, N*T, K])` (`per_layer=True`), as numpy, and the devices' platform
+    (`conftest.xla_devices`: GPUs where there are N, else CPU devices)."""
+    devices = xla_devices(n)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
     params = moe.init_params(jax.random.key(seed), cfg)
     h = jax.random.normal(jax.random.key(seed + 1), (n * t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
     as_np = lambda a: np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a)  # noqa: E731
@@ -26,19 +27,19 @@ def run_both(n, t, cfg, scan=True, seed=0):
         sharded, h_in = moe.shard_params(params, mesh, "ep"), jax.device_put(h, NamedSharding(mesh, P("ep")))
         got = as_np(moe.make_forward(ep, cfg, scan=scan)(sharded, h_in))
         got_layers = jax.tree.map(as_np, moe.make_forward(ep, cfg, scan=scan, per_layer=True)(sharded, h_in))
-    one = jax.devices()[0]
+    one = devices[0]
     reference = moe.make_reference_forward(cfg, n, per_layer=True)
     want_layers = jax.tree.map(as_np, reference(jax.device_put(params, one), jax.device_put(h, one)))
-    return got, got_layers, want_layers, np.asarray(h, np.float32)
+    return got, got_layers, want_layers, np.asarray(h, np.float32), devices[0].platform
 
 
 @pytest.mark.parametrize("n,t,scan", [(1, 3, True), (2, 5, True), (4, 4, False), (8, 2, True)])
 def test_sharded_matches_one_device(n, t, scan):
     cfg = moe.MoEConfig(shape=LatentMoEShape(latent=256, experts=32, topk=4), hidden=128, layers=3)
-    got, (got_hs, got_ids), (want_hs, want_ids), h = run_both(n, t, cfg, scan=scan, seed=n)
+    got, (got_hs, got_ids), (want_hs, want_ids), h, platform = run_both(n, t, cfg, scan=scan, seed=n)
     assert np.all(np.isfinite(got))
     assert not np.array_equal(got, h), "the layers changed nothing"
-    if jax.devices()[0].platform == "cpu":
+    if platform == "cpu":
         # Same shapes per rank, same order of every sum: bit-identical (moe.reference_layer), every layer.
         np.testing.assert_array_equal(got_ids, want_ids)
         np.testing.assert_array_equal(got_hs, want_hs)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cuda_devices
+from conftest import cuda_devices, xla_devices
 from jax_latent_ep import KIMI_K3, ExpertParallel, LatentMoEShape
 from jax_latent_ep.testing import check, routing
 
@@ -19,7 +19,9 @@ BACKENDS = ["xla", pytest.param("nvlink", marks=pytest.mark.gpu)]
 
 
 def _devices(backend, n, shape=None):
-    devices = cuda_devices() if backend == "nvlink" else jax.devices()
+    if backend != "nvlink":
+        return xla_devices(n)
+    devices = cuda_devices()
     if len(devices) < n:
         pytest.skip(f"needs {n} devices for backend {backend}, have {len(devices)}")
     if backend == "nvlink" and shape is not None:
