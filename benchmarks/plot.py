@@ -4,8 +4,10 @@ or from the CSVs named by `--csv` (e.g. the output of `bench.py all --out bench.
     python benchmarks/plot.py [--ranks 2] [--csv PATH ...] [--out PNG] [--table]
 
 Without `--csv` it reads benchmarks/results/*.csv and writes benchmarks/results/latency_n<ranks>.png; with it,
-it reads only the files named (in the order given: a later file's row wins) and writes <first CSV>_n<ranks>.png
-unless `--out` says otherwise.
+it reads only the files named and writes <first CSV>_n<ranks>.png unless `--out` says otherwise. Either way the
+per-layer rows of every backend come from one file, the last (newest) that has them for `--ranks`, so that the
+backends drawn side by side were measured in one run; the kernels-alone and floor rows come from that file too
+where it has them, else from the others (for one series and T, a later file's row wins).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def load(ranks: int, paths=None):
     series = {}
     explicit = bool(paths)
     if explicit:
-        paths = list(paths)  # the files named, in the order given (a later file's row wins)
+        paths = list(paths)  # the files named, in the order given (see the module docstring)
     else:
         # Oldest first by version: `bench_v10_*` after `bench_v9_*` (numbers compared as numbers, not as text).
         paths = sorted(glob.glob(os.path.join(HERE, "results", "*.csv")), key=_version_key)
@@ -77,7 +79,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--csv", action="append", default=None, metavar="PATH",
-                   help="a CSV of bench.py rows to plot (repeatable; later files win); "
+                   help="a CSV of bench.py rows to plot (repeatable; per-layer rows from the last file that has "
+                        "them, the other rows merged, later files winning); "
                         "default: every benchmarks/results/*.csv")
     p.add_argument("--out", default=None,
                    help="the PNG to write (default: benchmarks/results/latency_n<ranks>.png, "

@@ -426,6 +426,7 @@ class KernelParams {
 
 // One launch as a handler computed it: the kernel, its grid and its parameters.
 struct Launch {
+  std::shared_ptr<const Rank> rank;  // keeps `kernel` (one of its members) alive until the launch is issued
   const Kernel* kernel = nullptr;
   unsigned grid = 0;
   KernelParams params;
@@ -516,7 +517,7 @@ ffi::Error prepare_dispatch(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer id
                             ffi::Result<ffi::AnyBuffer> recv_ids, ffi::Result<ffi::AnyBuffer> recv_weights,
                             ffi::Result<ffi::AnyBuffer> recv_src, int64_t instance, int64_t grid, Launch& out) {
   constexpr const char* what = "dispatch";
-  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held until this handler returns
+  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held by the Launch until issued
   if (r == nullptr) return missing_rank(what, instance, ordinal);
   if (ffi::Error e = check_status(*r, what); !e.success()) return e;
   auto xd = x.dimensions();
@@ -543,6 +544,7 @@ ffi::Error prepare_dispatch(int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer id
                        expect(what, "recv_src", *recv_src, ffi::DataType::S32, {rows})}) {
     if (!e.success()) return e;
   }
+  out.rank = r;
   out.kernel = &r->dispatch;
   out.grid = static_cast<unsigned>(grid);
   // Parameters in docs/kernel_abi.md order (ffi.DISPATCH_PARAMS).
@@ -633,7 +635,7 @@ ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer i
                            ffi::Result<ffi::AnyBuffer> result, int64_t instance, int64_t grid, float eps,
                            int64_t apply_norm, Launch& l) {
   constexpr const char* what = "combine";
-  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held until this handler returns
+  const std::shared_ptr<const Rank> r = find_rank(instance, ordinal);  // held by the Launch until issued
   if (r == nullptr) return missing_rank(what, instance, ordinal);
   if (ffi::Error e = check_status(*r, what); !e.success()) return e;
   auto id = ids.dimensions();
@@ -655,6 +657,7 @@ ffi::Error prepare_combine(int32_t ordinal, ffi::AnyBuffer out, ffi::AnyBuffer i
                        expect(what, "result", *result, ffi::DataType::BF16, {T, L})}) {
     if (!e.success()) return e;
   }
+  l.rank = r;
   l.kernel = &r->combine;
   l.grid = static_cast<unsigned>(grid);
   // Parameters in docs/kernel_abi.md order (ffi.COMBINE_PARAMS).

@@ -193,8 +193,12 @@ class NvlinkBackend:
         self.stride = stride(max_tokens)
         self.rows = self.ranks * self.stride
         # A real number of seconds (not bool), finite, >= 0, and within the kernels' int64 nanoseconds.
-        if (isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real)
-                or not math.isfinite(timeout_s) or not 0 <= timeout_s * 1e9 < 2.0**63):
+        try:
+            valid = (not isinstance(timeout_s, (bool, np.bool_)) and isinstance(timeout_s, numbers.Real)
+                     and math.isfinite(timeout_s) and 0 <= timeout_s * 1e9 < 2.0**63)
+        except OverflowError:  # an int too large for a float
+            valid = False
+        if not valid:
             raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds >= 0 (0 waits forever)")
         self.timeout_ns = max(1, int(round(timeout_s * 1e9))) if timeout_s > 0 else 0  # > 0 never becomes 0 (forever)
         self._grid = self._check_grid(grid)

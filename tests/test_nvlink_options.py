@@ -32,3 +32,14 @@ def test_valid_timeout_s_passes_to_the_device_checks(timeout_s):
     with pytest.raises(ValueError, match="compute capability") as info:
         NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=timeout_s)
     assert "timeout_s" not in str(info.value)
+
+
+def test_timeout_too_large_for_a_float_is_a_value_error():
+    """An int beyond float range (math.isfinite raises OverflowError on it) is refused like any other bad value."""
+    from types import SimpleNamespace
+
+    from jax_latent_ep.nvlink import NvlinkBackend
+
+    mesh = SimpleNamespace(shape={"ep": 2}, axis_names=("ep",), devices=None)
+    with pytest.raises(ValueError, match=r"timeout_s=.* must be a finite number of seconds >= 0"):
+        NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=10**400)

@@ -592,6 +592,7 @@ def spoil_ids(rng, ids, experts, local):
     small negatives are what a signed division by `local` would send to rank 0)."""
     bad = np.array([-1, -(local - 1), -local, -(1 << 31), experts, experts + local, 1 << 20, (1 << 31) - 1],
                    np.int64)
+    bad = bad[(bad < 0) | (bad >= experts)]  # -(local - 1) is 0, a valid id, when local == 1
     spoil = rng.random(ids.shape) < 0.125
     spoil[0] = True
     spoiled = ids.astype(np.int64)

@@ -89,6 +89,7 @@ def out_of_range(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentM
     local = shape.num_local_experts(ranks)
     e = shape.experts
     bad = np.array([-1, -(local - 1), -local, -(1 << 31), e, e + local, 1 << 20, (1 << 31) - 1], np.int64)
+    bad = bad[(bad < 0) | (bad >= e)]  # -(local - 1) is 0, a valid id, when local == 1
     spoil = rng.random(ids.shape) < 0.25
     spoil[..., 0, :] = True
     spoiled = ids.astype(np.int64)
