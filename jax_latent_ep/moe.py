@@ -258,23 +258,13 @@ def make_reference_forward(cfg: MoEConfig, ranks: int, per_layer: bool = False):
     """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (put the inputs on one
     device). One jitted layer, applied `cfg.layers` times (one compilation). Returns bf16 [N*T, H]; with
     `per_layer`, `(hs, ids)` as `make_forward(..., per_layer=True)` returns them."""
-    if not per_layer:
-        one = jax.jit(lambda p, h: reference_layer(p, h, cfg.shape, ranks, cfg.eps))
+    one = jax.jit(lambda p, h: _reference_layer(p, h, cfg.shape, ranks, cfg.eps))
 
-        def forward(params, h):
-            for i in range(cfg.layers):
-                h = one(jax.tree.map(lambda a: a[i], params), h)
-            return h
-
-        return forward
-
-    one_ids = jax.jit(lambda p, h: _reference_layer(p, h, cfg.shape, ranks, cfg.eps))
-
-    def forward_per_layer(params, h):
+    def forward(params, h):
         outs = []
         for i in range(cfg.layers):
-            h, ids = one_ids(jax.tree.map(lambda a: a[i], params), h)
+            h, ids = one(jax.tree.map(lambda a: a[i], params), h)
             outs.append((h, ids))
-        return jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return jax.tree.map(lambda *a: jnp.stack(a), *outs) if per_layer else h
 
-    return forward_per_layer
+    return forward

@@ -38,18 +38,17 @@ def test_all_to_one_rank_and_hot():
 
 def test_out_of_range_generator():
     """`out_of_range` (not in GENERATORS): token 0 of each rank only bad ids, about a quarter of the rest bad,
-    small negatives among them; the harness's `spoil_ids` likewise (token 0 bad, about an eighth of the rest)."""
-    from jax_latent_ep.testing.harness import spoil_ids
-
+    small negatives among them, the others random_topk's; `spoil_ids` at the harness's one in eight likewise."""
     shape, n = KIMI_K3, 2
     ids, w = routing.generate("out_of_range", np.random.default_rng(3), (n, 64), shape, n)
     bad = (ids < 0) | (ids >= shape.experts)
     assert ids.shape == (n, 64, shape.topk) and w.shape == ids.shape and ids.dtype == np.int32
     assert bad[:, 0].all() and 0.15 < bad[:, 1:].mean() < 0.35
     assert np.isin(ids, [-1, -(shape.experts // n - 1)]).any()
-    assert np.all((~bad) <= ((ids >= 0) & (ids < shape.experts)))
+    topk = routing.random_topk(np.random.default_rng(3), (n, 64), shape)[0]  # what out_of_range drew first
+    np.testing.assert_array_equal(ids[~bad], topk[~bad])
     good = routing.random_topk(np.random.default_rng(4), (64,), shape)[0]
-    spoiled = spoil_ids(np.random.default_rng(5), good, shape.experts, shape.experts // n)
+    spoiled = routing.spoil_ids(np.random.default_rng(5), good, shape.experts, shape.experts // n, 0.125)
     changed = spoiled != good
     assert changed[0].all() and 0.05 < changed[1:].mean() < 0.2
     assert np.all((spoiled[changed] < 0) | (spoiled[changed] >= shape.experts))

@@ -265,8 +265,8 @@ class Dispatch:
 
         if cta < tokens:
             token = cta
-            # Destination mask of the token: bit d set iff one of its experts lives on rank d (`expert_rank`: an id
-            # outside [0, E) selects no rank, as in the XLA backend).
+            # Destination mask of the token: bit d set iff one of its experts lives on rank d (`expert_rank_bit`: an
+            # id outside [0, E) selects no rank, as in the XLA backend).
             if warp == 0:
                 bit = Uint32(0)
                 if lane < topk:

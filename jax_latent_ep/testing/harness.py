@@ -41,7 +41,7 @@ import numpy as np
 
 from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
 from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, TRACE, TRACE_LAYERS, EpLayout, stride
-from jax_latent_ep.testing import model
+from jax_latent_ep.testing import model, routing
 
 DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
 SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}
@@ -586,23 +586,10 @@ def make_routing(rng, tokens, shape):
     return ids, weights
 
 
-def spoil_ids(rng, ids, experts, local):
-    """A copy of `ids` (int32 [T, K]) holding ids outside [0, E): about one in eight, and every id of token 0 (it
-    reaches no rank), replaced by one of -1, -(local - 1), -local, -2**31, E, E + local, 2**20, 2**31 - 1 (the
-    small negatives are what a signed division by `local` would send to rank 0)."""
-    bad = np.array([-1, -(local - 1), -local, -(1 << 31), experts, experts + local, 1 << 20, (1 << 31) - 1],
-                   np.int64)
-    bad = bad[(bad < 0) | (bad >= experts)]  # -(local - 1) is 0, a valid id, when local == 1
-    spoil = rng.random(ids.shape) < 0.125
-    spoil[0] = True
-    spoiled = ids.astype(np.int64)
-    spoiled[spoil] = bad[rng.integers(0, len(bad), size=int(spoil.sum()))]
-    return spoiled.astype(np.int32)
-
-
 def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100, check_every=1, bad_ids=False):
     """Runs `layers` consecutive dispatch + combine layers; returns (layers, mismatches, details). With `bad_ids`
-    every layer's routing also holds ids outside [0, E) (`spoil_ids`), which must select no rank."""
+    every layer's routing also holds ids outside [0, E) (`routing.spoil_ids`, one in eight), which must select no
+    rank."""
     rng = np.random.default_rng(seed)
     shape, lay, n = system.shape, system.layout, system.n
     latent, topk, nsf, S = shape.latent, shape.topk, shape.num_sf, lay.stride
@@ -624,7 +611,7 @@ def run_layers(system: System, layers, seed=0, nonfinite_every=0, log_every=100,
             x = make_tokens(rng, tokens, shape, special)
             ids, weights = make_routing(rng, tokens, shape)
             if bad_ids:
-                ids = spoil_ids(rng, ids, shape.experts, shape.experts // n)
+                ids = routing.spoil_ids(rng, ids, shape.experts, shape.experts // n, 0.125)
             check(system.cu.cuCtxSetCurrent(r.ctx))
             r.x.upload(x)
             r.ids.upload(ids)

@@ -80,21 +80,24 @@ def duplicates(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoE
     return ids, _weights(rng, lead, shape.topk)
 
 
-def out_of_range(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, ranks: int):
-    """`random_topk`, then about one id in four, and every id of the first token of each leading index, replaced
-    by one of -1, -(local - 1), -local, -2**31, E, E + local, 2**20, 2**31 - 1 (`local = E // ranks`; the small
-    negatives are the ids a signed division by `local` would give to rank 0)."""
-    lead = tuple(lead)
-    ids, weights = random_topk(rng, lead, shape)
-    local = shape.num_local_experts(ranks)
-    e = shape.experts
-    bad = np.array([-1, -(local - 1), -local, -(1 << 31), e, e + local, 1 << 20, (1 << 31) - 1], np.int64)
-    bad = bad[(bad < 0) | (bad >= e)]  # -(local - 1) is 0, a valid id, when local == 1
-    spoil = rng.random(ids.shape) < 0.25
+def spoil_ids(rng: np.random.Generator, ids: np.ndarray, experts: int, local: int, fraction: float) -> np.ndarray:
+    """A copy of `ids` (int32 `[..., T, K]`) with about `fraction` of its ids, and every id of token 0 of each
+    leading index (it reaches no rank), replaced by one of -1, -(local - 1), -local, -2**31, E, E + local, 2**20,
+    2**31 - 1 (`E = experts`; the small negatives are the ids a signed division by `local` would give to rank 0)."""
+    bad = np.array([-1, -(local - 1), -local, -(1 << 31), experts, experts + local, 1 << 20, (1 << 31) - 1],
+                   np.int64)
+    bad = bad[(bad < 0) | (bad >= experts)]  # -(local - 1) is 0, a valid id, when local == 1
+    spoil = rng.random(ids.shape) < fraction
     spoil[..., 0, :] = True
     spoiled = ids.astype(np.int64)
     spoiled[spoil] = bad[rng.integers(0, len(bad), size=int(spoil.sum()))]
-    return spoiled.astype(np.int32), weights
+    return spoiled.astype(np.int32)
+
+
+def out_of_range(rng: np.random.Generator, lead: tuple[int, ...], shape: LatentMoEShape, ranks: int):
+    """`random_topk`, then `spoil_ids` with about one id in four (`local = E // ranks`)."""
+    ids, weights = random_topk(rng, tuple(lead), shape)
+    return spoil_ids(rng, ids, shape.experts, shape.num_local_experts(ranks), 0.25), weights
 
 
 GENERATORS = ("random_topk", "skewed", "hot_expert", "all_to_one_rank", "duplicates")
