@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_latent_ep.config import KIMI_K3, LatentMoEShape, check_max_tokens
+from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
-from jax_latent_ep.types import Received
+from jax_latent_ep.received import Received
 
 BACKENDS = ("auto", "xla", "nvlink")
 
@@ -51,7 +51,7 @@ BACKENDS = ("auto", "xla", "nvlink")
 def _artifacts_present() -> str | None:
     """None if the FFI library and the kernel manifest are found, else why not."""
     try:
-        from jax_latent_ep import artifacts
+        from jax_latent_ep.runtime import artifacts
 
         artifacts.find(artifacts.MANIFEST)
         artifacts.find(artifacts.FFI_LIBRARY)
@@ -83,9 +83,9 @@ def _nvlink_reason(mesh) -> str | None:
     if missing is not None:
         return f"the kernel artifacts are missing ({missing})"
     try:
-        from jax_latent_ep.nvlink import NvlinkBackend  # noqa: F401
+        from jax_latent_ep.backends.nvlink import NvlinkBackend  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the GPU stack
-        return f"jax_latent_ep.nvlink does not import: {type(e).__name__}: {e}"
+        return f"jax_latent_ep.backends.nvlink does not import: {type(e).__name__}: {e}"
     return None
 
 
@@ -176,7 +176,7 @@ class ExpertParallel:
                 # 0.3 us at T = 2-32 and 2.2 us slower per layer at T >= 64.
                 reason = "N=1: nothing to communicate; the xla backend needs no symmetric buffer there"
             if reason is None:
-                from jax_latent_ep.nvlink import NvlinkBackend
+                from jax_latent_ep.backends.nvlink import NvlinkBackend
 
                 try:
                     self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
@@ -196,7 +196,7 @@ class ExpertParallel:
         if self._impl is None:
             if backend_opts and backend == "xla":
                 raise ValueError(f"the xla backend takes no options, got {sorted(backend_opts)}")
-            from jax_latent_ep.reference import XlaBackend
+            from jax_latent_ep.backends.xla import XlaBackend
 
             self._impl = XlaBackend(mesh, axis_name, max_tokens, shape)
             backend = "xla"
@@ -290,7 +290,7 @@ class ExpertParallel:
           weights: float32 `[T, K]` routing weights.
 
         Returns:
-          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.received.Received`).
         """
         self._check_open()
         self._check_axis("dispatch")
@@ -374,7 +374,7 @@ class ExpertParallel:
 
     def status(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
         """The kernels' error records of the ranks this process drives: `{(group, rank): (code, rank, peer,
-        layer)}` (nvlink; see `jax_latent_ep.nvlink.NvlinkBackend.status` for the codes), `{}` for xla, whose
+        layer)}` (nvlink; see `jax_latent_ep.backends.nvlink.NvlinkBackend.status` for the codes), `{}` for xla, whose
         collectives record nothing. Host memory: no synchronization, readable after a failed computation."""
         status = getattr(self._impl, "status", None)
         return {} if status is None else status()
@@ -393,7 +393,7 @@ class ExpertParallel:
 
         Afterwards `dispatch` and `combine` raise ValueError when traced. Executables compiled earlier cannot
         be intercepted and must not run after `close()`. With the nvlink backend (see
-        `jax_latent_ep.nvlink.NvlinkBackend.close`): where XLA runs the FFI handler at launch, the execution
+        `jax_latent_ep.backends.nvlink.NvlinkBackend.close`): where XLA runs the FFI handler at launch, the execution
         fails with "no NvlinkBackend instance ... is registered" instead of launching a kernel; but a CUDA graph
         (XLA command buffer) captured earlier replays the kernel launches without the handler, on the freed
         memory. Close when the model is done (or leave it to interpreter exit), not between steps.

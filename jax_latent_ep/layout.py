@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_latent_ep.config import KIMI_K3, LatentMoEShape, NUM_MAX_RANKS, check_max_tokens
+from jax_latent_ep.kernels.abi import NUM_MAX_RANKS, ROW_BLOCK
+from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 
 #: Bytes of one cache line on the NVLink fabric; every region starts on one, and every flag and
 #: source word owns one, so that no two ranks ever write the same line.
 LINE = 128
-#: Rows per source block of the receive arrays: `stride(tokens)` is a multiple of this.
-ROW_BLOCK = 8
 
 # Words of the first control line (int32 each), written by this rank only. The two epoch words hand the
 # layer epoch from kernel to kernel. Every thread of a kernel reads both after its griddepcontrol.wait (the
@@ -23,7 +22,7 @@ CTRL_EPOCH_C = 1  # epoch of the current layer (written by dispatch, read by its
 CTRL_COUNT_D = 32  # CTAs of the running dispatch that have passed the sequence check (0 between kernels)
 CTRL_COUNT_C = 33  # the same for the combine
 CTRL_LAYER = CTRL_EPOCH_D  # = layers completed on this rank (the layer number in error reports)
-CTRL_ERROR = 5  # 0, or an error code (ERROR_*)
+CTRL_ERROR = 5  # 0, or an error code (kernels.abi.ERROR_*)
 CTRL_ERROR_PEER = 6  # the rank whose data never came (or this rank, for a sequence error)
 CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
@@ -32,12 +31,6 @@ NUM_CTRL_WORDS = 8
 # Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
 TRACE = 2 * LINE + 16 * LINE
 TRACE_LAYERS = 8
-
-ERROR_NONE = 0
-ERROR_DISPATCH_TIMEOUT = 1  # a dispatch wait (a receive row) outlived the timeout
-ERROR_COMBINE_TIMEOUT = 2  # a combine wait (a partial of an own token) outlived the timeout
-ERROR_DISPATCH_TWICE = 3  # dispatch called again before the combine of the previous dispatch
-ERROR_COMBINE_WITHOUT_DISPATCH = 4  # combine called without a dispatch before it
 
 #: Bytes of one LL word: a 4-byte payload and the 4-byte epoch of the layer that wrote it, stored and loaded
 #: as one 8-byte access (single-copy atomic), so a reader that sees the epoch sees the payload of that store.

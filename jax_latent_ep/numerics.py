@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-MX_BLOCK = 32
+from jax_latent_ep.kernels.abi import MX_BLOCK
+
 #: rn_f32(1 / 448): the reciprocal of e4m3's largest finite value, as the quantizer multiplies by it.
 RECIPROCAL_448_BITS = 0x3B124925
 E8M0_NAN = 255

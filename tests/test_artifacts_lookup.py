@@ -3,8 +3,8 @@ the package build compiled)."""
 
 import pytest
 
-from jax_latent_ep import build, ffi
-from jax_latent_ep.config import KIMI_K3, LatentMoEShape
+from jax_latent_ep.runtime import build, ffi
+from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape
 
 
 def test_missing_variant_lists_what_the_manifest_has_per_shape():

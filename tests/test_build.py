@@ -13,9 +13,9 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install .[build])")
 
-from jax_latent_ep import build  # noqa: E402
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3  # noqa: E402
-from jax_latent_ep.kernels import combine, dispatch  # noqa: E402
+from jax_latent_ep.runtime import build  # noqa: E402
+from jax_latent_ep.shapes import DEEPSEEK_V3, KIMI_K3  # noqa: E402
+from jax_latent_ep.kernels import abi, combine, dispatch  # noqa: E402
 
 #: cubin parameter layout: i64 8 bytes, i32 / f32 4 bytes, each naturally aligned.
 SIZES = {"i64": 8, "i32": 4, "f32": 4}
@@ -87,7 +87,7 @@ def test_manifest_fields(built):
         module = dispatch if e["kernel"] == "dispatch" else combine
         assert e["name"] == f"ep_{e['kernel']}_0"
         assert e["file"] == f"cubins/{e['kernel']}_{e['shape']['name']}_n{e['ranks']}_sm_90a.cubin"
-        assert [tuple(p) for p in e["params"]] == list(module.PARAMS)
+        assert [tuple(p) for p in e["params"]] == list(abi.KERNELS[e["kernel"]].signature())
         assert e["block"] == e["shape"]["latent"] // 16
         shape = KIMI_K3 if e["shape"]["name"] == "kimi_k3" else DEEPSEEK_V3
         assert e["smem"] == module.smem_bytes(shape)
@@ -118,7 +118,7 @@ def test_check_installed(built, tmp_path):
 
 def test_check_installed_cli_imports_no_cutlass(tmp_path):
     code = (
-        "import sys; from jax_latent_ep import build; rc = build.main(['--out', sys.argv[1], '--check-installed']);"
+        "import sys; from jax_latent_ep.runtime import build; rc = build.main(['--out', sys.argv[1], '--check-installed']);"
         "assert 'cutlass' not in sys.modules, 'cutlass imported'; sys.exit(rc)"
     )
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""CPU checks of the kernel harness' host side (`jax_latent_ep.testing.harness`), above all `--mode stress`.
+"""CPU checks of the kernel harness' host side (`tools.kernel_harness`), above all `--mode stress`.
 
 No GPU: a fake `cuda.bindings.driver` keeps "device" memory in host arrays (device pointers are host
 addresses) and a lockstep emulator plays the kernels' contract (its own NumPy code from `testing/model.py`) when
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jax_latent_ep.layout import CTRL_EPOCH_C, CTRL_EPOCH_D, EpLayout
-from jax_latent_ep.testing import harness, model
+from jax_latent_ep.testing import model
+from tools import kernel_harness as harness
 
 BF16 = harness.BF16
 SYSTEM = harness.System  # the class (test_stress_cli replaces harness.System by a factory)
@@ -228,7 +229,7 @@ def fake_system(monkeypatch, ranks=2, max_tokens=16, shape_name="kimi_k3"):
 
 
 def test_help_and_import_need_no_gpu():
-    result = subprocess.run([sys.executable, "-m", "jax_latent_ep.testing.harness", "--help"],
+    result = subprocess.run([sys.executable, "-m", "tools.kernel_harness", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "stress" in result.stdout and "--stress-virtual" in result.stdout

@@ -1,7 +1,7 @@
-"""The CuTe DSL kernels on real GPUs through the JAX-free harness (`jax_latent_ep.testing.harness`): a few
+"""The CuTe DSL kernels on real GPUs through the JAX-free harness (`tools.kernel_harness`): a few
 hundred consecutive layers per setting, every receive row and combine output checked against numpy.
 
-Needs an NVIDIA GPU, cuda-bindings and the AOT artifacts (`python -m jax_latent_ep.build`); each missing piece
+Needs an NVIDIA GPU, cuda-bindings and the AOT artifacts (`python -m jax_latent_ep.runtime.build`); each missing piece
 skips the tests with the reason."""
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _gpu_count() -> int:
 
 def _artifacts_problem():
     try:
-        from jax_latent_ep import build
+        from jax_latent_ep.runtime import build
     except ImportError as error:  # pragma: no cover
         return str(error)
     problems = build.check_installed(build.DEFAULT_OUT, archs=("sm_90a",), complete=False)
     if problems:
         return problems[0]
-    from jax_latent_ep.testing.harness import Manifest
+    from tools.kernel_harness import Manifest
 
     try:
         manifest = Manifest()
@@ -57,7 +57,7 @@ needs_artifacts = pytest.mark.skipif(PROBLEM is not None, reason=f"kernel artifa
 @needs_artifacts
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_virtual_ranks_one_gpu(ranks):
-    from jax_latent_ep.testing import harness
+    from tools import kernel_harness as harness
 
     system = harness.System("kimi_k3", ranks, 32, "virtual")
     system.timeout_ns = 10_000_000_000
@@ -69,7 +69,7 @@ def test_virtual_ranks_one_gpu(ranks):
 @needs_artifacts
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 NVIDIA GPUs")
 def test_two_gpus():
-    from jax_latent_ep.testing import harness
+    from tools import kernel_harness as harness
 
     system = harness.System("kimi_k3", 2, 64, "devices")
     system.timeout_ns = 10_000_000_000
@@ -85,7 +85,7 @@ def test_flag_timeout_reports_and_traps(case, record):
     # A separate process: the trap kills its CUDA context.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     result = subprocess.run(
-        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "timeout", "--timeout-case", case],
+        [sys.executable, "-m", "tools.kernel_harness", "--mode", "timeout", "--timeout-case", case],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -102,7 +102,7 @@ def test_call_out_of_sequence_writes_nothing(case, code):
     # 51,346 bytes here: benchmarks/results/sequence.csv.)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     result = subprocess.run(
-        [sys.executable, "-m", "jax_latent_ep.testing.harness", "--mode", "sequence", "--sequence-case", case],
+        [sys.executable, "-m", "tools.kernel_harness", "--mode", "sequence", "--sequence-case", case],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr

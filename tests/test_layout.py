@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3, LatentMoEShape, check_max_tokens
+from jax_latent_ep.shapes import DEEPSEEK_V3, KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import CTRL_BELOW_PEERS, LINE, NUM_CTRL_WORDS, EpLayout, region_offsets, stride
 
 TOKENS = [1, 5, 7, 8, 9, 13, 64, 100, 128, 1000, 65535]

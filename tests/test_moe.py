@@ -57,7 +57,7 @@ def test_sharded_matches_one_device(n, t, scan):
 
 
 def test_demo_runs():
-    from jax_latent_ep import demo
+    from jax_latent_ep.example import demo
 
     assert demo.main(["--layers", "2", "--steps", "2", "--tokens", "3"]) == 0
 
@@ -74,7 +74,7 @@ def test_demo_on_gpus_runs_the_nvlink_backend():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
-    run = subprocess.run([sys.executable, "-m", "jax_latent_ep.demo", "--layers", "2", "--steps", "2", "--tokens", "4"],
+    run = subprocess.run([sys.executable, "-m", "jax_latent_ep.example.demo", "--layers", "2", "--steps", "2", "--tokens", "4"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "backend: nvlink" in run.stdout and "L=3584 E=896 K=16" in run.stdout, run.stdout[-3000:]

@@ -78,7 +78,7 @@ def worker_setup_failure(process_id, num_processes):
     """Process 1 fails before publishing its buffer record; process 0 waits for it (300 s allowed)."""
     from jax._src import distributed
 
-    from jax_latent_ep.symmetric import PeerSetupError, RankRecord, exchange_records, publish_failure
+    from jax_latent_ep.runtime.symmetric import PeerSetupError, RankRecord, exchange_records, publish_failure
 
     client = distributed.global_state.client
     key = "test/setup_failure"

@@ -32,10 +32,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_latent_ep import artifacts
-from jax_latent_ep.config import KIMI_K3
-from jax_latent_ep import symmetric
-from jax_latent_ep.symmetric import RankRecord, check_records
+from jax_latent_ep.runtime import artifacts
+from jax_latent_ep.shapes import KIMI_K3
+from jax_latent_ep.runtime import symmetric
+from jax_latent_ep.runtime.symmetric import RankRecord, check_records
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_records_missing_rank():
 
 
 def test_default_grids():
-    from jax_latent_ep.nvlink import COMBINE_MIN_CTAS, DISPATCH_MIN_CTAS, NvlinkBackend, default_grids
+    from jax_latent_ep.backends.nvlink import COMBINE_MIN_CTAS, DISPATCH_MIN_CTAS, NvlinkBackend, default_grids
 
     # min(N * stride(T), DISPATCH_MIN_CTAS), min(N * stride(T), COMBINE_MIN_CTAS): the call's rows, not the buffer's
     assert default_grids(1, 2) == (16, 16)
@@ -125,7 +125,7 @@ def test_lowering_for_cuda(path, monkeypatch):
     reason = _have_library()
     if reason:
         pytest.skip(f"no FFI library / manifest: {reason}")
-    from jax_latent_ep import ffi
+    from jax_latent_ep.runtime import ffi
 
     ffi.register_targets()
     monkeypatch.setenv(ffi.RECORD_ENV, "0" if path == "traced" else "1")
@@ -170,7 +170,7 @@ def test_lowering_for_cuda(path, monkeypatch):
 def test_launch_path_choice(monkeypatch):
     """The record targets by default once registered; the traced ones under JAX_LATENT_EP_FFI_RECORD=0 or
     when registration failed. `uses_pdl` only on the record targets, False under JAX_LATENT_EP_PDL=0."""
-    from jax_latent_ep import ffi
+    from jax_latent_ep.runtime import ffi
 
     monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
     monkeypatch.delenv(ffi.PDL_ENV, raising=False)
@@ -213,7 +213,7 @@ class FakeRecordLibrary:
     ([2, 2, 0], "record", 3),        # no CUDA backend yet: asked again by each register_targets until it works
 ])
 def test_record_registration_fallback(codes, path, calls, monkeypatch):
-    from jax_latent_ep import ffi
+    from jax_latent_ep.runtime import ffi
 
     fake = FakeRecordLibrary(codes)
     monkeypatch.setattr(ffi, "library", lambda: fake)
@@ -234,7 +234,7 @@ def test_record_registration_fallback(codes, path, calls, monkeypatch):
 
 def test_record_registration_switched_off(monkeypatch):
     """JAX_LATENT_EP_FFI_RECORD=0 when the targets are registered: the record ones are not even registered."""
-    from jax_latent_ep import ffi
+    from jax_latent_ep.runtime import ffi
 
     fake = FakeRecordLibrary([0])
     monkeypatch.setattr(ffi, "library", lambda: fake)
@@ -255,7 +255,7 @@ def test_record_registration_with_the_library():
     reason = _have_library()
     if reason:
         pytest.skip(f"no FFI library / manifest: {reason}")
-    from jax_latent_ep import ffi
+    from jax_latent_ep.runtime import ffi
 
     if not hasattr(ffi.library(), "ep_register_record_targets"):
         pytest.skip(f"the FFI library {artifacts.find(artifacts.FFI_LIBRARY)} predates the record targets: rebuild it")
@@ -309,7 +309,7 @@ def test_ffi_library_builds_with_installed_jaxlib(record_api, tmp_path):
 
 
 def test_backend_refuses_cpu_mesh():
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     devices = jax.devices()
     if devices[0].platform == "gpu":
@@ -351,8 +351,8 @@ def _as_stacked(per_rank):
 def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
     if len(_gpus()) < n:
         pytest.skip(f"needs {n} GPUs, found {len(_gpus())}")
-    from jax_latent_ep.nvlink import NvlinkBackend
-    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing import check
     from jax_latent_ep.testing.model import bf16_ulp_diff
 
@@ -380,7 +380,7 @@ def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
 @pytest.mark.gpu
 def test_two_backends_coexist():
     n = min(2, len(_gpus()))
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
     from jax_latent_ep.testing import check
 
     mesh = _mesh(n)
@@ -409,9 +409,9 @@ _LAYERS_SCRIPT = textwrap.dedent(
     """
     import sys, time
     import jax, numpy as np
-    from jax_latent_ep.config import KIMI_K3
-    from jax_latent_ep.nvlink import NvlinkBackend
-    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.shapes import KIMI_K3
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing import check
     from jax_latent_ep.testing.model import bf16_ulp_diff
 
@@ -468,10 +468,10 @@ _PATH_SCRIPT = textwrap.dedent(
     """
     import sys
     import jax, numpy as np
-    from jax_latent_ep import ffi
-    from jax_latent_ep.config import KIMI_K3
-    from jax_latent_ep.nvlink import NvlinkBackend
-    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.runtime import ffi
+    from jax_latent_ep.shapes import KIMI_K3
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing import check
     from jax_latent_ep.testing.model import bf16_ulp_diff
 
@@ -550,8 +550,8 @@ _MULTIPROCESS_SCRIPT = textwrap.dedent(
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jax_latent_ep.config import KIMI_K3
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.shapes import KIMI_K3
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
     from jax_latent_ep.testing import check
 
     mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices())
@@ -619,8 +619,8 @@ _TIMEOUT_SCRIPT = textwrap.dedent(
     import os
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
-    from jax_latent_ep.config import KIMI_K3
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.shapes import KIMI_K3
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     nv = NvlinkBackend(jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2]), "ep", 8, KIMI_K3, timeout_s=0.5)
     # Rank 0 dispatches alone (a one-device program): it must time out waiting for rank 1's flag.
@@ -659,7 +659,7 @@ def test_flag_timeout_is_reported():
 
 
 def test_grid_bound_is_checked_at_trace_time():
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     nv = NvlinkBackend.__new__(NvlinkBackend)  # no GPU: only the grid rule's state
     nv.ranks, nv.max_tokens, nv._grid, nv.max_grids = 2, 1024, None, (396, 396)
@@ -758,7 +758,8 @@ def test_backend_publishes_error_records_for_every_group(monkeypatch):
     """NvlinkBackend failing before its buffers exist (no kernel here) still answers the peers of each group."""
     from types import SimpleNamespace
 
-    from jax_latent_ep import ffi, nvlink
+    from jax_latent_ep.backends import nvlink
+    from jax_latent_ep.runtime import ffi
 
     kv = FakeKV()
     monkeypatch.setattr(nvlink, "_distributed_client", lambda: kv)
@@ -808,8 +809,8 @@ class SimpleRank:  # a LocalRank stand-in
 
 
 def _stand_in(buffers, groups, registered=(), log=None, monkeypatch=None):
-    from jax_latent_ep import ffi
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.runtime import ffi
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     nv = NvlinkBackend.__new__(NvlinkBackend)  # no GPU: only the state status / check / close use
     nv.instance, nv.axis_name, nv._closed = 424242, "ep", False
@@ -899,7 +900,7 @@ _BAD_INPUT_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jax_latent_ep import ExpertParallel
-    from jax_latent_ep.config import KIMI_K3
+    from jax_latent_ep.shapes import KIMI_K3
     from jax_latent_ep.testing import check
 
     n, t, mt = int(sys.argv[1]), 5, 8
@@ -972,8 +973,8 @@ _SEQUENCE_SCRIPT = textwrap.dedent(
     import os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jax_latent_ep.config import KIMI_K3
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.shapes import KIMI_K3
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     mode, n = sys.argv[1], int(sys.argv[2])
     mesh = jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])

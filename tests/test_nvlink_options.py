@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_latent_ep import KIMI_K3
-from jax_latent_ep.nvlink import NvlinkBackend
+from jax_latent_ep.backends.nvlink import NvlinkBackend
 
 
 @pytest.mark.parametrize("timeout_s", [float("inf"), float("-inf"), float("nan"), -1, -1e-9, 1e12, "x", "5", None,
@@ -38,7 +38,7 @@ def test_timeout_too_large_for_a_float_is_a_value_error():
     """An int beyond float range (math.isfinite raises OverflowError on it) is refused like any other bad value."""
     from types import SimpleNamespace
 
-    from jax_latent_ep.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     mesh = SimpleNamespace(shape={"ep": 2}, axis_names=("ep",), devices=None)
     with pytest.raises(ValueError, match=r"timeout_s=.* must be a finite number of seconds >= 0"):

@@ -1,4 +1,4 @@
-"""Model checking of the v3 dispatch / combine protocol (`jax_latent_ep.testing.protocol`).
+"""Model checking of the v3 dispatch / combine protocol (`tools.protocol_checker`).
 
 The kernels' steps over N ranks and three consecutive layers are explored exhaustively for N = 2 and N = 3
 (small T, S and grids: see `EXHAUSTIVE`; and N = 4, T = 1), for every routing at N = 2, T = 1, and along random
@@ -8,29 +8,13 @@ their error and write nothing. The model is pure Python, loaded from its file (`
 imported).
 """
 
-import importlib.util
 import os
-import pathlib
 import random
-import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "jax_latent_ep" / "testing" / "protocol.py"
+from tools import protocol_checker as P  # noqa: E402
 
-
-def _load():
-    name = "jax_latent_ep.testing.protocol"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location("_ep_protocol", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_ep_protocol"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-P = _load()
 
 # (ranks N, tokens T, stride S, dispatch grid Gd, combine grid Gc): every reachable state over three layers
 # (counts and times in docs/protocol.md). Larger N = 3 and N = 4 configurations, and N >= 5, are left to random

@@ -25,8 +25,8 @@ def _devices(backend, n, shape=None):
     if len(devices) < n:
         pytest.skip(f"needs {n} devices for backend {backend}, have {len(devices)}")
     if backend == "nvlink" and shape is not None:
-        from jax_latent_ep import ffi
-        from jax_latent_ep.nvlink import _arch
+        from jax_latent_ep.runtime import ffi
+        from jax_latent_ep.backends.nvlink import _arch
 
         try:
             ffi.find_kernel("dispatch", n, shape, _arch(devices[0]))
@@ -150,7 +150,7 @@ def test_chained_layers_program_matches_the_model(scan):
     """`check.chained_layers` (the multi-layer program of the GPU subprocess tests) with one routed layer, on the
     XLA backend over 2 CPU devices: its routed output bit for bit and its normed output within 1 bf16 ulp of the
     model's two layers, on fresh random data."""
-    from jax_latent_ep.reference import XlaBackend
+    from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing.model import bf16_ulp_diff
 
     n, t, max_tokens = 2, 5, 8

@@ -5,8 +5,7 @@ token's destination set, rounded once to BF16 (the routed latent), optionally vL
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters (docs/kernel_abi.md; all scalars): out, ids, norm_weight, result, peers, status (i64 addresses),
-timeout_ns (i64), eps (f32), rank, tokens, peer_tokens, max_tokens, apply_norm (i32).
+Parameters: `kernels.abi.COMBINE` (the launch and kernel signatures below are checked against it when compiled).
 Grid: G >= 1 CTAs; the other ranks' rows r = c, c + G, ... < (N - 1) * peer_tokens are sent (rows t < peer_tokens
 of each; the dispatch of this layer left the others empty); own tokens t = c, c + G, ... < T are reduced.
 Block: L // 16 threads.
@@ -19,7 +18,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_latent_ep import layout as lay
-from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
     TRACE,
@@ -38,7 +38,7 @@ from jax_latent_ep.kernels.common import (
     trace_warp,
 )
 from jax_latent_ep.kernels.dispatch import block_threads, check_shape, launch_options
-from jax_latent_ep.kernels.memory import (
+from jax_latent_ep.kernels.primitives import (
     add_rn,
     bf16x2,
     bits_from_f32,
@@ -79,24 +79,6 @@ def smem_bytes(shape: LatentMoEShape) -> int:
     """Dynamic shared memory bytes the launcher must pass (`SMEM_BYTES` for every shape)."""
     return SMEM_BYTES
 
-#: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
-PARAMS = (
-    ("out", "i64"),
-    ("ids", "i64"),
-    ("norm_weight", "i64"),
-    ("result", "i64"),
-    ("peers", "i64"),
-    ("status", "i64"),
-    ("timeout_ns", "i64"),
-    ("eps", "f32"),
-    ("rank", "i32"),
-    ("tokens", "i32"),
-    ("peer_tokens", "i32"),
-    ("max_tokens", "i32"),
-    ("apply_norm", "i32"),
-)
-
-
 class Combine:
     """The combine kernel for one `(shape, ranks)` (compile-time constants); `compile_combine` builds it."""
 
@@ -111,7 +93,7 @@ class Combine:
         self.local_experts = shape.num_local_experts(ranks)
 
     # -----------------------------------------------------------------------------------------------------
-    # Launch / host signature: the parameter list of the cubin (PARAMS). This host function exists only to
+    # Launch / host signature: the parameter list of the cubin (`abi.COMBINE`). This host function exists only to
     # compile the kernel; at run time the C++ FFI (or the harness) launches the cubin with its own grid.
 
     @cute.jit
@@ -210,7 +192,7 @@ class Combine:
         # Sequence guard: every thread fails before its first store unless a dispatch came before (EPOCH_C is
         # one past EPOCH_D).
         if completed + Uint32(1) != epoch:
-            fail(ctrl, status, lay.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
+            fail(ctrl, status, abi.ERROR_COMBINE_WITHOUT_DISPATCH, rank, rank, epoch - Uint32(1))
         if warp == self.mask_warp:
             # The destination mask of the first own token (routing input: no wait needed), read with the rest.
             if cta < tokens:
@@ -313,7 +295,7 @@ class Combine:
                                 pending = Uint32(0)
                                 expired = Uint32(1)
                     if expired != Uint32(0):
-                        fail(ctrl, status, lay.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
+                        fail(ctrl, status, abi.ERROR_COMBINE_TIMEOUT, rank, Int32(d), epoch - Uint32(1))
             if cutlass.const_expr(TRACE_WARPS):
                 if t == cta:
                     trace_warp(ctrl, epoch, warp, lane_of_cta0)  # this warp's polls of token 0 returned
@@ -426,7 +408,7 @@ class Combine:
 
 
 #: The cubin's one kernel symbol: `Combine.kernel` with a fixed name (the DSL appends `_0`).
-Combine.kernel.set_name_prefix("ep_combine", remove_cutlass_symbol=True, keep_mangled_name=False)
+Combine.kernel.set_name_prefix(abi.COMBINE.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -435,6 +417,4 @@ Combine.kernel.set_name_prefix("ep_combine", remove_cutlass_symbol=True, keep_ma
 
 def compile_combine(shape: LatentMoEShape, ranks: int, arch: str = "sm_90a"):
     """Compiles the combine kernel of `(shape, ranks)` for `arch`; returns `(symbol, cubin bytes)`."""
-    kernel = Combine(shape, ranks)
-    fake = [Int64(0)] * 7 + [Float32(0.0)] + [Int32(0)] * 5
-    return compile_cubin(kernel.launch, fake, arch)
+    return compile_cubin(abi.COMBINE, Combine(shape, ranks), arch)

@@ -1,9 +1,9 @@
 """Device-side pieces shared by the dispatch and combine kernels: buffer offsets on run-time integers, the
 peer table, the layer epoch and its sequence guard, bounded polls and the error record.
 
-The protocol (docs/protocol.md, checked by `jax_latent_ep.testing.protocol`): every word a peer writes is an
-LL word (`memory.store_ll`: 4 payload bytes + the writer's layer epoch in one 8-byte store) or a wide LL word
-(`memory.store_wide`: 12 payload bytes + the epoch in one 16-byte store), so a reader polls the data itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
+The protocol (docs/protocol.md, checked by `tools.protocol_checker`): every word a peer writes is an
+LL word (`primitives.store_ll`: 4 payload bytes + the writer's layer epoch in one 8-byte store) or a wide LL word
+(`primitives.store_wide`: 12 payload bytes + the epoch in one 16-byte store), so a reader polls the data itself until it carries the current epoch; no fences or flags between ranks. Layer epochs come from two
 control words of the rank's own buffer (`layout.CTRL_EPOCH_D`, `CTRL_EPOCH_C`), guarded by one local arrival
 counter per kernel (`arrive_in_sequence`, `hand_over_epoch`). Receive rows come in two halves by layer parity
 (`layout.ROW_HALVES`), so a writer overwrites only rows whose reads the data chain already ordered: no wait before
@@ -21,10 +21,10 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep import layout as lay
-from jax_latent_ep.config import LatentMoEShape
-from jax_latent_ep.kernels.memory import (
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.shapes import LatentMoEShape
+from jax_latent_ep.kernels.primitives import (
     atomic_inc_relaxed_gpu,
-    clock64,
     fence_sc_sys,
     globaltimer,
     load_u64,
@@ -194,32 +194,52 @@ def fail(ctrl: Int64, status: Int64, code: cutlass.Constexpr[int], rank: Int32, 
     store_relaxed_sys(ctrl + 4 * lay.CTRL_ERROR_LAYER, layer)
     store_relaxed_sys(ctrl + 4 * lay.CTRL_ERROR, Uint32(code))
     if status != Int64(0):
-        store_relaxed_sys(status + 4, Uint32(rank))
-        store_relaxed_sys(status + 8, Uint32(peer))
-        store_relaxed_sys(status + 12, layer)
+        store_relaxed_sys(status + 4 * abi.STATUS_RANK, Uint32(rank))
+        store_relaxed_sys(status + 4 * abi.STATUS_PEER, Uint32(peer))
+        store_relaxed_sys(status + 4 * abi.STATUS_LAYER, layer)
         fence_sc_sys()
-        store_relaxed_sys(status, Uint32(code))
+        store_relaxed_sys(status + 4 * abi.STATUS_CODE, Uint32(code))
     fence_sc_sys()
     trap()
 
 
-def compile_cubin(launch, fake_args, arch: str):
-    """`cute.compile(launch, *fake_args)` for `arch`; returns `(symbol, cubin bytes)` of its one kernel.
+#: DSL type of each ABI scalar type.
+_DSL_TYPES = {"i64": Int64, "i32": Int32, "f32": cutlass.Float32}
+
+
+def check_abi(op: abi.Kernel, kernel) -> None:
+    """Raises ValueError unless `kernel.launch` and `kernel.kernel` take exactly `op`'s parameters (names and DSL
+    types, in order): a parameter added on one side only fails the build."""
+    import inspect
+
+    # Annotations are strings here (`from __future__ import annotations`): compare by the type's name.
+    names = {v.__name__: k for k, v in _DSL_TYPES.items()}
+    for method in (type(kernel).launch, type(kernel).kernel):
+        func = inspect.unwrap(getattr(method, "__wrapped__", method))
+        params = [p for p in inspect.signature(func).parameters.values() if p.name != "self"]
+        abi.check_signature(op.op, [p.name for p in params], [names.get(str(p.annotation), str(p.annotation))
+                                                               for p in params])
+
+
+def compile_cubin(op: abi.Kernel, kernel, arch: str):
+    """`cute.compile(kernel.launch, ...)` for `arch`, after `check_abi`; returns `(symbol, cubin bytes)` of its one
+    kernel (zero arguments of the ABI's types stand for the parameters).
 
     The DSL dumps the cubin into its dump directory (default: the working directory, so compiling happens
     inside a private temporary one) and hands back its bytes (or its path); nothing is left behind."""
-    import os
     import tempfile
 
     # The dump directory defaults to the working directory: point it at a private one while compiling.
     from cutlass.cutlass_dsl import CuTeDSL
 
+    check_abi(op, kernel)
+    fake = [_DSL_TYPES[p.ctype](0) for p in op.params]
     envar = CuTeDSL._get_dsl().envar
     saved = envar.dump_dir
     with tempfile.TemporaryDirectory(prefix="jax_latent_ep_cute_") as scratch:
         envar.dump_dir = scratch
         try:
-            compiled = cute.compile(launch, *fake_args, options=f"--gpu-arch {arch} --keep-cubin")
+            compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-cubin")
             return _read_cubin(compiled, arch)
         finally:
             envar.dump_dir = saved

@@ -5,8 +5,7 @@ output arrays, polling each word until it carries this layer's epoch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters (docs/kernel_abi.md; all scalars): x, ids, weights, peers, recv_x, recv_sf, recv_ids,
-recv_weights, recv_src, status (i64 addresses), timeout_ns (i64), rank, tokens, peer_tokens, max_tokens (i32).
+Parameters: `kernels.abi.DISPATCH` (the launch and kernel signatures below are checked against it when compiled).
 `peer_tokens` (>= T, the same on every rank of the call; the JAX path passes T, which every rank shares) bounds the
 rows that carry anything: rows j >= peer_tokens of every source are empty without a word sent or polled.
 Grid: G >= T CTAs (a run-time choice); CTA c < S takes source rows j = c, c + G, ... < S (token j if j < T, else an
@@ -22,7 +21,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep import layout as lay
-from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.kernels.common import (
     EMPTY,
     TRACE,
@@ -38,7 +38,7 @@ from jax_latent_ep.kernels.common import (
     poll_expired,
     trace_stamp,
 )
-from jax_latent_ep.kernels.memory import (
+from jax_latent_ep.kernels.primitives import (
     bits_from_f32,
     clock64,
     e4m3x4,
@@ -70,24 +70,6 @@ def smem_bytes(shape: LatentMoEShape) -> int:
     a row's data stream (`3 * x_words` 4-byte pieces), rounded up to 128 (Kimi K3: 3712)."""
     return lay.align(16 + 4 * 3 * lay.x_words(shape))
 
-#: Parameter list of the cubin, in order: (name, type). The C++ launcher passes exactly these.
-PARAMS = (
-    ("x", "i64"),
-    ("ids", "i64"),
-    ("weights", "i64"),
-    ("peers", "i64"),
-    ("recv_x", "i64"),
-    ("recv_sf", "i64"),
-    ("recv_ids", "i64"),
-    ("recv_weights", "i64"),
-    ("recv_src", "i64"),
-    ("status", "i64"),
-    ("timeout_ns", "i64"),
-    ("rank", "i32"),
-    ("tokens", "i32"),
-    ("peer_tokens", "i32"),
-    ("max_tokens", "i32"),
-)
 
 #: rn_f32(1 / 448), numerics.md's R.
 RECIPROCAL_448_BITS = 0x3B124925
@@ -149,7 +131,7 @@ class Dispatch:
         self.local_experts = shape.num_local_experts(ranks)
 
     # -----------------------------------------------------------------------------------------------------
-    # Launch / host signature: the parameter list of the cubin (PARAMS). This host function exists only to
+    # Launch / host signature: the parameter list of the cubin (`abi.DISPATCH`). This host function exists only to
     # compile the kernel; at run time the C++ FFI (or the harness) launches the cubin with its own grid.
 
     @cute.jit
@@ -253,7 +235,7 @@ class Dispatch:
         epoch = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_D) + Uint32(1)
         current = load_relaxed_sys(ctrl + 4 * lay.CTRL_EPOCH_C)
         if current == epoch:
-            fail(ctrl, status, lay.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
+            fail(ctrl, status, abi.ERROR_DISPATCH_TWICE, rank, rank, epoch - Uint32(1))
         # This layer's half of the peer-written receive rows (`layout.ROW_HALVES`): row q of the layer is buffer row
         # q + half_rows in the x, ids, weights and hdr regions.
         half_rows = Int64(epoch & Uint32(1)) * buf.rows
@@ -490,7 +472,7 @@ class Dispatch:
                 if pending != Uint32(0):
                     polls = polls + Uint32(1)
                     if poll_expired(start, polls, timeout_ns) != Uint32(0):
-                        fail(ctrl, status, lay.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
+                        fail(ctrl, status, abi.ERROR_DISPATCH_TIMEOUT, rank, q // stride, epoch - Uint32(1))
             r += grid
             if cutlass.const_expr(TRACE):
                 # 5: CTA G - 1's first row (the first peer's token 0) copied.
@@ -539,7 +521,7 @@ class Dispatch:
 
 
 #: The cubin's one kernel symbol: `Dispatch.kernel` with a fixed name (the DSL appends `_0`).
-Dispatch.kernel.set_name_prefix("ep_dispatch", remove_cutlass_symbol=True, keep_mangled_name=False)
+Dispatch.kernel.set_name_prefix(abi.DISPATCH.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -548,6 +530,4 @@ Dispatch.kernel.set_name_prefix("ep_dispatch", remove_cutlass_symbol=True, keep_
 
 def compile_dispatch(shape: LatentMoEShape, ranks: int, arch: str = "sm_90a"):
     """Compiles the dispatch kernel of `(shape, ranks)` for `arch`; returns `(symbol, cubin bytes)`."""
-    kernel = Dispatch(shape, ranks)
-    fake = [Int64(0)] * 11 + [Int32(0)] * 4
-    return compile_cubin(kernel.launch, fake, arch)
+    return compile_cubin(abi.DISPATCH, Dispatch(shape, ranks), arch)

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.layout import stride
 from jax_latent_ep.testing import model, routing
 from jax_latent_ep.testing.expert import toy_expert

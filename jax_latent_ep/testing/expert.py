@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_latent_ep.numerics import mxfp8_dequantize
-from jax_latent_ep.types import Received
+from jax_latent_ep.received import Received
 
 
 def toy_expert(recv: Received, rank, local: int):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jax_latent_ep.config import LatentMoEShape, check_max_tokens
+from jax_latent_ep.shapes import LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 
 BF16 = ml_dtypes.bfloat16
@@ -27,7 +27,7 @@ _TINY = np.float32(2.0**-126)
 
 
 class ModelReceived(NamedTuple):
-    """Every rank's receive rows (`jax_latent_ep.types.Received` stacked over the receiving rank `d`)."""
+    """Every rank's receive rows (`jax_latent_ep.received.Received` stacked over the receiving rank `d`)."""
 
     x: np.ndarray  # float8_e4m3fn [N, N*S, L]
     sf: np.ndarray  # uint8 [N, N*S, L // 32]

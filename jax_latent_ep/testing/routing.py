@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.shapes import LatentMoEShape
 
 
 def _weights(rng: np.random.Generator, lead: tuple[int, ...], k: int) -> np.ndarray:

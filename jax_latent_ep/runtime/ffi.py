@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_latent_ep import artifacts
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.runtime import artifacts
 
 DISPATCH_TARGET = "jax_latent_ep_dispatch"
 COMBINE_TARGET = "jax_latent_ep_combine"
@@ -47,7 +48,7 @@ _lock = threading.Lock()
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded FFI library (found through `jax_latent_ep.artifacts`), its C signatures declared."""
+    """The loaded FFI library (found through `jax_latent_ep.runtime.artifacts`), its C signatures declared."""
     path = artifacts.find(artifacts.FFI_LIBRARY)
     lib = ctypes.CDLL(str(path))
     lib.ep_last_error.restype = ctypes.c_char_p
@@ -96,17 +97,6 @@ _record_error: str | None = "not registered yet (register_targets was not called
 _record_final = False  # registered, or failed for good (no record stage in this library or this jaxlib)
 _RECORD_RETRY = 2  # ep_register_record_targets: no XLA FFI API seen yet (the CUDA backend was not initialized)
 
-#: The parameters the handlers pass, in order (docs/kernel_abi.md); checked against the manifest's `params`.
-DISPATCH_PARAMS = (
-    ("x", "i64"), ("ids", "i64"), ("weights", "i64"), ("peers", "i64"), ("recv_x", "i64"), ("recv_sf", "i64"),
-    ("recv_ids", "i64"), ("recv_weights", "i64"), ("recv_src", "i64"), ("status", "i64"), ("timeout_ns", "i64"),
-    ("rank", "i32"), ("tokens", "i32"), ("peer_tokens", "i32"), ("max_tokens", "i32"),
-)
-COMBINE_PARAMS = (
-    ("out", "i64"), ("ids", "i64"), ("norm_weight", "i64"), ("result", "i64"), ("peers", "i64"), ("status", "i64"),
-    ("timeout_ns", "i64"), ("eps", "f32"), ("rank", "i32"), ("tokens", "i32"), ("peer_tokens", "i32"),
-    ("max_tokens", "i32"), ("apply_norm", "i32"),
-)
 
 
 def register_targets() -> None:
@@ -226,11 +216,11 @@ def find_kernel(kernel: str, ranks: int, shape, arch: str) -> KernelImage:
         have.append(got)
         if got == want:
             params = v.get("params")
-            expected = DISPATCH_PARAMS if kernel == "dispatch" else COMBINE_PARAMS
+            expected = abi.KERNELS[kernel].signature()
             if params is not None and tuple(tuple(p) for p in params) != expected:
                 raise LookupError(
                     f"the manifest's {kernel} kernel takes {params}, but this FFI library passes {list(expected)} "
-                    "(docs/kernel_abi.md): rebuild the artifacts and the library from one source tree"
+                    "(kernels/abi.py): rebuild the artifacts and the library from one source tree"
                 )
             cubin_path = pathlib.Path(directory) / _field(v, "cubin", "path", "file")
             return KernelImage(
@@ -242,7 +232,7 @@ def find_kernel(kernel: str, ranks: int, shape, arch: str) -> KernelImage:
             )
     raise LookupError(
         f"no compiled {kernel} kernel for N={ranks}, shape={shape}, arch={arch} in {directory}/manifest.json "
-        f"(it has {_listing(have, kernel)}). Rebuild the artifacts with that variant (python -m jax_latent_ep.build)."
+        f"(it has {_listing(have, kernel)}). Rebuild the artifacts with that variant (python -m jax_latent_ep.runtime.build)."
     )
 
 

@@ -1,6 +1,6 @@
 """Demo: a few decode steps of a small latent MoE over every available device, checked against one device.
 
-    python -m jax_latent_ep.demo [--backend auto|xla|nvlink] [--layers 4] [--steps 3] [--tokens 4]
+    python -m jax_latent_ep.example.demo [--backend auto|xla|nvlink] [--layers 4] [--steps 3] [--tokens 4]
                                  [--shape auto|small|kimi]
 
 Without a GPU it runs on 8 virtual CPU devices (the flag is set before JAX is imported) with a small shape;

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_latent_ep.config import LatentMoEShape
+from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.layout import stride
 from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
 

@@ -1,17 +1,10 @@
-"""Validated shape configuration of a latent MoE layer: `LatentMoEShape` and the named defaults."""
+"""The shape of a latent MoE layer's routed traffic: `LatentMoEShape`, the named shapes and `check_max_tokens`."""
 
 from __future__ import annotations
 
 import dataclasses
 
-#: Largest number of ranks: rank masks are 32-bit and there is one flag line per rank (32 slots).
-NUM_MAX_RANKS = 32
-#: Largest top-k: one warp lane per expert id of a token.
-NUM_MAX_TOPK = 32
-#: Tokens per rank must fit the 16-bit token field of the source word `(rank << 16) | token`.
-NUM_MAX_TOKENS_EXCLUSIVE = 1 << 16
-#: Elements per MXFP8 scale block.
-MX_BLOCK = 32
+from jax_latent_ep.kernels.abi import MX_BLOCK, NUM_MAX_RANKS, NUM_MAX_TOKENS_EXCLUSIVE, NUM_MAX_TOPK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +71,5 @@ def check_max_tokens(max_tokens: int) -> int:
 KIMI_K3 = LatentMoEShape(latent=3584, experts=896, topk=16)
 #: DeepSeek-V3's MoE: 7168-wide hidden state, 256 routed experts, top-8.
 DEEPSEEK_V3 = LatentMoEShape(latent=7168, experts=256, topk=8)
+#: The named shapes (the AOT build's default variants, the demo's and the tools' `--shape`).
+SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}

@@ -28,7 +28,7 @@ for its records, fail at once with a `PeerSetupError` naming that process and it
 Memory is freed by `close()` (idempotent) or at interpreter exit for every object still alive then. An
 object dropped without `close()` is not freed before the process ends (the registry of live objects is weak:
 its memory stays allocated, unreachable, until the driver reclaims it at exit); owners that may be dropped
-(`jax_latent_ep.nvlink.NvlinkBackend`) close theirs when they are collected. Close only once every
+(`jax_latent_ep.backends.nvlink.NvlinkBackend`) close theirs when they are collected. Close only once every
 computation that uses the buffers has finished on every rank (a peer may still be writing into this rank's
 buffer).
 Set `XLA_PYTHON_CLIENT_PREALLOCATE=false` (or a memory fraction) before JAX starts: XLA preallocates 75% of
@@ -46,7 +46,7 @@ import weakref
 
 import numpy as np
 
-from jax_latent_ep.config import LatentMoEShape, check_max_tokens
+from jax_latent_ep.shapes import LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import EpLayout
 
 #: Bytes of one rank's error record slot in the status page (4 int32 words used, one line each).

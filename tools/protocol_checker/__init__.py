@@ -83,11 +83,13 @@ KINDS = (
     GUARD_LEAK,
 )
 
-# Error codes of the record {code, rank, peer, layer} (jax_latent_ep.layout.ERROR_*).
-ERROR_DISPATCH_TIMEOUT = 1
-ERROR_COMBINE_TIMEOUT = 2
-ERROR_DISPATCH_TWICE = 3
-ERROR_COMBINE_WITHOUT_DISPATCH = 4
+# Error codes of the record {code, rank, peer, layer}: the kernels' own (kernels/abi.py).
+from jax_latent_ep.kernels.abi import (  # noqa: E402, F401 (the checker names all four codes)
+    ERROR_COMBINE_TIMEOUT,
+    ERROR_COMBINE_WITHOUT_DISPATCH,
+    ERROR_DISPATCH_TIMEOUT,
+    ERROR_DISPATCH_TWICE,
+)
 
 #: `Config.guard` values. "counter" (the kernels since `arrive_in_sequence`): every CTA reads both epoch words
 #: and checks, then arrives on a local counter whose last arrival writes; "all": every CTA reads both and

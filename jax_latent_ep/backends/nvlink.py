@@ -7,7 +7,7 @@
         return backend.combine(out, ids, norm_weight)
 
 Both calls run on per-rank arrays inside `jax.shard_map`, exactly like the XLA backend
-(`jax_latent_ep.reference.XlaBackend`), and lower to one custom call each (one kernel launch on XLA's
+(`jax_latent_ep.backends.xla.XlaBackend`), and lower to one custom call each (one kernel launch on XLA's
 stream, `kCmdBufferCompatible`, so XLA may capture them into CUDA graphs).
 
 Ordering. The kernels synchronize through LL words in the symmetric buffers and assume the contract's order
@@ -21,7 +21,7 @@ whose results are unused is dropped. Keep that flow: a combine whose `out` does 
 XLA; the kernels' sequence guard then fails the call (error 3 or 4) or its peers time out. Layers in a Python
 loop or in `lax.scan` satisfy it naturally.
 
-Setup. The constructor allocates one symmetric buffer per rank (`jax_latent_ep.symmetric.SymmetricBuffers`;
+Setup. The constructor allocates one symmetric buffer per rank (`jax_latent_ep.runtime.symmetric.SymmetricBuffers`;
 set `XLA_PYTHON_CLIENT_PREALLOCATE=false` before JAX starts), loads the kernels on every local device and
 registers each rank with the FFI library under a fresh instance id, so several backends can coexist. In a
 multi-process program (one process per GPU, `jax.distributed`), every process must build its backends with
@@ -50,11 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_latent_ep import ffi, layout
-from jax_latent_ep.config import KIMI_K3, LatentMoEShape, check_max_tokens
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.runtime import ffi
+from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
-from jax_latent_ep.symmetric import SymmetricBuffers, _distributed_client, publish_failure
-from jax_latent_ep.types import Received
+from jax_latent_ep.runtime.symmetric import SymmetricBuffers, _distributed_client, publish_failure
+from jax_latent_ep.received import Received
 
 #: Default dispatch grid: at least one CTA per token, at least min(N * stride(T), 256) CTAs (a CTA polls its rows one
 #: after another). The copy-out walks the other ranks' (N - 1) * T rows that carry anything in a call of T tokens
@@ -99,24 +100,11 @@ def _varying(a, axis_name: str):
         return a
 
 
-#: The kernels' error codes (`jax_latent_ep.layout.ERROR_*`) -> what `check()` says (rank, peer, layer filled in).
-ERROR_MESSAGES = {
-    layout.ERROR_DISPATCH_TIMEOUT: "dispatch on rank {rank} timed out waiting for rank {peer} at layer {layer}",
-    layout.ERROR_COMBINE_TIMEOUT: "combine on rank {rank} timed out waiting for rank {peer} at layer {layer}",
-    layout.ERROR_DISPATCH_TWICE: "dispatch called twice without a combine on rank {rank} at layer {layer}",
-    layout.ERROR_COMBINE_WITHOUT_DISPATCH: "combine called without its dispatch on rank {rank} at layer {layer}",
-}
-
-
 def describe_error(group: int, record) -> str:
-    """The message for one nonzero error record `(code, rank, peer, layer)` of expert-parallel group `group`."""
-    code, rank, peer, layer = (int(v) for v in record)
-    if code == layout.ERROR_COMBINE_WITHOUT_DISPATCH:
-        # The combine records the last dispatched layer (EPOCH_C - 1, all ones before any dispatch); the
-        # layer it was called in is the next one.
-        layer = (layer + 1) % (1 << 32)
-    text = ERROR_MESSAGES.get(code, "unknown error on rank {rank} (peer {peer}) at layer {layer}")
-    return f"{text.format(rank=rank, peer=peer, layer=layer)} (group {group}, error code {code})"
+    """The message for one nonzero error record `(code, rank, peer, layer)` of expert-parallel group `group`
+    (`kernels.abi.describe_error`, with the group named)."""
+    text = abi.describe_error(record)
+    return text[: text.rindex(" (error code")] + f" (group {group}, error code {int(record[0])})"
 
 
 def _release(instance: int, registered: list, buffers: list, background: bool) -> None:
@@ -169,7 +157,7 @@ class NvlinkBackend:
 
     Raises:
       ValueError, LookupError (no compiled kernel for this N / shape / arch), FileNotFoundError (no
-      artifacts), MemoryError, jax_latent_ep.symmetric.SymmetricMemoryError (PeerSetupError: another
+      artifacts), MemoryError, jax_latent_ep.runtime.symmetric.SymmetricMemoryError (PeerSetupError: another
       process of a group failed during its setup).
 
     Lifetime: `close()` releases the buffers (see there). A backend dropped without `close()` is released
@@ -306,7 +294,7 @@ class NvlinkBackend:
           weights: float32 `[T, K]` routing weights.
 
         Returns:
-          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.received.Received`).
 
         `jax_latent_ep.ExpertParallel.dispatch` is the checked public entry; this method checks no argument
         (only that the backend is open and the grid fits).
@@ -351,7 +339,7 @@ class NvlinkBackend:
 
         `group` is the index of the rank's expert-parallel group among all groups of the mesh (the devices
         sharing every other mesh coordinate, numbered row-major over the other axes; 0 when `axis_name` is the
-        only axis), `rank` its position on `axis_name`. Codes (`jax_latent_ep.layout.ERROR_*`): 0 none,
+        only axis), `rank` its position on `axis_name`. Codes (`jax_latent_ep.kernels.abi.ERRORS`): 0 none,
         1 dispatch timeout, 2 combine timeout (`peer`: the rank whose data never came), 3 dispatch called
         twice without a combine, 4 combine called without its dispatch (`peer`: the rank itself); `layer`: the
         layers that rank had completed. Host-mapped memory: no synchronization, readable after a failure.

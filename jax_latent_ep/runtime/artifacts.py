@@ -3,7 +3,7 @@
 Searched in order, file by file (the first directory holding the wanted file wins):
   1. `$JAX_LATENT_EP_ARTIFACTS`, if set;
   2. `<package>/_artifacts` next to the imported `jax_latent_ep` (a wheel install, or a source tree where
-     `python -m jax_latent_ep.build` wrote the cubins);
+     `python -m jax_latent_ep.runtime.build` wrote the cubins);
   3. the installed distribution's `jax_latent_ep/_artifacts` (found through `importlib.metadata`), for tests
      run from a source checkout whose package shadows the installed one.
 """
@@ -31,7 +31,7 @@ def candidates() -> list[pathlib.Path]:
     env = os.environ.get(ENV_VAR)
     if env:
         found.append(pathlib.Path(env))
-    found.append(pathlib.Path(__file__).resolve().parent / "_artifacts")
+    found.append(pathlib.Path(__file__).resolve().parent.parent / "_artifacts")
     try:
         dist = importlib.metadata.distribution(DISTRIBUTION)
         found.append(pathlib.Path(dist.locate_file("jax_latent_ep/_artifacts")).resolve())
@@ -59,7 +59,7 @@ def find(name: str) -> pathlib.Path:
     raise FileNotFoundError(
         f"jax_latent_ep artifact {name!r} not found; searched ${ENV_VAR}, the package's _artifacts and the "
         f"installed distribution's: {where}. Build them with `pip install .` (FFI library and cubins) or "
-        f"`python -m jax_latent_ep.build --out jax_latent_ep/_artifacts` (cubins only)."
+        f"`python -m jax_latent_ep.runtime.build --out jax_latent_ep/_artifacts` (cubins only)."
     )
 
 

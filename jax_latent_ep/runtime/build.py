@@ -1,4 +1,4 @@
-"""Ahead-of-time build of the EP kernels: `python -m jax_latent_ep.build [--out DIR] [--arch sm_90a,sm_100a]
+"""Ahead-of-time build of the EP kernels: `python -m jax_latent_ep.runtime.build [--out DIR] [--arch sm_90a,sm_100a]
 [--only kimi_k3/2 ...] [--jobs J] [--check-installed]`.
 
 Compiles every default variant (`default_variants()`: both kernels, each shape and rank count, each arch) with
@@ -22,23 +22,23 @@ import pathlib
 import sys
 import time
 
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.shapes import SHAPES
 
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = PACKAGE_DIR / "_artifacts"
 KERNELS = ("dispatch", "combine")
 ARCHS = ("sm_90a", "sm_100a")
-SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}
 #: Rank counts built per shape.
 DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 2, 4, 8)}
 #: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
-SOURCES = ("kernels/__init__.py", "kernels/common.py", "kernels/memory.py", "kernels/dispatch.py",
-           "kernels/combine.py", "layout.py", "config.py")
+SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
+           "kernels/combine.py", "layout.py", "shapes.py")
 MANIFEST_VERSION = 1
 
 
 def source_sha256() -> str:
-    """sha256 over the kernel sources (kernels/*.py, layout.py, config.py: name and bytes, in order)."""
+    """sha256 over the kernel sources (kernels/*.py, layout.py, shapes.py: name and bytes, in order)."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0")
@@ -100,7 +100,7 @@ def _compile_one(job):
         "name": name,
         "file": file,
         "sha256": hashlib.sha256(cubin).hexdigest(),
-        "params": [list(p) for p in module.PARAMS],
+        "params": [list(p) for p in abi.KERNELS[kernel].signature()],
         "block": shape.latent // 16,
         "smem": module.smem_bytes(shape),
         "shape": {"name": shape_name, "latent": shape.latent, "experts": shape.experts, "topk": shape.topk},
@@ -165,7 +165,7 @@ def check_installed(out_dir=DEFAULT_OUT, archs=None, complete=True) -> list[str]
     out_dir = pathlib.Path(out_dir)
     path = out_dir / "manifest.json"
     if not path.exists():
-        return [f"{path} is missing (run python -m jax_latent_ep.build)"]
+        return [f"{path} is missing (run python -m jax_latent_ep.runtime.build)"]
     try:
         manifest = json.loads(path.read_text())
         entries = manifest["entries"]
@@ -196,7 +196,7 @@ def check_installed(out_dir=DEFAULT_OUT, archs=None, complete=True) -> list[str]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.runtime.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="artifact directory (default: %(default)s)")
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated archs (default: %(default)s)")
     parser.add_argument("--only", nargs="+", metavar="SHAPE[/N]", help="build only these, e.g. kimi_k3/2 deepseek_v3")

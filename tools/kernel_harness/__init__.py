@@ -1,7 +1,7 @@
 """JAX-free harness of the EP kernels on `cuda.bindings.driver`: loads the AOT cubins (manifest), allocates and
 arms one symmetric buffer per rank, runs N ranks concurrently and checks every layer against numpy.
 
-Modes (`python -m jax_latent_ep.testing.harness --help`):
+Modes (`python -m tools.kernel_harness --help`):
   virtual   N ranks on ONE GPU: all buffers on one device, one stream per rank.
   devices   N ranks on N GPUs of one process (peer access), one stream per GPU.
   latency   kernel-only time of one dispatch + combine per layer at T in {1, 5, 32, 128}, N = 2 on 2 GPUs:
@@ -39,11 +39,11 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jax_latent_ep.config import DEEPSEEK_V3, KIMI_K3
+from jax_latent_ep.shapes import DEEPSEEK_V3, KIMI_K3
 from jax_latent_ep.layout import CTRL_ERROR, CTRL_LAYER, TRACE, TRACE_LAYERS, EpLayout, stride
 from jax_latent_ep.testing import model, routing
 
-DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parent.parent / "_artifacts"
+DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parents[2] / "jax_latent_ep" / "_artifacts"
 SHAPES = {"kimi_k3": KIMI_K3, "deepseek_v3": DEEPSEEK_V3}
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -114,7 +114,7 @@ class Manifest:
         self.dir = pathlib.Path(artifacts)
         path = self.dir / "manifest.json"
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: run python -m jax_latent_ep.build")
+            raise FileNotFoundError(f"{path} is missing: run python -m jax_latent_ep.runtime.build")
         self.entries = json.loads(path.read_text())["entries"]
 
     def entry(self, kernel, shape_name, ranks, arch):
@@ -1294,7 +1294,7 @@ def _stress_cli(args, n, device, date):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.testing.harness", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.kernel_harness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("virtual", "devices", "latency", "timeout", "sequence", "stress"), default="virtual")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="kimi_k3")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])

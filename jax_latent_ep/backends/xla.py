@@ -27,10 +27,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_latent_ep.config import LatentMoEShape, check_max_tokens
+from jax_latent_ep.shapes import LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 from jax_latent_ep.numerics import mxfp8_quantize, rms_norm
-from jax_latent_ep.types import Received
+from jax_latent_ep.received import Received
 
 
 def _to_bytes(a):
@@ -84,7 +84,7 @@ class XlaBackend:
           weights: float32 `[T, K]` routing weights.
 
         Returns:
-          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.types.Received`).
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.received.Received`).
 
         `jax_latent_ep.ExpertParallel.dispatch` is the checked public entry; this method checks no argument.
         """

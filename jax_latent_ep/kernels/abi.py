@@ -1,0 +1,311 @@
+"""The one declaration of the kernel ABI: each kernel's parameters, the error codes, the status record, the limits.
+
+Everything else derives from this module: the kernels' launch signatures are checked against it when they are
+compiled (`check_signature`), the build manifest records `Kernel.signature()`, the Python FFI wrapper checks the
+manifest against it, the backends and the model checker take their error codes and messages from it, and the C
+header `ep_abi.h` that the FFI library includes is generated from it (`header()`; `python -m
+jax_latent_ep.kernels.abi --header PATH`), so a parameter added on one side only fails the C++ build (designated
+initializers in declaration order, every field required) or the manifest check. `docs/kernel_abi.md` carries the
+generated tables (`markdown()`; a test compares them).
+
+Pure Python: no JAX, no cutlass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+# ---------------------------------------------------------------------------------------------------------
+# Limits
+
+#: Largest number of ranks: rank masks are 32-bit and the peer table has one entry per rank.
+NUM_MAX_RANKS = 32
+#: Largest top-k: one warp lane per expert id of a token.
+NUM_MAX_TOPK = 32
+#: Bits of the token field of the source word `(rank << TOKEN_BITS) | token`.
+TOKEN_BITS = 16
+#: Tokens per rank must be below this (`2 ** TOKEN_BITS`).
+NUM_MAX_TOKENS_EXCLUSIVE = 1 << TOKEN_BITS
+#: Receive rows per source block: `stride(max_tokens) = ceil(max_tokens / ROW_BLOCK) * ROW_BLOCK`.
+ROW_BLOCK = 8
+#: Elements per MXFP8 scale block.
+MX_BLOCK = 32
+#: The source word of an empty receive row (int32 -1).
+EMPTY_SOURCE = -1
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel parameters
+
+#: C types of the kernels' scalar parameters: (manifest name, C type, bytes).
+CTYPES = {"i64": "int64_t", "i32": "int32_t", "f32": "float"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One kernel parameter.
+
+    Attributes:
+      name: the parameter's name (the same in the kernel, the manifest and the C header).
+      ctype: "i64", "i32" or "f32" (every parameter is a scalar; device buffers are passed as i64 addresses).
+      address: True if the value is a device address (an XLA buffer, the peer table, the status record).
+      meaning: what it holds, with its dtype and shape for buffers.
+    """
+
+    name: str
+    ctype: str
+    address: bool
+    meaning: str
+
+    def __post_init__(self):
+        if self.ctype not in CTYPES:
+            raise ValueError(f"{self.name}: ctype={self.ctype!r} must be one of {sorted(CTYPES)}")
+        if self.address and self.ctype != "i64":
+            raise ValueError(f"{self.name}: an address is an i64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of the ABI: its op name, its cubin symbol and its parameters in order."""
+
+    op: str
+    symbol: str
+    params: tuple[Param, ...]
+
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        """`((name, ctype), ...)` in order: what the manifest records and the FFI wrapper checks."""
+        return tuple((p.name, p.ctype) for p in self.params)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+
+def _address(name, meaning):
+    return Param(name, "i64", True, meaning)
+
+
+_PEERS = _address("peers", "int64 [N + 1]: every rank's buffer base as this rank maps it, then its own")
+_STATUS = _address("status", "int32 [4] host-mapped error record (`STATUS_FIELDS`), or 0")
+_TIMEOUT = Param("timeout_ns", "i64", False, "bound of every wait in nanoseconds; 0 waits forever")
+_RANK = Param("rank", "i32", False, "this rank, 0 <= rank < N")
+_TOKENS = Param("tokens", "i32", False, "T, this call's tokens per rank, 1 <= T <= max_tokens")
+_PEER_TOKENS = Param("peer_tokens", "i32", False, "rows of every source that carry anything (>= T, the same on "
+                     "every rank of the call; the FFI passes T)")
+_MAX_TOKENS = Param("max_tokens", "i32", False, "the buffer's max_tokens (fixes the layout's offsets)")
+
+DISPATCH = Kernel("dispatch", "ep_dispatch", (
+    _address("x", "bf16 [T, L]: this rank's tokens"),
+    _address("ids", "int32 [T, K]: their expert ids"),
+    _address("weights", "f32 [T, K]: their routing weights"),
+    _PEERS,
+    _address("recv_x", "float8_e4m3fn [N*S, L]: received MXFP8 elements (output)"),
+    _address("recv_sf", "uint8 [N*S, L/32]: their E8M0 scales (output)"),
+    _address("recv_ids", "int32 [N*S, K] (output)"),
+    _address("recv_weights", "f32 [N*S, K] (output)"),
+    _address("recv_src", "int32 [N*S]: (rank << 16) | token, or -1 (output)"),
+    _STATUS,
+    _TIMEOUT,
+    _RANK,
+    _TOKENS,
+    _PEER_TOKENS,
+    _MAX_TOKENS,
+))
+
+COMBINE = Kernel("combine", "ep_combine", (
+    _address("out", "bf16 [N*S, L]: the expert output of every receive row"),
+    _address("ids", "int32 [T, K]: this rank's ids (the dispatch's)"),
+    _address("norm_weight", "bf16 [L]: RMSNorm weight (read only if apply_norm)"),
+    _address("result", "bf16 [T, L]: routed latent, or its RMSNorm (output)"),
+    _PEERS,
+    _STATUS,
+    _TIMEOUT,
+    Param("eps", "f32", False, "RMSNorm epsilon"),
+    _RANK,
+    _TOKENS,
+    _PEER_TOKENS,
+    _MAX_TOKENS,
+    Param("apply_norm", "i32", False, "1: RMSNorm the routed latent, 0: return it"),
+))
+
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE)}
+
+
+def check_signature(op: str, names: list[str], ctypes: list[str]) -> None:
+    """Raises ValueError unless a kernel's launch parameters (`names`, and their ctypes) are `KERNELS[op]`'s."""
+    want = KERNELS[op].signature()
+    have = tuple(zip(names, ctypes))
+    if have != want:
+        raise ValueError(f"the {op} kernel's parameters {list(have)} differ from kernels/abi.py's {list(want)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Error codes and the status record
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCode:
+    """One kernel error code.
+
+    Attributes:
+      code: the value in the record's `code` field (nonzero).
+      name: the constant's name (`ERROR_<name>` in Python, `EP_ERROR_<name>` in C).
+      message: what happened, with `{rank}`, `{peer}` and `{layer}` filled in from the record.
+      layer_offset: added to the record's layer (mod 2**32) before it is printed: a combine without its dispatch
+        records the last dispatched layer; it was called in the next one.
+    """
+
+    code: int
+    name: str
+    message: str
+    layer_offset: int = 0
+
+
+ERRORS = (
+    ErrorCode(1, "DISPATCH_TIMEOUT", "dispatch on rank {rank} timed out waiting for rank {peer} at layer {layer}"),
+    ErrorCode(2, "COMBINE_TIMEOUT", "combine on rank {rank} timed out waiting for rank {peer} at layer {layer}"),
+    ErrorCode(3, "DISPATCH_TWICE", "dispatch called twice without a combine on rank {rank} at layer {layer}"),
+    ErrorCode(4, "COMBINE_WITHOUT_DISPATCH", "combine called without its dispatch on rank {rank} at layer {layer}",
+              layer_offset=1),
+)
+#: The message of a code not in ERRORS.
+UNKNOWN_ERROR = "unknown error on rank {rank} (peer {peer}) at layer {layer}"
+
+ERROR_NONE = 0
+ERROR_DISPATCH_TIMEOUT = 1
+ERROR_COMBINE_TIMEOUT = 2
+ERROR_DISPATCH_TWICE = 3
+ERROR_COMBINE_WITHOUT_DISPATCH = 4
+ERROR_BY_CODE = {e.code: e for e in ERRORS}
+assert all(globals()[f"ERROR_{e.name}"] == e.code for e in ERRORS)
+
+#: The host-mapped status record a failing kernel writes (int32 each, `code` last, after a fence).
+STATUS_FIELDS = ("code", "rank", "peer", "layer")
+STATUS_CODE, STATUS_RANK, STATUS_PEER, STATUS_LAYER = range(len(STATUS_FIELDS))
+STATUS_WORDS = len(STATUS_FIELDS)
+
+
+def describe_error(record) -> str:
+    """What a nonzero status record `(code, rank, peer, layer)` says, e.g. "dispatch on rank 0 timed out waiting
+    for rank 1 at layer 3 (error code 1)"."""
+    code, rank, peer, layer = (int(v) for v in record)
+    error = ERROR_BY_CODE.get(code)
+    text = error.message if error else UNKNOWN_ERROR
+    layer = (layer + (error.layer_offset if error else 0)) % (1 << 32)
+    return f"{text.format(rank=rank, peer=peer, layer=layer)} (error code {code})"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The C header and the documentation tables
+
+
+def _c_message(text: str) -> str:
+    """A message template as a C string literal with `%d` / `%u` for rank, peer and layer, in that order."""
+    for field in ("{rank}", "{peer}", "{layer}"):
+        if text.count(field) > 1:
+            raise ValueError(f"{field} appears twice in {text!r}")
+    order = sorted((text.index(f), f) for f in ("{rank}", "{peer}", "{layer}") if f in text)
+    if [f for _, f in order] != [f for f in ("{rank}", "{peer}", "{layer}") if f in text]:
+        raise ValueError(f"{text!r}: fields must appear in the order rank, peer, layer")
+    return '"' + text.replace("{rank}", "%d").replace("{peer}", "%d").replace("{layer}", "%u") + '"'
+
+
+def header() -> str:
+    """The C header `ep_abi.h`: limits, error codes and messages, the status record, and each kernel's parameters as
+    a struct (fields in ABI order) with a visitor that passes them in order to the launcher."""
+    lines = [
+        "// Generated by `python -m jax_latent_ep.kernels.abi --header` from jax_latent_ep/kernels/abi.py: do not edit.",
+        "#pragma once",
+        "#include <cstddef>",
+        "#include <cstdint>",
+        "",
+        "namespace ep_abi {",
+        "",
+        f"constexpr int kMaxRanks = {NUM_MAX_RANKS};",
+        f"constexpr int kMaxTopk = {NUM_MAX_TOPK};",
+        f"constexpr int kTokenBits = {TOKEN_BITS};",
+        f"constexpr int kMaxTokensExclusive = {NUM_MAX_TOKENS_EXCLUSIVE};",
+        f"constexpr int kRowBlock = {ROW_BLOCK};",
+        f"constexpr int kMxBlock = {MX_BLOCK};",
+        "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
+        "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
+        "",
+        "// The host-mapped status record a failing kernel writes (int32 each).",
+    ]
+    lines += [f"constexpr int kStatus{f.capitalize()} = {i};" for i, f in enumerate(STATUS_FIELDS)]
+    lines += [f"constexpr int kStatusWords = {STATUS_WORDS};", "", "constexpr int32_t kErrorNone = 0;"]
+    lines += [f"constexpr int32_t kError{''.join(w.capitalize() for w in e.name.split('_'))} = {e.code};"
+              for e in ERRORS]
+    lines += [
+        "",
+        "struct ErrorMessage {",
+        "  int32_t code;",
+        "  uint32_t layer_offset;",
+        "  const char* format;  // printf format: rank (%d), peer (%d), layer (%u), those present, in that order",
+        "  bool has_rank, has_peer, has_layer;",
+        "};",
+        "constexpr ErrorMessage kErrorMessages[] = {",
+    ]
+    for e in ERRORS:
+        flags = ", ".join("true" if "{" + f + "}" in e.message else "false" for f in ("rank", "peer", "layer"))
+        lines.append(f"    {{{e.code}, {e.layer_offset}u, {_c_message(e.message)}, {flags}}},")
+    lines += ["};", f"constexpr ErrorMessage kUnknownError = {{0, 0u, {_c_message(UNKNOWN_ERROR)}, true, true, true}};", ""]
+    for kernel in KERNELS.values():
+        struct = kernel.op.capitalize() + "Params"
+        lines.append(f"// Parameters of `{kernel.symbol}`, in order.")
+        lines.append(f"struct {struct} {{")
+        for p in kernel.params:
+            lines.append(f"  {CTYPES[p.ctype]} {p.name};  // {'address: ' if p.address else ''}{p.meaning}")
+        lines.append("};")
+        lines.append(f"constexpr int k{struct}Count = {len(kernel.params)};")
+        lines.append(f"constexpr const char* k{kernel.op.capitalize()}Symbol = \"{kernel.symbol}\";")
+        lines.append("// Calls visit(value, is_address) for every parameter of `p`, in order.")
+        lines.append("template <class Visit>")
+        lines.append(f"void visit_params(const {struct}& p, Visit&& visit) {{")
+        for p in kernel.params:
+            lines.append(f"  visit(p.{p.name}, {'true' if p.address else 'false'});")
+        lines.append("}")
+        size = sum(8 if p.ctype == "i64" else 4 for p in kernel.params)
+        lines.append(f"static_assert(sizeof({struct}) >= {size}, \"{struct}: fields missing\");")
+        lines.append("")
+    lines.append("}  // namespace ep_abi")
+    return "\n".join(lines) + "\n"
+
+
+def markdown() -> str:
+    """The tables of `docs/kernel_abi.md` between its generated markers: each kernel's parameters, the error codes,
+    the status record, the limits."""
+    out = []
+    for kernel in KERNELS.values():
+        out += [f"`{kernel.symbol}` ({kernel.op}):", "", "| # | parameter | type | meaning |", "| --- | --- | --- | --- |"]
+        out += [f"| {i} | `{p.name}` | {p.ctype} | {p.meaning} |" for i, p in enumerate(kernel.params)]
+        out.append("")
+    out += ["Error codes (the status record's `code`):", "", "| code | name | message |", "| --- | --- | --- |"]
+    out += [f"| {e.code} | `ERROR_{e.name}` | {e.message} |" for e in ERRORS]
+    out += ["", f"Status record: int32 `{{{', '.join(STATUS_FIELDS)}}}`, `code` written last.", "",
+            f"Limits: N <= {NUM_MAX_RANKS}, K <= {NUM_MAX_TOPK}, T < 2^{TOKEN_BITS}, receive rows per source a "
+            f"multiple of {ROW_BLOCK}, L a multiple of {MX_BLOCK}."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_latent_ep.kernels.abi", description=__doc__.split("\n")[0])
+    parser.add_argument("--header", metavar="PATH", help="write the C header ep_abi.h to PATH")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/kernel_abi.md")
+    args = parser.parse_args(argv)
+    if args.header:
+        path = pathlib.Path(args.header)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = header()
+        if not path.exists() or path.read_text() != text:  # keep the timestamp: no needless C++ rebuild
+            path.write_text(text)
+    if args.markdown:
+        sys.stdout.write(markdown())
+    if not args.header and not args.markdown:
+        parser.error("nothing to do: give --header PATH and/or --markdown")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
