@@ -41,52 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_latent_ep import backends
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 from jax_latent_ep.received import Received
 
-BACKENDS = ("auto", "xla", "nvlink")
-
-
-def _artifacts_present() -> str | None:
-    """None if the FFI library and the kernel manifest are found, else why not."""
-    try:
-        from jax_latent_ep.runtime import artifacts
-
-        artifacts.find(artifacts.MANIFEST)
-        artifacts.find(artifacts.FFI_LIBRARY)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _all_cuda(mesh) -> bool:
-    devices = list(np.asarray(mesh.devices).flat)
-    for d in devices:
-        if d.platform != "gpu":
-            return False
-        version = str(getattr(d.client, "platform_version", "")).lower()
-        if "rocm" in version or "hip" in version:
-            return False
-    return bool(devices)
-
-
-def _nvlink_reason(mesh) -> str | None:
-    """None if the NVLink backend can serve `mesh`, else why not."""
-    if not _all_cuda(mesh):
-        kinds = sorted({d.platform for d in np.asarray(mesh.devices).flat})
-        return f"not every mesh device is a CUDA GPU (platforms: {kinds})"
-    ccs = sorted({str(getattr(d, "compute_capability", "")) for d in np.asarray(mesh.devices).flat})
-    if any(cc not in ("9.0", "10.0") for cc in ccs):  # sm_90a / sm_100a cubins load on exactly these
-        return f"the kernels are built for sm_90a and sm_100a only (compute capabilities: {ccs})"
-    missing = _artifacts_present()
-    if missing is not None:
-        return f"the kernel artifacts are missing ({missing})"
-    try:
-        from jax_latent_ep.backends.nvlink import NvlinkBackend  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the GPU stack
-        return f"jax_latent_ep.backends.nvlink does not import: {type(e).__name__}: {e}"
-    return None
+BACKENDS = backends.NAMES
 
 
 def _describe(a) -> str:
@@ -169,17 +129,14 @@ class ExpertParallel:
         self.fallback_reason = None
         self._impl = None
         if backend in ("auto", "nvlink"):
-            reason = _nvlink_reason(mesh)
+            reason = backends.unavailable("nvlink", mesh)
             if reason is None and backend == "auto" and self.ranks == 1:
-                # Measured (benchmarks/results/bench_v15_2026-12-01.csv): with one rank nothing crosses NVLink;
-                # the XLA backend (a local quantize and sum) needs no symmetric buffer, is faster at T = 1, within
-                # 0.3 us at T = 2-32 and 2.2 us slower per layer at T >= 64.
+                # With one rank nothing crosses NVLink, and the XLA backend needs no symmetric buffer (it is
+                # faster at T = 1 and within 0.3 us up to T = 32: docs/performance.md).
                 reason = "N=1: nothing to communicate; the xla backend needs no symmetric buffer there"
             if reason is None:
-                from jax_latent_ep.backends.nvlink import NvlinkBackend
-
                 try:
-                    self._impl = NvlinkBackend(mesh, axis_name, max_tokens, shape, **backend_opts)
+                    self._impl = backends.load("nvlink")(mesh, axis_name, max_tokens, shape, **backend_opts)
                 # No kernel compiled for this N / shape / arch, the FFI library or cuda-bindings missing, no
                 # peer access, a module that does not load: "auto" falls back, "nvlink" raises.
                 except (LookupError, FileNotFoundError, OSError, RuntimeError, ImportError) as e:
@@ -196,9 +153,7 @@ class ExpertParallel:
         if self._impl is None:
             if backend_opts and backend == "xla":
                 raise ValueError(f"the xla backend takes no options, got {sorted(backend_opts)}")
-            from jax_latent_ep.backends.xla import XlaBackend
-
-            self._impl = XlaBackend(mesh, axis_name, max_tokens, shape)
+            self._impl = backends.load("xla")(mesh, axis_name, max_tokens, shape)
             backend = "xla"
         self.backend = backend
         self._closed = False

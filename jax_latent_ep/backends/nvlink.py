@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_latent_ep import backends
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.runtime import ffi
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
@@ -72,9 +73,10 @@ _instances = itertools.count(1)
 _instances_lock = threading.Lock()
 
 
-def _arch(device) -> str:
+def gpu_arch(device) -> str:
+    """The cubin architecture ("sm_90a" / "sm_100a") of a CUDA `device`; ValueError for any other capability."""
     cc = str(getattr(device, "compute_capability", ""))
-    arch = {"9.0": "sm_90a", "10.0": "sm_100a"}.get(cc)  # an "a" cubin loads on exactly one capability
+    arch = backends.NVLINK_CAPABILITIES.get(cc)
     if arch is None:
         raise ValueError(f"the NVLink backend has kernels for sm_90a and sm_100a only; {device} has compute "
                          f"capability {cc or 'unknown'}")
@@ -205,7 +207,7 @@ class NvlinkBackend:
         # (index, devices) of every group with a device of this process; the index names it in the KV store.
         groups = [(i, g) for i, g in enumerate(_groups(mesh, axis_name)) if any(d.process_index == me for d in g)]
         try:
-            archs = {_arch(d) for _, g in groups for d in g if d.process_index == me}
+            archs = {gpu_arch(d) for _, g in groups for d in g if d.process_index == me}
             if len(archs) != 1:
                 raise ValueError(f"the local devices of the mesh mix GPU architectures: {sorted(archs)}")
             arch = archs.pop()

@@ -26,10 +26,10 @@ def _devices(backend, n, shape=None):
         pytest.skip(f"needs {n} devices for backend {backend}, have {len(devices)}")
     if backend == "nvlink" and shape is not None:
         from jax_latent_ep.runtime import ffi
-        from jax_latent_ep.backends.nvlink import _arch
+        from jax_latent_ep.backends.nvlink import gpu_arch
 
         try:
-            ffi.find_kernel("dispatch", n, shape, _arch(devices[0]))
+            ffi.find_kernel("dispatch", n, shape, gpu_arch(devices[0]))
         except LookupError:
             pytest.skip(f"no kernel compiled for {shape} at N={n} (the default build has Kimi K3 and DeepSeek-V3)")
     return devices[:n]

@@ -71,7 +71,7 @@ def test_demo_on_gpus_runs_the_nvlink_backend():
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
         pytest.skip(f"needs 2 GPUs (auto picks XLA at N = 1), have {len(gpus)}")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     run = subprocess.run([sys.executable, "-m", "jax_latent_ep.example.demo", "--layers", "2", "--steps", "2", "--tokens", "4"],
