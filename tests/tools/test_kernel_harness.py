@@ -8,18 +8,22 @@ batches, expectations, comparisons, CLI, CSV) and that injected faults are caugh
 from __future__ import annotations
 
 import ctypes
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from jax_latent_ep.kernels import abi
 from jax_latent_ep.layout import CTRL_EPOCH_C, CTRL_EPOCH_D, EpLayout
 from jax_latent_ep.testing import model
 from tools import kernel_harness as harness
+from tools.kernel_harness import cli, runtime
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BF16 = harness.BF16
-SYSTEM = harness.System  # the class (test_stress_cli replaces harness.System by a factory)
+SYSTEM = harness.System  # the class (test_stress_cli replaces cli.System by a factory)
 DISPATCH_PARAMS = ("x", "ids", "weights", "peers", "recv_x", "recv_sf", "recv_ids", "recv_weights", "recv_src",
                    "status", "timeout_ns", "rank", "tokens", "peer_tokens", "max_tokens")
 COMBINE_PARAMS = ("out", "ids", "norm_weight", "result", "peers", "status", "timeout_ns", "eps", "rank", "tokens",
@@ -208,7 +212,7 @@ class FakeDriver:
 def fake_system(monkeypatch, ranks=2, max_tokens=16, shape_name="kimi_k3"):
     """A `harness.System` on the fake driver (virtual ranks, every kernel played by an `Emulator`)."""
     driver = FakeDriver()
-    monkeypatch.setattr(harness, "_cu", lambda: driver)
+    monkeypatch.setattr(runtime, "_cu", lambda: driver)
     shape = harness.SHAPES[shape_name]
     layout = EpLayout(ranks, max_tokens, shape)
     driver.emulator = Emulator(layout)
@@ -237,10 +241,48 @@ def test_help_and_import_need_no_gpu():
 
 def test_kernel_params_match_the_kernels():
     pytest.importorskip("cutlass")
-    from jax_latent_ep.kernels import combine, dispatch
+    from jax_latent_ep.kernels import combine, common, dispatch
+    from jax_latent_ep.shapes import KIMI_K3
 
-    assert tuple(n for n, _ in dispatch.PARAMS) == DISPATCH_PARAMS
-    assert tuple(n for n, _ in combine.PARAMS) == COMBINE_PARAMS
+    # The kernels' launch signatures are the ABI's (the check their compile runs), and these lists are the ABI's.
+    common.check_abi(abi.DISPATCH, dispatch.Dispatch(KIMI_K3, 2))
+    common.check_abi(abi.COMBINE, combine.Combine(KIMI_K3, 2))
+    assert abi.DISPATCH.names() == DISPATCH_PARAMS
+    assert abi.COMBINE.names() == COMBINE_PARAMS
+
+
+def test_harness_params_are_the_abi():
+    # The harness launches with the ABI's parameter lists (kernels/abi.py, in order), not a copy of its own; the
+    # fake kernels below use the same lists, so a parameter added to the ABI reaches every launch.
+    assert harness.DISPATCH_PARAMS == abi.DISPATCH.names() == DISPATCH_PARAMS
+    assert harness.COMBINE_PARAMS == abi.COMBINE.names() == COMBINE_PARAMS
+    assert harness.buffer_params(abi.DISPATCH) == ("x", "ids", "weights", "recv_x", "recv_sf", "recv_ids",
+                                                   "recv_weights", "recv_src")
+    assert harness.buffer_params(abi.COMBINE) == ("out", "ids", "norm_weight", "result")
+
+
+def test_kernel_refuses_a_manifest_of_another_abi(tmp_path):
+    entry = {"kernel": "dispatch", "file": "x.cubin", "name": "ep_dispatch",
+             "params": [list(p) for p in abi.DISPATCH.signature()][:-1]}
+    with pytest.raises(ValueError, match="differ from kernels/abi.py"):
+        harness.Kernel(harness.Manifest.__new__(harness.Manifest), entry)
+
+
+def test_grid_rule_is_the_ffi_rule_with_the_harness_cap():
+    # The harness caps its grids at its residency bound instead of the FFI's 256 CTAs (the only difference, with
+    # peer_tokens for the ranks' own T): at cap 256 and peer_tokens = T both give the same grids.
+    nvlink = pytest.importorskip("jax_latent_ep.backends.nvlink")
+    assert nvlink.DISPATCH_MIN_CTAS == nvlink.COMBINE_MIN_CTAS == 256
+    for ranks in (1, 2, 4, 8):
+        for tokens in (1, 2, 7, 8, 33, 128, 255, 256, 300, 1000):
+            want = nvlink.default_grids(tokens, ranks)
+            assert (harness.launch_grid(tokens, tokens, ranks, 256),) * 2 == want, (ranks, tokens)
+
+
+def test_import_needs_no_jax():
+    code = "import sys, tools.kernel_harness; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
 
 
 def test_schedule():
@@ -272,7 +314,7 @@ def test_pool_expectations_match_run_layers_model():
         sets = pool.combos[combo]
         state = [(t, pool.x[s, p, :t], pool.ids[s, p, :t], pool.weights[s, p, :t])
                  for s, (p, t) in enumerate(zip(sets, tokens))]
-        quant = [harness.mxfp8_reference(x) for _, x, _, _ in state]
+        quant = [harness.mxfp8_bytes(x) for _, x, _, _ in state]
         outs = pool.combo_outs(0), pool.combo_outs(1)
         for d in range(2):
             exp, valid = harness.expected_receive(lay, d, state, quant)
@@ -390,8 +432,8 @@ def test_stress_cli(monkeypatch, tmp_path, capsys):
         made["mode"] = mode
         return fake_system(monkeypatch, ranks=ranks, max_tokens=max_tokens, shape_name=shape_name)
 
-    monkeypatch.setattr(harness, "System", system)
-    monkeypatch.setattr(harness, "_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(cli, "System", system)
+    monkeypatch.setattr(cli, "device_name", lambda: "NVIDIA H200")
     csv = tmp_path / "stress.csv"
     argv = ["--mode", "stress", "--ranks", "2", "--layers", "100", "--max-tokens", "16", "--csv", str(csv),
             "--commit", "abc123", "--stress-batch", "16", "--stress-pool", "4", "--stress-delay-us", "3"]

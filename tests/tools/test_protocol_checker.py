@@ -4,15 +4,22 @@ The kernels' steps over N ranks and three consecutive layers are explored exhaus
 (small T, S and grids: see `EXHAUSTIVE`; and N = 4, T = 1), for every routing at N = 2, T = 1, and along random
 schedules with random routings for N up to 8. The correct protocol must show no violation and always reach the one final
 state; each broken variant must be caught with its own kind of violation; the sequence guards must record
-their error and write nothing. The model is pure Python, loaded from its file (`jax_latent_ep` is not
-imported).
+their error and write nothing. The model is pure Python (no JAX).
+
+`Config()`'s defaults are the shipped kernels' protocol (double-buffered rows, no ready lines: `P.SHIPPED`); most
+tests here state the earlier single-buffered protocol with ready lines explicitly (`P.READY_LINES`, through
+`_config` and `_ready`), since the broken variants (a)-(f) are switches on it; `DOUBLE` names the shipped one.
 """
 
+import dataclasses
 import os
+import pathlib
 import random
+import re
 
 import pytest
 
+from jax_latent_ep import layout
 from tools import protocol_checker as P  # noqa: E402
 
 
@@ -41,10 +48,13 @@ FINE = [(2, 1, 1, 1, 1), (2, 1, 2, 2, 2), (2, 2, 2, 2, 1), (2, 2, 2, 2, 2), (3, 
 RANDOM_RUNS = int(os.environ.get("JAX_LATENT_EP_PROTOCOL_RUNS", "5"))
 
 
+def _ready(**options):
+    """A `Config` of the single-buffered protocol with ready lines (`P.READY_LINES`), `options` overriding."""
+    return P.Config(**{**P.READY_LINES, **options})
+
+
 def _config(ranks, tokens, stride, dgrid, cgrid, **variant):
-    return P.Config(
-        ranks=ranks, tokens=tokens, stride=stride, dispatch_grid=dgrid, combine_grid=cgrid, **variant
-    )
+    return _ready(ranks=ranks, tokens=tokens, stride=stride, dispatch_grid=dgrid, combine_grid=cgrid, **variant)
 
 
 def _describe(result):
@@ -89,7 +99,7 @@ def test_exhaustive_correct_protocol_fine_reads(ranks, tokens, stride, dgrid, cg
 def test_exhaustive_every_route(dgrid, cgrid):
     """N = 2, T = 1: the model picks each token's destination set at each dispatch (all 3^6 routings of three
     layers), so rows and slots go full / empty / full in every order."""
-    result = P.explore(P.Config(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any"))
+    result = P.explore(_ready(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any"))
     assert result.complete and result.ok, _describe(result)
     assert result.finished > 1 and not result.errors  # final states differ by the last layer's routes
 
@@ -136,6 +146,23 @@ def test_layers_of_different_t_still_need_the_ready_wait():
 DOUBLE = dict(double_rows=True, wait_ready=False, ready_in="none")
 
 
+def test_default_config_is_the_shipped_protocol():
+    # The checker's default configuration must model the kernels that ship, so that a plain `Config(ranks=...)`
+    # checks them: the counter guard (the arrival counters CTRL_COUNT_D / _C of the layout), receive rows in two
+    # halves by layer parity (layout.ROW_HALVES) and no ready lines (neither kernel stores nor waits for one).
+    kernels = pathlib.Path(layout.__file__).parent / "kernels"
+    assert layout.ROW_HALVES == 2 and (layout.CTRL_COUNT_D, layout.CTRL_COUNT_C) == (32, 33)
+    assert not any(re.search(r"\bready\b", (kernels / f).read_text(), re.I) for f in ("dispatch.py", "combine.py"))
+    shipped = dict(guard="counter", own_rows="bypass", **DOUBLE)
+    assert {k: P.SHIPPED[k] for k in shipped} == shipped
+    default = P.Config(ranks=2)
+    assert {k: getattr(default, k) for k in P.SHIPPED} == P.SHIPPED
+    fields = {f.name for f in dataclasses.fields(P.Config)}
+    assert set(P.SHIPPED) <= fields and set(P.READY_LINES) <= fields
+    # the default explores exactly what DOUBLE spells out
+    assert P.explore(P.Config(ranks=2)).states == P.explore(P.Config(ranks=2, **DOUBLE)).states
+
+
 @pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", EXHAUSTIVE)
 def test_exhaustive_double_rows_without_ready_lines(ranks, tokens, stride, dgrid, cgrid):
     result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, **DOUBLE))
@@ -144,7 +171,7 @@ def test_exhaustive_double_rows_without_ready_lines(ranks, tokens, stride, dgrid
 
 @pytest.mark.parametrize("dgrid,cgrid", [(1, 1), (1, 2), (2, 2)])
 def test_exhaustive_double_rows_every_route(dgrid, cgrid):
-    result = P.explore(P.Config(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any", **DOUBLE))
+    result = P.explore(_ready(ranks=2, dispatch_grid=dgrid, combine_grid=cgrid, route="any", **DOUBLE))
     assert result.complete and result.ok and result.finished > 1 and not result.errors, _describe(result)
 
 
@@ -153,7 +180,7 @@ def test_exhaustive_double_rows_every_route(dgrid, cgrid):
 def test_exhaustive_double_rows_variants(variant):
     config = dict(ranks=2, tokens=2, stride=2, dispatch_grid=2, combine_grid=2, **DOUBLE)
     config.update(variant)
-    result = P.explore(P.Config(**config))
+    result = P.explore(_ready(**config))
     assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
@@ -179,9 +206,9 @@ def test_narrow_epochs_with_double_rows():
     reader's invalidation (six layers, every routing at N = 2, and N = 3), and fail without it."""
     for extra in (dict(route="any"), dict(ranks=3)):
         config = dict(dict(ranks=2, layers=6, epochs=2, **DOUBLE), **extra)
-        clean = P.explore(P.Config(invalidate=True, **config))
+        clean = P.explore(_ready(invalidate=True, **config))
         assert clean.complete and clean.ok and not clean.errors, _describe(clean)
-        broken = P.explore(P.Config(**config), stop_at=lambda r: bool(r.violations))
+        broken = P.explore(_ready(**config), stop_at=lambda r: bool(r.violations))
         assert P.STALE_READ in broken.violations, _describe(broken)
 
 
@@ -206,7 +233,7 @@ def test_random_schedules_correct_protocol(ranks, double):
     for case in range(3):
         tokens = rng.randint(1, 3 if ranks <= 5 else 2)
         stride = tokens + rng.randint(0, 1)
-        config = P.Config(
+        config = _ready(
             ranks=ranks,
             tokens=tokens,
             stride=stride,
@@ -249,7 +276,7 @@ CATCHING = [dict(ranks=2, tokens=1, route="any"), dict(ranks=3, tokens=1, dispat
 @pytest.mark.parametrize("shape", range(len(CATCHING)))
 def test_exhaustive_catches_broken_variant(name, shape):
     variant, kind = BROKEN[name]
-    result = P.explore(P.Config(**CATCHING[shape], **variant), stop_at=lambda r: kind in r.violations)
+    result = P.explore(_ready(**CATCHING[shape], **variant), stop_at=lambda r: kind in r.violations)
     assert kind in result.violations, _describe(result)
     message, path = result.violations[kind]
     assert path and message.startswith(path[-1])
@@ -260,7 +287,7 @@ def test_broken_variants_all_kinds_small():
     violation it leads to (docs/protocol.md)."""
     found = {}
     for name, (variant, _) in BROKEN.items():
-        result = P.explore(P.Config(ranks=2, route="any", layers=2, **variant))
+        result = P.explore(_ready(ranks=2, route="any", layers=2, **variant))
         assert result.complete
         found[name] = result.kinds()
     assert found["no_ready_wait"] == {P.OVERWRITE_UNREAD}
@@ -282,7 +309,7 @@ def test_random_schedules_catch_broken_variant(name, ranks):
         # which ends the run): without the guard the run goes on to the data race itself
         variant = dict(variant, guard="none")
     rng = random.Random(ranks)
-    config = P.Config(
+    config = _ready(
         ranks=ranks, tokens=2, dispatch_grid=2, combine_grid=2, route=P.random_route(rng, ranks, 2, 3), **variant
     )
     found = set()
@@ -295,7 +322,7 @@ def test_random_schedules_catch_broken_variant(name, ranks):
 
 def test_counterexample_is_a_schedule():
     variant, kind = BROKEN["split_ll_word"]
-    result = P.explore(P.Config(ranks=2, **variant), stop_at=lambda r: kind in r.violations)
+    result = P.explore(_ready(ranks=2, **variant), stop_at=lambda r: kind in r.violations)
     message, path = result.violations[kind]
     assert all(isinstance(step, str) for step in path)
     assert any("issues its row stores" in step for step in path)
@@ -320,8 +347,8 @@ def test_reductions_keep_every_violation():
     for variant, kinds in cases:
         base = dict(ranks=2, layers=2, words=1, route=route)
         base.update(variant)
-        reduced = P.explore(P.Config(**base))
-        plain = P.explore(P.Config(**base, reduce=False))
+        reduced = P.explore(_ready(**base))
+        plain = P.explore(_ready(**base, reduce=False))
         assert plain.complete and reduced.states < plain.states
         assert reduced.kinds() == plain.kinds() == kinds, (variant, _describe(reduced), _describe(plain))
         assert reduced.errors == plain.errors
@@ -345,7 +372,7 @@ SEQUENCES = {
 @pytest.mark.parametrize("guard,dgrid,cgrid", [("counter", 2, 2), ("counter", 1, 1), ("all", 1, 1), ("cta0", 1, 1)])
 def test_guard_records_error_and_writes_nothing(name, guard, dgrid, cgrid):
     calls, record = SEQUENCES[name]
-    config = P.Config(ranks=2, calls=calls, layers=2, guard=guard, dispatch_grid=dgrid, combine_grid=cgrid)
+    config = _ready(ranks=2, calls=calls, layers=2, guard=guard, dispatch_grid=dgrid, combine_grid=cgrid)
     result = P.explore(config)
     assert result.complete and result.ok, _describe(result)
     assert result.finished == 0  # every run ends with the error recorded
@@ -372,7 +399,7 @@ def test_guard_cta0_leaks_stores(name):
     """The guard as the kernels write it (CTA 0 alone checks, the other CTAs take the layer from the word their
     kernel never writes): a call out of sequence with a grid of two stores before CTA 0 traps."""
     calls, _ = SEQUENCES[name]
-    result = P.explore(P.Config(ranks=2, calls=calls, layers=2, guard="cta0", dispatch_grid=2, combine_grid=2))
+    result = P.explore(_ready(ranks=2, calls=calls, layers=2, guard="cta0", dispatch_grid=2, combine_grid=2))
     assert P.GUARD_LEAK in result.violations, _describe(result)
     assert result.kinds() == {P.GUARD_LEAK}
 
@@ -380,7 +407,7 @@ def test_guard_cta0_leaks_stores(name):
 def test_no_guard_is_caught():
     for name in ["dispatch_twice", "combine_first", "combine_twice"]:
         calls, _ = SEQUENCES[name]
-        result = P.explore(P.Config(ranks=2, calls=calls, layers=2, guard="none"))
+        result = P.explore(_ready(ranks=2, calls=calls, layers=2, guard="none"))
         assert P.GUARD_LEAK in result.violations, (name, _describe(result))
 
 
@@ -429,23 +456,23 @@ def test_narrow_epochs_with_invalidation_every_route_and_buffer_rows():
     no violation; without invalidation the same searches find the stale read."""
     rng = random.Random(11)
     configs = [
-        P.Config(ranks=2, tokens=1, layers=4, words=1, route="any"),
-        P.Config(ranks=2, tokens=1, layers=4, words=2, own_rows="buffer"),
+        _ready(ranks=2, tokens=1, layers=4, words=1, route="any"),
+        _ready(ranks=2, tokens=1, layers=4, words=2, own_rows="buffer"),
     ]
     for config in configs:
-        fixed = P.explore(P.Config(**{**config.__dict__, "epochs": 1, "invalidate": True}), max_states=60000)
+        fixed = P.explore(_ready(**{**config.__dict__, "epochs": 1, "invalidate": True}), max_states=60000)
         assert fixed.ok, _describe(fixed)
-        broken = P.explore(P.Config(**{**config.__dict__, "epochs": 1}), max_states=60000,
+        broken = P.explore(_ready(**{**config.__dict__, "epochs": 1}), max_states=60000,
                            stop_at=lambda r: P.STALE_READ in r.violations)
         assert P.STALE_READ in broken.violations, _describe(broken)
     route = P.random_route(rng, 4, 2, 4)
-    fixed = P.random_runs(P.Config(ranks=4, tokens=2, layers=4, words=1, route=route, epochs=1, invalidate=True),
+    fixed = P.random_runs(_ready(ranks=4, tokens=2, layers=4, words=1, route=route, epochs=1, invalidate=True),
                           runs=20, seed=3)
     assert fixed.ok and fixed.finished == 20, _describe(fixed)
 
 
 def test_invalidation_does_not_hide_a_broken_variant():
     """The next dispatch starting before the combine finished (variant f) is still caught."""
-    config = P.Config(ranks=2, tokens=1, layers=3, words=1, stream_order=False, epochs=1, invalidate=True)
+    config = _ready(ranks=2, tokens=1, layers=3, words=1, stream_order=False, epochs=1, invalidate=True)
     result = P.explore(config)
     assert P.OVERWRITE_UNREAD in result.violations, _describe(result)

@@ -1,0 +1,1 @@
+"""One module per harness mode (`layers`: virtual and devices; `latency`, `timeout`, `sequence`, `stress`)."""
