@@ -28,7 +28,7 @@ CTRL_ERROR_LAYER = 7  # the layer at which it happened
 NUM_CTRL_WORDS = 8
 # Kernel trace (debug builds only, `kernels.common.TRACE`): from ctrl offset TRACE on, TRACE_LAYERS pairs of lines
 # (16 `%globaltimer` stamps, then 16 `%clock64` stamps, int64) in spare lines 16..31 of the control region.
-# Stamps 0-7 are the dispatch's, 8-15 the combine's (`testing.harness.TRACE_STAMPS`).
+# Stamps 0-7 are the dispatch's, 8-15 the combine's (`tools.kernel_harness.TRACE_STAMPS`).
 TRACE = 2 * LINE + 16 * LINE
 TRACE_LAYERS = 8
 
@@ -108,9 +108,8 @@ def comb_pitch(shape: LatentMoEShape) -> int:
     return _round_up(comb_words(shape) + 1, LINE // WIDE_WORD) * WIDE_WORD
 
 
-#: Bytes of the control region: two control lines, then 32 spare lines (the ready lines of the single-buffered
-#: protocol before session 9; debug builds keep their kernel trace in lines 16..31, `TRACE`). Kept so that the
-#: buffer's offsets did not move with the protocol.
+#: Bytes of the control region: two control lines, then 32 spare lines (debug builds keep their kernel trace in
+#: lines 16..31, `TRACE`); their size keeps every later region's offset where the kernels expect it.
 CTRL_BYTES = 2 * LINE + NUM_MAX_RANKS * LINE
 #: The peer table follows the control region directly (`region_offsets`), so a kernel finds its control lines at
 #: `peers - CTRL_BELOW_PEERS`, a constant, without the layout's arithmetic on `max_tokens`.

@@ -11,13 +11,14 @@ Expert-parallel dispatch and combine of a latent MoE layer, run top to bottom on
 CPU devices with the XLA backend by default, the GPUs (and the NVLink backend) when present.
 
 1. the mesh and the backend, 2. the symmetric buffer layout, 3. a dispatch and where its rows land,
-4. the MXFP8 round-trip error, 5. combine on every backend, 6. the recorded benchmarks."""),
+4. the MXFP8 round-trip error, 5. combine on every backend, 6. the current benchmark table."""),
     ("code", """import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-import glob, csv
+import sys, tempfile
 import numpy as np
 import jax, jax.numpy as jnp
+import matplotlib
 import matplotlib.pyplot as plt
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_latent_ep
@@ -155,30 +156,27 @@ base = results["xla"]
 for name, (routed, normed) in results.items():
     same = np.array_equal(np.asarray(routed).view(np.uint16), np.asarray(base[0]).view(np.uint16))
     print(f"{name:>12}: routed bit-identical to xla: {same};  normed max ulp vs xla: {ulps(normed, base[1]).max()}")"""),
-    ("md", """## 6. Recorded benchmarks
+    ("md", """## 6. The current benchmark table
 
-Per-layer latency (dispatch + trivial expert + combine with RMSNorm, 48 layers in one jit) from
-`benchmarks/results/*.csv`, one line per backend; the hardware floor dashed."""),
+Per-layer latency (dispatch + trivial expert + combine with RMSNorm, Kimi K3, 32 layers in one jit) from
+`benchmarks/results/latest.csv`, drawn by `benchmarks/bench.py`'s own `plot`: the floor, the kernels alone, the
+jitted `nvlink` layer and the best XLA variant per T, at N = 1 and N = 2 (the README's figure).
+`docs/performance.md` explains the numbers."""),
     ("code", """root = os.path.abspath(os.path.join(os.getcwd(), "..")) if os.path.basename(os.getcwd()) == "notebooks" else os.getcwd()
-rows = []
-for path in sorted(glob.glob(os.path.join(root, "benchmarks", "results", "*.csv"))):
-    with open(path) as f:
-        rows += [r for r in csv.DictReader(f) if r.get("metric") in ("layer_us_median", "floor_us")]
-if not rows:
-    print("no benchmark results recorded yet")
-else:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    series = {}
-    for r in rows:
-        if r["ranks"] != "2":
-            continue
-        key = ("floor" if r["metric"] == "floor_us" else r["backend"])
-        series.setdefault(key, {})[int(r["tokens"])] = float(r["value"])
-    for key, pts in sorted(series.items()):
-        ts = sorted(pts)
-        ax.plot(ts, [pts[t] for t in ts], "k--" if key == "floor" else "o-", label=key)
-    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("tokens per rank T"); ax.set_ylabel("us per layer")
-    ax.set_title("N = 2, Kimi K3"); ax.legend(fontsize=8); plt.tight_layout(); plt.show()"""),
+sys.path.insert(0, os.path.join(root, "benchmarks"))
+import bench
+
+rows = bench.read_rows(bench.LATEST)
+backend = matplotlib.get_backend()  # bench.plot draws with Agg into a PNG; the notebook shows the PNGs
+out = tempfile.mkdtemp()
+paths = [os.path.join(out, f"latency_n{n}.png") for n in (1, 2)]
+for n, path in zip((1, 2), paths):
+    bench.plot(rows, n, path)
+plt.switch_backend(backend)
+fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+for ax, path in zip(axes, paths):
+    ax.imshow(plt.imread(path)); ax.axis("off")
+plt.tight_layout(); plt.show()"""),
 ]
 
 

@@ -10,16 +10,8 @@ Both calls run on per-rank arrays inside `jax.shard_map`, exactly like the XLA b
 (`jax_latent_ep.backends.xla.XlaBackend`), and lower to one custom call each (one kernel launch on XLA's
 stream, `kCmdBufferCompatible`, so XLA may capture them into CUDA graphs).
 
-Ordering. The kernels synchronize through LL words in the symmetric buffers and assume the contract's order
-on every rank: dispatch, then its combine, then the next dispatch. XLA orders custom calls only by data
-dependencies, and here the model's data flow provides them: dispatch returns the receive rows, combine takes
-`out` computed from them (so it follows its dispatch), and the next layer's dispatch takes tokens computed
-from the combine's result (so it follows the combine). The calls are declared free of side effects (so JAX
-keeps its fast dispatch path) and carry a unique `call` number (so XLA never merges two of them); a call
-whose results are unused is dropped. Keep that flow: a combine whose `out` does not depend on its dispatch's
-`Received`, or a dispatch whose `x` does not depend on the previous combine, may be reordered or dropped by
-XLA; the kernels' sequence guard then fails the call (error 3 or 4) or its peers time out. Layers in a Python
-loop or in `lax.scan` satisfy it naturally.
+Ordering: every rank calls dispatch, its combine, then the next dispatch, ordered by their data alone
+(docs/usage.md, "Call ordering and pairing"); the kernels' sequence guard fails a call out of order.
 
 Setup. The constructor allocates one symmetric buffer per rank (`jax_latent_ep.runtime.symmetric.SymmetricBuffers`;
 set `XLA_PYTHON_CLIENT_PREALLOCATE=false` before JAX starts), loads the kernels on every local device and
@@ -33,9 +25,8 @@ computation itself fails with a CUDA error; later calls of this backend fail in 
 message naming the rank, the peer, the layer and the error code, whose phase the library spells out for the
 timeouts, codes 1 and 2, only: `check()` says what codes 3 and 4 mean).
 
-Lifetime: `close()` unregisters the ranks and frees the buffers; a backend dropped without it is released
-when garbage-collected. Executables compiled with a backend must not run after it was released (see
-`NvlinkBackend.close`).
+Lifetime: `close()` frees the buffers; no executable of the backend may run afterwards (docs/usage.md,
+"Lifetime").
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ from jax_latent_ep.received import Received
 #: after another). The copy-out walks the other ranks' (N - 1) * T rows that carry anything in a call of T tokens
 #: (the kernels' `peer_tokens`) from the last CTA down, so with N * stride(T) >= (N - 1) * T + T CTAs no CTA that
 #: stores a token also polls a row. The grid follows T, not the buffer's max_tokens: the rows past T are written empty
-#: without a poll. 256 against 128 at N = 2, T = 128 (2 x H200, `benchmarks/results/raw/gpu_iter_cfc4a5d`, before the
-#: own-row bypass): 14.84 us against 15.03.
+#: without a poll. 256 rather than 128: faster at N = 2, T = 1-128 (docs/performance.md, "Grid cap 256").
 DISPATCH_MIN_CTAS = 256
 #: Default combine grid: at least one CTA per own token, at least min(N * stride(T), 256) CTAs (the first
 #: (N - 1) * T send the other ranks' rows, one each).
@@ -162,12 +152,9 @@ class NvlinkBackend:
       artifacts), MemoryError, jax_latent_ep.runtime.symmetric.SymmetricMemoryError (PeerSetupError: another
       process of a group failed during its setup).
 
-    Lifetime: `close()` releases the buffers (see there). A backend dropped without `close()` is released
-    when it is garbage-collected (`weakref.finalize`: the ranks are unregistered at once, the buffers closed
-    on a background thread once the devices are idle); one still alive at interpreter exit keeps its memory
-    until the process ends. Functions that close over the backend (or its `ExpertParallel`) keep it alive,
-    so a `jax.jit` function is safe; an executable that does not reference it (`jit(...).lower(...).compile()`
-    kept alone) must not outlive it, for the reasons given in `close()`.
+    Lifetime (docs/usage.md, "Lifetime"): `close()` releases the buffers; a backend dropped without it is released
+    by `weakref.finalize` (ranks unregistered at once, buffers closed on a background thread once the devices are
+    idle).
     """
 
     name = "nvlink"
@@ -359,20 +346,10 @@ class NvlinkBackend:
     def close(self):
         """Unregisters the ranks, then frees the symmetric memory (idempotent).
 
-        Call it only once every computation using this backend has finished on every rank (a peer may still
-        write into this rank's buffer). Afterwards `dispatch` / `combine` raise ValueError when traced.
-        Executables compiled earlier cannot be intercepted and must not run again:
-          * where XLA runs the FFI handler (every execution without command buffers, and command buffers
-            when XLA records them again, e.g. for new buffer addresses), the handler no longer finds this
-            backend's (instance, device) registration and fails the execution with
-            "jax_latent_ep dispatch: no NvlinkBackend instance <i> is registered on device ordinal <d> (was
-            the backend closed, ...)" before launching anything: the FFI targets stay registered for the
-            process and instance ids are never reused, so no later backend answers for it;
-          * but a CUDA graph captured earlier (XLA command buffers, `kCmdBufferCompatible`) and replayed as
-            it is launches the kernels without running the handler, with the pointers of the freed buffers:
-            it would read and write memory that may belong to someone else by then. Where an old executable
-            might still run, keep the backend open, or leave CUSTOM_CALL out of
-            `--xla_gpu_enable_command_buffer` so that every launch goes through the handler's check.
+        The rules are docs/usage.md's ("Lifetime"). Unregistering first means that a later execution which runs
+        the FFI handler fails with "no NvlinkBackend instance <i> is registered on device ordinal <d>" before
+        launching anything (instance ids are never reused); a CUDA graph replayed without the handler cannot be
+        stopped.
         """
         if self._closed:
             return

@@ -262,7 +262,7 @@ def header() -> str:
         lines.append(f"constexpr const char* k{kernel.op.capitalize()}Symbol = \"{kernel.symbol}\";")
         lines.append("// Calls visit(value, is_address) for every parameter of `p`, in order.")
         lines.append("template <class Visit>")
-        lines.append(f"void visit_params(const {struct}& p, Visit&& visit) {{")
+        lines.append(f"constexpr void visit_params(const {struct}& p, Visit&& visit) {{")
         for p in kernel.params:
             lines.append(f"  visit(p.{p.name}, {'true' if p.address else 'false'});")
         lines.append("}")
@@ -279,7 +279,8 @@ def markdown() -> str:
     out = []
     for kernel in KERNELS.values():
         out += [f"`{kernel.symbol}` ({kernel.op}):", "", "| # | parameter | type | meaning |", "| --- | --- | --- | --- |"]
-        out += [f"| {i} | `{p.name}` | {p.ctype} | {p.meaning} |" for i, p in enumerate(kernel.params)]
+        out += [f"| {i} | `{p.name}` | {p.ctype} | {p.meaning.replace('|', chr(92) + '|')} |"
+                for i, p in enumerate(kernel.params)]
         out.append("")
     out += ["Error codes (the status record's `code`):", "", "| code | name | message |", "| --- | --- | --- |"]
     out += [f"| {e.code} | `ERROR_{e.name}` | {e.message} |" for e in ERRORS]

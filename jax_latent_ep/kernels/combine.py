@@ -69,9 +69,9 @@ SMEM_BYTES = 256
 
 
 #: From this many own tokens on, the combine lets the next kernel be scheduled (PDL trigger) after its reduce
-#: instead of before it: at T = 128 the late trigger is faster (2 x H200, N = 2, T = 128: 11.06 us against 11.47
-#: per layer; at N = 1 4.5 against 4.9), even at T = 32-64, and at T = 5-8 the early trigger is 0.2 us
-#: faster (benchmarks/results/raw/gpu_trace_split_b2be505/, raw/gpu_pdl_9a2f82d/).
+#: instead of before it. The late trigger is 0.4 us faster at T = 128 and even at T = 32-64; at T = 5-16 it is
+#: 0.1-0.2 us slower, so small T keeps the early trigger (docs/performance.md, "Combine's PDL trigger after its
+#: reduce").
 LATE_TRIGGER_TOKENS = 64
 
 
@@ -172,9 +172,9 @@ class Combine:
         # the dispatch) and EPOCH_D (neither is written before every CTA has arrived, `arrive_in_sequence`).
         # CTA c sends the rows r = c, c + G, ...: the first CTAs to be scheduled send (inside a jitted program the
         # last CTAs of a grid may wait for SMs that the expert stage still holds; the reduce waits for the sends
-        # anyway). 2 x H200, N = 2, T = 128 in jit: 13.7 us against 14.1-14.2 with the last CTAs sending
-        # (`benchmarks/results/raw/gpu_ab_59d664b`). Their addresses are computed before the wait (they read no
-        # memory), so that their arithmetic runs while the previous grid still runs.
+        # anyway; docs/performance.md, "Combine sends from the first CTAs"). Their addresses are computed
+        # before the wait (they read no memory), so that their arithmetic runs while the previous grid still
+        # runs.
         first = cta
         first_row = Int64(peer_row(first, rank, stride, peer_tokens, ranks))
         if first >= peer_rows:
@@ -265,8 +265,8 @@ class Combine:
                 if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
                     part = local + buf.comb + (Int64(t) * ranks + d) * buf.comb_pitch + first_word * lay.WIDE_WORD
                     pending = Uint32(1)
-                    # A timed-out poll leaves the loop and fails after it: with the trap's branch inside the loop the
-                    # kernels were 0.15-0.4 us slower at N = 2 (benchmarks/results/kernel_notes.md, session 10).
+                    # A timed-out poll leaves the loop and fails after it: the trap's branch inside the loop costs
+                    # 0.15-0.4 us at N = 2 (docs/performance.md, "Timed-out poll leaves the loop").
                     expired = Uint32(0)
                     start = globaltimer()
                     polls = Uint32(0)

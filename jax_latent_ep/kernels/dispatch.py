@@ -84,11 +84,11 @@ def block_threads(shape: LatentMoEShape) -> int:
 
 
 #: Registers per thread the occupancy bound is computed for (ptxas `.minnctapersm`, see `min_ctas_per_sm`; ptxas may
-#: use up to 65536 // (4 * 224) = 72 for Kimi K3, and the kernels with own-row bypass use 66-72). At 48 (40 used)
-#: both kernels spilled 40-56 bytes to local memory; at 64 neither spills (58 / 66 used) and a jitted layer at
-#: N = 2 measured 6.5 / 7.2 / 10.8 / 17.1 us at T = 1 / 8 / 32 / 128 against 8.2 / 8.6 / 11.5 / 17.9 in the
-#: same run (`benchmarks/results/raw/gpu_iter_839d6f7_r64`). The price: fewer co-resident CTAs (4 per SM for
-#: Kimi K3, 528 on an H200; enough for a dispatch and a combine grid of 256 each).
+#: use up to 65536 // (4 * 224) = 72 for Kimi K3, and the kernels use 66-72). At 48 both kernels spill to local
+#: memory; at 64 neither does, and the jitted layer is faster at every T (docs/performance.md, "64 registers
+#: instead of 48"). The price: fewer co-resident CTAs (4 per SM for Kimi K3, 528 on an H200; enough for a
+#: dispatch and a combine grid of 256 each, the co-residency bound of
+#: docs/kernel_abi.md).
 MAX_REGISTERS = 64
 
 
@@ -414,8 +414,8 @@ class Dispatch:
             meta_col = Int64(tid)
         peer_rows = Int32(ranks - 1) * peer_tokens  # the polled rows of the other ranks: (N - 1) * peer_tokens
         # The last CTAs take the first rows (r = G - 1 - c, then + G): with G >= (N - 1) * peer_tokens + T no CTA
-        # that stored a token also polls a row (2 x H200, N = 2, kernels alone: 11.6 against 11.9 us at T = 128,
-        # 5.95 against 6.25 at T = 1, `benchmarks/results/raw/gpu_ab_59d664b`).
+        # that stored a token also polls a row: 0.3 us faster than the first CTAs polling (docs/performance.md,
+        # "Copy-out from the last CTAs").
         r = grid - 1 - cta
         while r < peer_rows:
             q = peer_row(r, rank, stride, peer_tokens, ranks)

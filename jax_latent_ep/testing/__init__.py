@@ -1,1 +1,1 @@
-"""Test support: NumPy contract model and checks, toy expert, routings, launcher, kernel harness, protocol checker."""
+"""Test support: NumPy contract model and checks, toy expert, routings, multi-process launcher."""

@@ -201,7 +201,7 @@ def compare_rank(got, want, rank: int) -> dict:
     assert ulps.max() <= 1, f"rank {rank}: normed differs by up to {ulps.max()} bf16 ulp (allowed 1)"
     one_ulp = int((ulps == 1).sum())
     # The contract: 1 ulp on a small fraction only. Observed <= 0.05% per rank (XLA, CPU tests) and ~5e-6 overall
-    # (kernels, kernel_harness.md); 1% (at least 1 element, for tiny outputs) leaves a wide margin.
+    # (kernels, the kernel harness); 1% (at least 1 element, for tiny outputs) leaves a wide margin.
     allowed = max(1, ulps.size // 100)
     assert one_ulp <= allowed, (
         f"rank {rank}: {one_ulp} of {ulps.size} normed elements differ by 1 bf16 ulp (allowed {allowed})")

@@ -83,8 +83,7 @@ def test_table_of_latest_csv_is_the_readme_table():
     assert any_flags == ["3.7x", "4.0x", "3.8x", "4.8x", "5.3x", "4.5x", "4.2x", "3.4x"], any_flags
     ratio = _row(everything, "kernels / floor").split()[-8:]
     assert ratio == ["1.97x", "1.96x", "1.90x", "1.90x", "1.87x", "1.85x", "1.81x", "1.72x"], ratio
-    for cells in (bench_flags, any_flags, ratio):
-        assert " | ".join(cells) in readme, cells
+    assert " | ".join(any_flags) in readme, any_flags  # the README's speed-up row (best XLA with any flags)
 
 
 def test_table_reads_several_csvs_as_one(tmp_path):
@@ -214,16 +213,13 @@ def test_gpu_suite_steps_are_harness_modes_that_exist():
     one, two = bench.check_commands("x.csv", "abc", 1), bench.check_commands("x.csv", "abc", 2)
     assert {name for name, *_ in one} < {name for name, *_ in two}
     assert {"harness devices N=2", "stress N=2, 20000 layers", "timeout combine"} <= {name for name, *_ in two}
-    harness = os.path.join(ROOT, "tools", "kernel_harness", "__init__.py")
-    source = open(harness).read() if os.path.exists(harness) else None
+    from tools.kernel_harness.cli import MODES
     for name, argv, env, timeout in two:
         assert timeout > 0 and isinstance(env, dict)
         if "tools.kernel_harness" not in argv:
             continue
         mode = argv[argv.index("--mode") + 1]
-        if source is not None:
-            modes = re.search(r'"--mode", choices=\(([^)]*)\)', source).group(1)
-            assert f'"{mode}"' in modes, (name, mode)
+        assert mode in MODES, (name, mode)
         if mode in ("virtual", "devices", "stress", "sequence"):
             assert argv[argv.index("--csv") + 1] == "x.csv", name
     assert two[-1][1][-len(bench.GPU_TESTS):] == list(bench.GPU_TESTS)
