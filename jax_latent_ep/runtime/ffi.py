@@ -1,6 +1,6 @@
 """The FFI library: loading, target registration, the rank registry and the two jax-level calls.
 
-`libjax_latent_ep_ffi.so` (built from ffi/ep_ffi.cc) holds the XLA FFI handlers `EpDispatch` / `EpCombine`
+`libjax_latent_ep_ffi.so` (built from ffi/, `docs/architecture.md`) holds the XLA FFI handlers `EpDispatch` / `EpCombine`
 and plain C functions that fill its rank registry (keyed by backend instance and CUDA device ordinal). The
 handlers find their rank's peer table, rank, status record and loaded kernels there, so every device of an
 SPMD program runs the same custom call with the same attributes.

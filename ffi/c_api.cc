@@ -1,0 +1,176 @@
+// The library's exported C ABI: the FFI handler symbols that Python wraps with jax.ffi.pycapsule, and the plain C
+// entry points for ctypes (jax_latent_ep/runtime/ffi.py). Everything else is hidden (-fvisibility=hidden).
+//
+// Division of work:
+//   * Python (jax_latent_ep/runtime/ffi.py and the NVLink backend) allocates the symmetric buffers, the device
+//     peer tables and the host-mapped status pages, then calls `ep_register_rank` once per (instance, device).
+//     That call loads the cubins into the device's primary context (once per device and cubin image, outside
+//     any CUDA graph capture), keeps a copy of each image for the life of the process and records everything
+//     a launch needs in the registry (registry.cc).
+//   * The handlers (handlers.cc) look their rank up in that registry by (instance attribute, device ordinal),
+//     check the operand shapes and compute the kernel parameters. Two ways to the kernel (launch.cc):
+//       - traced targets (`EpDispatch` / `EpCombine`, execute stage only): cuLaunchKernelEx on XLA's stream.
+//         Inside an XLA command buffer XLA captures that launch into a child graph, and re-captures it
+//         whenever a buffer address of the call changes.
+//       - record targets (execute + RECORD stage, registered by `ep_register_record_targets` through the
+//         plugin's XLA_FFI_Api, which jax's registration would drop): in a command buffer the record handler
+//         adds a plain kernel node (XLA loads the kept cubin copy) and later only updates its parameters.
+//         Outside command buffers their execute handler launches on the stream like the traced targets.
+//     No host synchronization, no allocation on the device, no module loading in the handlers: they are safe
+//     in XLA command buffers, where their host code runs at capture / record only (so the registered
+//     pointers must outlive the executable).
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "handlers.h"
+#include "launch.h"
+#include "registry.h"
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+
+#define EP_EXPORT __attribute__((visibility("default")))
+
+namespace {
+
+// The XLA FFI API of the process's CUDA plugin, seen in the first call frame of a traced handler: XLA queries
+// a handler's metadata when jax.ffi.register_ffi_target registers it, so it is known once Python registered
+// the traced targets with an initialized CUDA backend. Only ep_register_record_targets uses it.
+std::atomic<const XLA_FFI_Api*> g_api{nullptr};
+
+XLA_FFI_Error* remember_api(XLA_FFI_CallFrame* call_frame, XLA_FFI_Handler* handler) {
+  if (g_api.load(std::memory_order_relaxed) == nullptr && call_frame->api != nullptr) {
+    const XLA_FFI_Api* none = nullptr;
+    g_api.compare_exchange_strong(none, call_frame->api);
+  }
+  return handler(call_frame);
+}
+
+}  // namespace
+
+namespace ep = jax_latent_ep;
+
+// The traced targets' handlers.
+extern "C" EP_EXPORT XLA_FFI_Error* EpDispatch(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::dispatch_targets().traced);
+}
+extern "C" EP_EXPORT XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::combine_targets().traced);
+}
+
+extern "C" {
+
+// The message of the last failed call on this thread ("" if none).
+EP_EXPORT const char* ep_last_error() { return ep::last_error(); }
+
+// Registers rank `rank` of instance `instance` on CUDA device `ordinal` and loads both cubins there (once per
+// device and image). Must be called outside CUDA graph capture, after JAX initialized the device. Returns 0,
+// or 1 with ep_last_error() set. Registering an (instance, ordinal) pair again replaces it.
+EP_EXPORT int ep_register_rank(int64_t instance, int ordinal, int rank, int ranks, int max_tokens, int latent,
+                               int topk, uint64_t peers, uint64_t status_device, const void* status_host,
+                               int64_t timeout_ns, const void* dispatch_cubin, size_t dispatch_size,
+                               const char* dispatch_name, int dispatch_block, int dispatch_smem,
+                               const void* combine_cubin, size_t combine_size, const char* combine_name,
+                               int combine_block, int combine_smem) {
+  ep::Rank r;
+  r.instance = instance;
+  r.ordinal = ordinal;
+  r.rank = rank;
+  r.ranks = ranks;
+  r.max_tokens = max_tokens;
+  r.latent = latent;
+  r.topk = topk;
+  r.peers = peers;
+  r.status = status_device;
+  r.status_host = static_cast<volatile const int32_t*>(status_host);
+  r.timeout_ns = timeout_ns;
+  return ep::register_rank(std::move(r),
+                           {dispatch_cubin, dispatch_size, dispatch_name, dispatch_block, dispatch_smem},
+                           {combine_cubin, combine_size, combine_name, combine_block, combine_smem});
+}
+
+// Forgets (instance, ordinal); returns 0 if it was registered, 1 otherwise. Modules stay loaded.
+EP_EXPORT int ep_unregister_rank(int64_t instance, int ordinal) { return ep::unregister_rank(instance, ordinal); }
+
+// The largest grid of one launch of `kernel` (0 dispatch, 1 combine) for (instance, ordinal), or -1 if that
+// pair is not registered.
+EP_EXPORT int64_t ep_max_grid(int64_t instance, int ordinal, int kernel) {
+  std::shared_ptr<const ep::Rank> r = ep::registered_rank(instance, ordinal);
+  if (r == nullptr) return -1;
+  return kernel == 0 ? r->dispatch.max_grid : r->combine.max_grid;
+}
+
+// Number of registered (instance, device) pairs (for tests).
+EP_EXPORT int ep_registered_count() { return ep::registered_count(); }
+
+// Registers the record targets `dispatch_name` / `combine_name` for CUDA, straight through the XLA FFI API of
+// the CUDA plugin (jax.ffi.register_ffi_target would drop their record handler): each with its execute and
+// record handler, command-buffer compatible. Call after Python registered the traced targets (EpDispatch /
+// EpCombine) with an initialized CUDA backend. Returns 0 (also when they are already registered), 2 if no
+// XLA FFI API has been seen yet (register the traced targets first, then call again), or 1 if the record
+// stage is not available (not compiled in, or XLA refused); ep_last_error() says why for 1 and 2.
+EP_EXPORT int ep_register_record_targets(const char* dispatch_name, const char* combine_name) {
+#if !JAX_LATENT_EP_RECORD
+  (void)dispatch_name;
+  (void)combine_name;
+  return ep::fail("record stage not available: this library was built against XLA FFI headers without "
+                  "xla/ffi/api/record_api.h (jaxlib < 0.11.2)");
+#else
+  const XLA_FFI_Api* api = g_api.load();
+  if (api == nullptr) {
+    ep::fail("record stage not available yet: no XLA FFI API seen (register the traced targets with "
+             "jax.ffi.register_ffi_target for CUDA, once JAX initialized its CUDA backend, then call again)");
+    return 2;
+  }
+  if (dispatch_name == nullptr || combine_name == nullptr || !*dispatch_name || !*combine_name) {
+    return ep::fail("record target names must not be empty");
+  }
+  static std::mutex mutex;
+  static std::set<std::string>* registered = new std::set<std::string>();  // by this library, this process
+  std::lock_guard<std::mutex> lock(mutex);
+  const struct {
+    const char* name;
+    ep::Targets handlers;
+  } targets[] = {{dispatch_name, ep::dispatch_targets()}, {combine_name, ep::combine_targets()}};
+  for (const auto& t : targets) {
+    if (registered->count(t.name)) continue;
+    XLA_FFI_Handler_Register_Args args;
+    std::memset(&args, 0, sizeof(args));
+    args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;  // the size that carries bundle.record
+    args.extension_start = nullptr;
+    args.name = XLA_FFI_ByteSpan{t.name, std::strlen(t.name)};
+    args.platform = XLA_FFI_ByteSpan{"CUDA", 4};
+    args.bundle.execute = t.handlers.execute;
+    args.bundle.record = t.handlers.record;
+    args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
+      std::string why = xla::ffi::internal::GetErrorMessage(api, error);
+      xla::ffi::internal::DestroyError(api, error);
+      return ep::fail(std::string("record stage not available: XLA refused to register the record target ") +
+                      t.name + ": " + why);
+    }
+    registered->insert(t.name);
+  }
+  return 0;
+#endif
+}
+
+// How often the record handlers added (creates) or updated (updates) a kernel node, for tests and
+// benchmarks; both 0 on the traced path. Returns 0, or 1 if the record stage is not compiled in.
+EP_EXPORT int ep_record_counts(int64_t* creates, int64_t* updates) {
+#if JAX_LATENT_EP_RECORD
+  std::tie(*creates, *updates) = ep::record_counts();
+  return 0;
+#else
+  *creates = *updates = 0;
+  return ep::fail("record stage not available");
+#endif
+}
+
+}  // extern "C"
