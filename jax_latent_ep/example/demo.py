@@ -55,6 +55,9 @@ def main(argv=None) -> int:
               f"expert intermediate {cfg.intermediate}; {t} tokens per rank ({n * t} per step)")
         params = moe.init_params(jax.random.key(0), cfg)
         h = jax.random.normal(jax.random.key(1), (n * t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
+        # Decode ranks hold different numbers of live tokens: rank r pads its last r % T tokens (ids -1).
+        live = np.asarray([t - r % t for r in range(n)], np.int32)
+        print(f"live tokens per rank: {live.tolist()} (the others are padding: routed to no expert)")
         forward = moe.make_forward(ep, cfg)
         sharded = moe.shard_params(params, mesh, "ep")
         reference = moe.make_reference_forward(cfg, n)
@@ -62,17 +65,18 @@ def main(argv=None) -> int:
         ref_params = jax.device_put(params, one)
 
         start = time.perf_counter()
-        compiled = forward.lower(sharded, jax.device_put(h, NamedSharding(mesh, P("ep")))).compile()
+        live_in = jax.device_put(live, NamedSharding(mesh, P("ep")))
+        compiled = forward.lower(sharded, jax.device_put(h, NamedSharding(mesh, P("ep"))), live_in).compile()
         print(f"compiled in {time.perf_counter() - start:.1f} s")
         worst, times = 1.0, []
         for step in range(args.steps):
             h_in = jax.device_put(h, NamedSharding(mesh, P("ep")))
             start = time.perf_counter()
-            out = compiled(sharded, h_in)
+            out = compiled(sharded, h_in, live_in)
             out.block_until_ready()
             times.append(time.perf_counter() - start)
             got = np.asarray(out, np.float32)
-            want = np.asarray(reference(ref_params, jax.device_put(h, one)), np.float32)
+            want = np.asarray(reference(ref_params, jax.device_put(h, one), jax.device_put(live, one)), np.float32)
             token_err = np.max(np.abs(got - want) / (1 + np.abs(want)), axis=1)
             exact = float(np.mean(got == want))
             close = float(np.mean(token_err <= 2e-2))

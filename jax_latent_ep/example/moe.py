@@ -5,14 +5,21 @@ One layer, per rank (inside `jax.shard_map` over the expert-parallel axis, `T` t
     ids, weights = top-k of softmax-free router logits, weights = softmax over the k chosen (normalized)
     x      = bf16(h @ down)                       hidden H -> latent L
     recv   = ep.dispatch(x, ids, weights)         MXFP8 rows of every token that has an expert here
-    out    = sum over local experts e of w[row, e] * mlp_e(dequant(recv))   bf16 [N*S, L]
+    out    = experts.expert_stage(recv, ...)    the routed experts' SwiGLU, weighted per row, bf16 [N*S, L]
     y      = ep.combine(out, ids, norm, eps)      routed latent, RMS-normed
     h      = h + bf16(y @ up)                     latent L -> hidden H, residual
 
-`mlp_e(v) = silu(v @ w1[e]) @ w2[e]` with a small intermediate size (default 32), in FP32. Expert weights
-`w1 [E, L, I]`, `w2 [E, I, L]` are sharded over the axis (rank `d` holds experts `d * E/N ...`); everything
-else is replicated. `reference_forward` computes the same layers on one device with no collectives: the
-per-rank partials, summed over the token's ranks in ascending order in FP32 like combine.
+The expert stage is `jax_latent_ep.experts` (plan the (row, local expert) pairs, a grouped SwiGLU
+`down(bf16(silu(x @ gate) * (x @ up)))` with FP32 accumulation, `impl` "ragged_dot" by default) with a small
+intermediate size (default 32). Expert weights `w_gate`, `w_up` `[E, L, I]`, `w_down [E, I, L]` are sharded
+over the axis (rank `d` holds experts `d * E/N ...`); everything else is replicated. `reference_forward`
+computes the same layers on one device with no collectives: each rank's receive rows built as dispatch lays
+them out, the same expert stage on them, the per-rank partials summed over the token's ranks in ascending
+order in FP32 like combine.
+
+Padding: `forward(params, h, live)` takes the live token count of every rank (int32 `[N]`); a rank's tokens
+`t >= live[r]` are padding: their ids are all `-1` (the "no expert" id), so they are sent nowhere, their
+routed latent is exactly 0 and the layer passes them through unchanged (`h + bf16(0 @ up) = h`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_latent_ep import experts
 from jax_latent_ep.shapes import LatentMoEShape
+from jax_latent_ep.received import Received
 from jax_latent_ep.layout import stride
 from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
 
@@ -44,10 +53,10 @@ class MoEConfig:
 
 
 def init_params(key, cfg: MoEConfig) -> dict:
-    """Random parameters, stacked over layers: router [Ly,H,E], down [Ly,H,L], w1 [Ly,E,L,I], w2 [Ly,E,I,L],
-    up [Ly,L,H], norm [Ly,L]; all bf16."""
+    """Random parameters, stacked over layers: router [Ly,H,E], down [Ly,H,L], w_gate and w_up [Ly,E,L,I],
+    w_down [Ly,E,I,L], up [Ly,L,H], norm [Ly,L]; all bf16."""
     s, h, i, ly = cfg.shape, cfg.hidden, cfg.intermediate, cfg.layers
-    k = jax.random.split(key, 6)
+    k = jax.random.split(key, 7)
 
     def normal(key, shape, fan_in):
         return (jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)).astype(jnp.bfloat16)
@@ -55,8 +64,9 @@ def init_params(key, cfg: MoEConfig) -> dict:
     return {
         "router": normal(k[0], (ly, h, s.experts), h),
         "down": normal(k[1], (ly, h, s.latent), h),
-        "w1": normal(k[2], (ly, s.experts, s.latent, i), s.latent),
-        "w2": normal(k[3], (ly, s.experts, i, s.latent), i),
+        "w_gate": normal(k[2], (ly, s.experts, s.latent, i), s.latent),
+        "w_up": normal(k[6], (ly, s.experts, s.latent, i), s.latent),
+        "w_down": normal(k[3], (ly, s.experts, i, s.latent), i),
         "up": normal(k[4], (ly, s.latent, h), s.latent),
         "norm": (1 + 0.1 * jax.random.normal(k[5], (ly, s.latent))).astype(jnp.bfloat16),
     }
@@ -67,8 +77,9 @@ def param_specs(axis_name: str) -> dict:
     return {
         "router": P(),
         "down": P(),
-        "w1": P(None, axis_name),
-        "w2": P(None, axis_name),
+        "w_gate": P(None, axis_name),
+        "w_up": P(None, axis_name),
+        "w_down": P(None, axis_name),
         "up": P(),
         "norm": P(),
     }
@@ -99,7 +110,8 @@ def local_coefficients(ids, weights, first_expert, local: int):
 
 
 def experts_mlp(xf, w1, w2, coef):
-    """One rank's experts applied to its receive rows, weighted and summed per row.
+    """The former dense expert stage (every local expert on every row, FP32), kept for comparison (the
+    benchmark's "dense-f32" path); the model uses `jax_latent_ep.experts`.
 
     Args:
       xf: f32 `[R, L]`, the rows' latents (dequantized MXFP8; zero rows where nothing was received).
@@ -116,51 +128,66 @@ def experts_mlp(xf, w1, w2, coef):
     return jnp.einsum("rj,rjl->rl", coef, y).astype(jnp.bfloat16)
 
 
-def layer(ep, p: dict, h, eps: float):
+def pad_ids(ids, live):
+    """`ids` with every slot of the padded tokens (`t >= live`, `live` an int32 scalar or None) set to -1."""
+    if live is None:
+        return ids
+    t = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(t < live, ids, experts.NO_EXPERT)
+
+
+def layer(ep, p: dict, h, eps: float, live=None):
     """One layer on one rank, inside `jax.shard_map` over `ep.axis_name` (see the module docstring).
 
     Args:
       ep: the `ExpertParallel` of the axis (`N = ep.ranks` ranks, `ep.shape` = (L, E, K)).
       p: this layer's parameters as this rank sees them (one layer of `init_params`, sharded by
-        `param_specs`): router bf16 `[H, E]`, down bf16 `[H, L]`, w1 bf16 `[E/N, L, I]` and w2 bf16
-        `[E/N, I, L]` (this rank's experts only), up bf16 `[L, H]`, norm bf16 `[L]`.
+        `param_specs`): router bf16 `[H, E]`, down bf16 `[H, L]`, w_gate and w_up bf16 `[E/N, L, I]`, w_down
+        bf16 `[E/N, I, L]` (this rank's experts only), up bf16 `[L, H]`, norm bf16 `[L]`.
       h: bf16 `[T, H]`, this rank's tokens.
       eps: the RMSNorm epsilon of combine.
+      live: None, or an int32 scalar: this rank's live tokens (the rest are padding, routed to no expert).
 
     Returns:
-      bf16 `[T, H]`: `h` plus the up-projection of the tokens' RMS-normed routed latent.
+      bf16 `[T, H]`: `h` plus the up-projection of the tokens' RMS-normed routed latent (`h` itself for a
+      padded token).
     """
-    return _layer(ep, p, h, eps)[0]
+    return _layer(ep, p, h, eps, live)[0]
 
 
-def _layer(ep, p: dict, h, eps: float):
+def _layer(ep, p: dict, h, eps: float, live=None, impl: str = "ragged_dot"):
     """`layer`, and this rank's routing ids int32 `[T, K]` of the layer."""
     local = ep.shape.num_local_experts(ep.ranks)
     rank = lax.axis_index(ep.axis_name).astype(jnp.int32)
     ids, weights = route(h, p["router"], ep.shape.topk)
+    ids = pad_ids(ids, live)
     x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     recv = ep.dispatch(x, ids, weights)
-    xf = jnp.where(recv.src[:, None] == -1, 0.0, mxfp8_dequantize(recv.x, recv.sf))
-    coef = local_coefficients(recv.ids, recv.weights, rank * local, local)
-    out = experts_mlp(xf, p["w1"], p["w2"], coef)
+    pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)
+    out = experts.swiglu(recv, pl, p["w_gate"], p["w_up"], p["w_down"], impl=impl)
     y = ep.combine(out, ids, p["norm"], eps)
     return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16), ids
 
 
-def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False):
-    """`forward(params, h)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over `ep.mesh`,
-    as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`).
+def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False, impl: str = "ragged_dot"):
+    """`forward(params, h, live=None)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over
+    `ep.mesh`, as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`).
 
     `h` is bf16 [N*T, H] sharded over the axis (rank `r` owns rows `r*T ... r*T + T - 1`); params as
-    `param_specs` shards them (see `shard_params`). Returns bf16 [N*T, H]; with `per_layer` (for tests),
-    `(hs, ids)` instead: every layer's output bf16 [Ly, N*T, H] and routing ids int32 [Ly, N*T, K]."""
+    `param_specs` shards them (see `shard_params`); `live`, int32 [N] or None, the live token count of each
+    rank (its other tokens are padding). Returns bf16 [N*T, H]; with `per_layer` (for tests), `(hs, ids)`
+    instead: every layer's output bf16 [Ly, N*T, H] and routing ids int32 [Ly, N*T, K]. `impl`: the expert
+    stage's implementation (`experts.IMPLEMENTATIONS`)."""
     axis = ep.axis_name
 
-    def step(h, p):  # per_layer: the carry, and the layer's (output, ids)
-        out, ids = _layer(ep, p, h, cfg.eps)
-        return out, (out, ids)
+    def body(params, h, live):
+        lv = None if live is None else live[0]
+        one = lambda h, p: _layer(ep, p, h, cfg.eps, lv, impl)  # noqa: E731
 
-    def body(params, h):
+        def step(h, p):  # per_layer: the carry, and the layer's (output, ids)
+            out, ids = one(h, p)
+            return out, (out, ids)
+
         if per_layer:
             if scan:
                 return lax.scan(step, h, params)[1]
@@ -171,12 +198,21 @@ def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False)
             return jax.tree.map(lambda *a: jnp.stack(a), *outs)
         if not scan:
             for i in range(cfg.layers):
-                h = layer(ep, jax.tree.map(lambda a: a[i], params), h, cfg.eps)
+                h = one(h, jax.tree.map(lambda a: a[i], params))[0]
             return h
-        return lax.scan(lambda h, p: (layer(ep, p, h, cfg.eps), None), h, params)[0]
+        return lax.scan(lambda h, p: (one(h, p)[0], None), h, params)[0]
 
     out_specs = (P(None, axis), P(None, axis)) if per_layer else P(axis)
-    return jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(param_specs(axis), P(axis)), out_specs=out_specs))
+    specs = param_specs(axis)
+
+    def forward(params, h, live=None):
+        if live is None:
+            sm = jax.shard_map(lambda p, h: body(p, h, None), mesh=ep.mesh, in_specs=(specs, P(axis)), out_specs=out_specs)
+            return sm(params, h)
+        sm = jax.shard_map(body, mesh=ep.mesh, in_specs=(specs, P(axis), P(axis)), out_specs=out_specs)
+        return sm(params, h, live)
+
+    return jax.jit(forward)
 
 
 def shard_params(params: dict, mesh, axis_name: str) -> dict:
@@ -185,7 +221,7 @@ def shard_params(params: dict, mesh, axis_name: str) -> dict:
     return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
 
 
-def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
+def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float, live=None):
     """One layer for all `N*T` tokens on one device, no collectives: what `layer` computes on `N` ranks.
 
     It lays the computation out as the ranks do, with array shapes equal to theirs (so XLA picks the same
@@ -196,19 +232,21 @@ def reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
 
     Args:
       p: this layer's full parameters (one layer of `init_params`, all experts): router bf16 `[H, E]`, down
-        bf16 `[H, L]`, w1 bf16 `[E, L, I]`, w2 bf16 `[E, I, L]`, up bf16 `[L, H]`, norm bf16 `[L]`.
+        bf16 `[H, L]`, w_gate and w_up bf16 `[E, L, I]`, w_down bf16 `[E, I, L]`, up bf16 `[L, H]`, norm
+        bf16 `[L]`.
       h: bf16 `[N*T, H]`, every rank's tokens, rank-major (rows `r*T ... r*T + T - 1` are rank `r`'s).
       shape: the layer's `LatentMoEShape` (L, E, K).
       ranks: `N`, the number of ranks to model (`shape.check_ranks(N)`); `S = stride(T)`.
       eps: the RMSNorm epsilon.
+      live: None, or int32 `[N]`: each rank's live token count (its later tokens are padding).
 
     Returns:
       bf16 `[N*T, H]`, the layer's output for every token, laid out like `h`.
     """
-    return _reference_layer(p, h, shape, ranks, eps)[0]
+    return _reference_layer(p, h, shape, ranks, eps, live)[0]
 
 
-def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
+def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float, live=None, impl="ragged_dot"):
     """`reference_layer`, and the routing ids int32 `[N*T, K]` of the layer."""
     local = shape.num_local_experts(ranks)
     t = h.shape[0] // ranks
@@ -216,30 +254,37 @@ def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
     hs = h.reshape(ranks, t, h.shape[1])
     rank_ids = jnp.arange(ranks, dtype=jnp.int32)
 
-    def project(hr):
+    lives = jnp.full((ranks,), t, jnp.int32) if live is None else jnp.asarray(live, jnp.int32)
+
+    def project(args):
+        hr, lv = args
         ids, w = route(hr, p["router"], shape.topk)
+        ids = pad_ids(ids, lv)
         x = jnp.dot(hr, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         member = jnp.any(ids[:, :, None] // local == rank_ids[None, None, :], axis=1)  # [T, N]
         # The barrier keeps the FP8 rounding: with XLA's default `xla_allow_excess_precision` the GPU compiler
         # removes the f32 -> float8 -> f32 convert pair of quantize-then-dequantize (dispatch's bitcasts keep it).
         return ids, w, mxfp8_dequantize(*lax.optimization_barrier(mxfp8_quantize(x))), member
 
-    ids, w, xf, member = lax.map(project, hs)  # [N, T, ...]
+    ids, w, xf, member = lax.map(project, (hs, lives))  # [N, T, ...]
+    src = (rank_ids[:, None] << 16) | jnp.arange(t, dtype=jnp.int32)[None, :]  # [N, T]
     pad = ((0, 0), (0, s_rows - t), (0, 0))
 
     def expert_rank(args):  # the rows rank d receives, and its experts' output for them
-        d, w1, w2 = args
+        d, wg, wu, wd = args
         m = member[:, :, d][..., None]  # [N, T, 1]
         empty = ((d + 1) % ranks) * local
         rows_x = jnp.pad(jnp.where(m, xf, 0.0), pad).reshape(ranks * s_rows, -1)
         rows_ids = jnp.pad(jnp.where(m, ids, empty), pad, constant_values=0).reshape(ranks * s_rows, -1)
         rows_ids = jnp.where(jnp.pad(jnp.broadcast_to(m, ids.shape), pad).reshape(rows_ids.shape), rows_ids, empty)
         rows_w = jnp.pad(jnp.where(m, w, 0.0), pad).reshape(ranks * s_rows, -1)
-        return experts_mlp(rows_x, w1, w2, local_coefficients(rows_ids, rows_w, d * local, local))
+        rows_src = jnp.pad(jnp.where(m[..., 0], src, -1), pad[:2], constant_values=-1).reshape(-1)
+        rows = Received(None, None, rows_ids, rows_w, rows_src)  # the plan reads ids, weights, src only
+        pl = experts.plan(rows, d, local, max_tokens=t, ranks=ranks)
+        return experts.swiglu_rows(pl, rows_x.astype(jnp.bfloat16), wg, wu, wd, impl=impl)
 
-    w1 = p["w1"].reshape(ranks, local, *p["w1"].shape[1:])
-    w2 = p["w2"].reshape(ranks, local, *p["w2"].shape[1:])
-    outs = lax.map(expert_rank, (rank_ids, w1, w2))  # [N(d), N*S, L]
+    split = lambda a: a.reshape(ranks, local, *a.shape[1:])  # noqa: E731
+    outs = lax.map(expert_rank, (rank_ids, split(p["w_gate"]), split(p["w_up"]), split(p["w_down"])))
 
     def combine_rank(args):
         r, hr, mr = args
@@ -254,16 +299,17 @@ def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float):
     return lax.map(combine_rank, (rank_ids, hs, member)).reshape(h.shape), ids.reshape(-1, shape.topk)
 
 
-def make_reference_forward(cfg: MoEConfig, ranks: int, per_layer: bool = False):
-    """`forward(params, h_all)`: the whole model for all `N*T` tokens on one device (put the inputs on one
-    device). One jitted layer, applied `cfg.layers` times (one compilation). Returns bf16 [N*T, H]; with
-    `per_layer`, `(hs, ids)` as `make_forward(..., per_layer=True)` returns them."""
-    one = jax.jit(lambda p, h: _reference_layer(p, h, cfg.shape, ranks, cfg.eps))
+def make_reference_forward(cfg: MoEConfig, ranks: int, per_layer: bool = False, impl: str = "ragged_dot"):
+    """`forward(params, h_all, live=None)`: the whole model for all `N*T` tokens on one device (put the inputs
+    on one device; `live` as `make_forward` takes it). One jitted layer, applied `cfg.layers` times (one
+    compilation). Returns bf16 [N*T, H]; with `per_layer`, `(hs, ids)` as `make_forward(..., per_layer=True)`
+    returns them."""
+    one = jax.jit(lambda p, h, live: _reference_layer(p, h, cfg.shape, ranks, cfg.eps, live, impl))
 
-    def forward(params, h):
+    def forward(params, h, live=None):
         outs = []
         for i in range(cfg.layers):
-            h, ids = one(jax.tree.map(lambda a: a[i], params), h)
+            h, ids = one(jax.tree.map(lambda a: a[i], params), h, live)
             outs.append((h, ids))
         return jax.tree.map(lambda *a: jnp.stack(a), *outs) if per_layer else h
 

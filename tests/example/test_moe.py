@@ -79,3 +79,30 @@ def test_demo_on_gpus_runs_the_nvlink_backend():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "backend: nvlink" in run.stdout and "L=3584 E=896 K=16" in run.stdout, run.stdout[-3000:]
     assert "OK: matches the single-device model" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n,t,live", [(2, 5, [5, 2]), (4, 4, [0, 4, 1, 3])])
+def test_padded_tokens_per_rank(n, t, live):
+    """A different live count on every rank: padded tokens (ids all -1) pass through each layer unchanged, and
+    the sharded model equals the one-device model (bit for bit on CPU) with the same live counts."""
+    cfg = moe.MoEConfig(shape=LatentMoEShape(latent=256, experts=32, topk=4), hidden=128, layers=2)
+    devices = xla_devices(n)
+    mesh = jax.make_mesh((n,), ("ep",), devices=devices)
+    params = moe.init_params(jax.random.key(7 + n), cfg)
+    h = jax.random.normal(jax.random.key(8 + n), (n * t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
+    lv = np.asarray(live, np.int32)
+    with ExpertParallel(mesh, "ep", max_tokens=t, shape=cfg.shape, backend="xla") as ep:
+        fwd = moe.make_forward(ep, cfg, per_layer=True)
+        hs, ids = fwd(moe.shard_params(params, mesh, "ep"), jax.device_put(h, NamedSharding(mesh, P("ep"))),
+                      jax.device_put(lv, NamedSharding(mesh, P("ep"))))
+    hs, ids = np.asarray(hs, np.float32), np.asarray(ids)
+    padded = (np.arange(n * t) % t) >= np.repeat(lv, t)
+    assert np.all(ids[:, padded] == -1) and np.all(ids[:, ~padded] >= 0)
+    np.testing.assert_array_equal(hs[:, padded], np.broadcast_to(np.asarray(h, np.float32)[padded], hs[:, padded].shape))
+    assert not np.array_equal(hs[-1, ~padded], np.asarray(h, np.float32)[~padded]), "the layers changed nothing"
+    one = devices[0]
+    want_hs, want_ids = moe.make_reference_forward(cfg, n, per_layer=True)(
+        jax.device_put(params, one), jax.device_put(h, one), jax.device_put(lv, one))
+    np.testing.assert_array_equal(ids, np.asarray(want_ids))
+    if devices[0].platform == "cpu":
+        np.testing.assert_array_equal(hs, np.asarray(want_hs, np.float32))

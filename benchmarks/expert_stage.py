@@ -1,0 +1,259 @@
+"""The expert stage on one GPU: every path of `jax_latent_ep.experts` against its floor (active experts' weight
+bytes over the HBM bandwidth measured in the same run).
+
+    python benchmarks/expert_stage.py [--out expert_stage.csv] [--paths ...] [--tokens 1 8 32 128]
+    python benchmarks/expert_stage.py --smoke        # tiny shapes, CPU is fine (the CI test runs this)
+
+Shapes: L = 3584, K = 16 of E = 896, `J` in {448, 112} local experts (a rank of N = E / J), `I` in {512, 2048};
+T tokens per source rank, the rows rank 0 would receive from N sources at that T (`testing.experts.random_received`,
+uniform top-16, `max_tokens = T`). A program is one jit of `layers` layers, each with its own weights and its
+own routing (weights per layer >> L2, so no cache reuse); the median of `--repeats` runs over `layers`.
+
+Paths (`backend` column `<path>/J<J>/I<I>`): `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
+`ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
+`ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
+gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
+local expert on every row, FP32: the checker; skipped past `--dense-gb`). Rows: `us_per_layer`, `ratio` (to the
+floor), `floor/..` `us` and `active_experts`, `hbm_GBps` (a device copy, bytes read + written). A path that fails
+(an unknown flag, a lowering that refuses) is reported in the table and has no rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# path -> (environment for its process, jax config updates)
+GROUPS = {
+    "default": ({}, {}),
+    "cudnn": ({"XLA_FLAGS": "--xla_gpu_experimental_use_ragged_dot_fusion=true"}, {}),
+    "pallas": ({}, {"jax_ragged_dot_use_gpu_pallas_triton_lowering": True}),
+}
+PATHS = {"ragged_dot-default": ("default", "ragged_dot"), "gather": ("default", "gather"),
+         "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
+         "ragged_dot-pallas": ("pallas", "ragged_dot")}
+COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _time(fn, args, repeats):
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return _median(samples)
+
+
+def hbm_gbps(nbytes, repeats):
+    """Bytes read + written per second of a device copy (`a + 1` on bf16) of `nbytes`."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+    sec = _time(jax.jit(lambda a: a + 1), (a,), repeats)
+    return 2 * nbytes / sec / 1e9
+
+
+def child(args):
+    """Measures the paths of one group in this process; prints one JSON row per line."""
+    import jax
+
+    for key, value in GROUPS[args.group][1].items():
+        jax.config.update(key, value)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_latent_ep import experts
+    from jax_latent_ep.layout import stride
+    from jax_latent_ep.testing.experts import random_received
+
+    dev = jax.devices()[0]
+    out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
+    lat, e, k = args.latent, args.experts, args.topk
+    if args.group == "default":
+        out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
+    paths = [p for p in args.paths if PATHS[p][0] == args.group]
+    rng = np.random.default_rng(0)
+    for j in args.local:
+        n = e // j
+        for inter in args.intermediate:
+            per_layer = 3 * j * lat * inter * 2
+            layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
+            key = jax.random.key(j * 7 + inter)
+            ws = []
+            for li in range(layers):  # own weights per layer, made on the device
+                kg, ku, kd = jax.random.split(jax.random.fold_in(key, li), 3)
+                ws.append((
+                    (jax.random.normal(kg, (j, lat, inter), jnp.float32) / 60).astype(jnp.bfloat16),
+                    (jax.random.normal(ku, (j, lat, inter), jnp.float32) / 60).astype(jnp.bfloat16),
+                    (jax.random.normal(kd, (j, inter, lat), jnp.float32) / 45).astype(jnp.bfloat16),
+                ))
+            for t in args.tokens:
+                recvs = [random_received(rng, ranks=n, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k)
+                         for _ in range(layers)]
+                ids = [np.asarray(r.ids)[np.asarray(r.src) != -1] for r in recvs]
+                active = float(np.mean([len(np.unique(i[(i >= 0) & (i < j)])) for i in ids]))
+                recvs = [jax.tree.map(jnp.asarray, r) for r in recvs]
+                rows = n * stride(t)
+                cap = experts.capacity(n, t, k, j)
+                name = f"J{j}/I{inter}"
+                if args.group == "default":
+                    out(backend=f"floor/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
+                for path in paths:
+                    impl = PATHS[path][1]
+                    if impl == "gather" and 3 * cap * lat * inter * 2 > args.gather_gb * 2**30:
+                        continue
+                    if impl == "dense" and (rows * j * max(lat, 2 * inter) * 4 > args.dense_gb * 2**30):
+                        continue
+
+                    def program(recvs, ws, impl=impl, t=t, n=n):
+                        return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
+
+                    fn = jax.jit(program)
+                    try:
+                        sec = _time(fn, (recvs, ws), args.repeats)
+                    except Exception as exc:  # a lowering that refuses, out of memory: say so, go on
+                        print(f"FAIL {path}/{name} T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        continue
+                    if path.startswith("ragged_dot") and t == args.tokens[0]:
+                        hlo = fn.lower(recvs, ws).compile().as_text()
+                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
+                            value=float("cudnn" in hlo.lower()))
+                    out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
+            del ws
+    print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)
+
+
+def parent(args, argv):
+    groups = sorted({PATHS[p][0] for p in args.paths}, key=list(GROUPS).index)
+    rows, device, notes = [], "unknown", []
+    for group in groups:
+        env = dict(os.environ)
+        extra = GROUPS[group][0]
+        for k, v in extra.items():
+            env[k] = (env.get(k, "") + " " + v).strip()
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", group] + argv
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        for line in proc.stdout.splitlines():
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+            elif line.startswith("DEVICE "):
+                device = line[7:]
+            elif line.startswith("FAIL "):
+                notes.append(line)
+        if proc.returncode:
+            notes.append(f"FAIL group {group} (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        print(f"# group {group}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+    hbm = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
+    lat = args.latent
+    for r in list(rows):
+        if r["metric"] == "active_experts" and hbm:
+            inter = int(r["backend"].split("/I")[1])
+            rows.append(dict(r, metric="us", value=r["value"] * 3 * lat * inter * 2 / (hbm * 1e9) * 1e6))
+    floors = {(r["backend"].split("/", 1)[1], r["tokens"]): r["value"] for r in rows
+              if r["backend"].startswith("floor/") and r["metric"] == "us"}
+    for r in list(rows):
+        if r["metric"] == "us_per_layer":
+            f = floors.get((r["backend"].split("/", 1)[1], r["tokens"]))
+            if f:
+                rows.append(dict(r, metric="ratio", value=r["value"] / f))
+
+    date, commit = datetime.date.today().isoformat(), _commit()
+    with open(args.out, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(COLUMNS)
+        for r in rows:
+            w.writerow([date, device, commit, r["backend"], r["ranks"], r["tokens"], r["metric"], f"{r['value']:.6g}"])
+
+    print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (copy, read + write)")
+    print("us per layer (ratio to the floor); floor = active experts x 3 L I x 2 B / HBM bandwidth")
+    for j in args.local:
+        for inter in args.intermediate:
+            name = f"J{j}/I{inter}"
+            print(f"\n{name} (N = {args.experts // j}):")
+            print(f"  {'path':20s}" + "".join(f"{'T=' + str(t):>18s}" for t in args.tokens))
+            act = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"floor/{name}" and r["metric"] == "active_experts"}
+            print(f"  {'active experts':20s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
+            print(f"  {'floor':20s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
+            for path in args.paths:
+                us = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"{path}/{name}" and r["metric"] == "us_per_layer"}
+                if not us:
+                    continue
+                cells = []
+                for t in args.tokens:
+                    if t in us:
+                        f = floors.get((name, t))
+                        cells.append(f"{us[t]:10.1f} ({us[t] / f:4.1f}x)" if f else f"{us[t]:18.1f}")
+                    else:
+                        cells.append(f"{'-':>18s}")
+                print(f"  {path:20s}" + "".join(f"{c:>18s}" for c in cells))
+            cud = [r for r in rows if r["backend"].endswith(name) and r["metric"] == "cudnn_in_hlo"]
+            for r in cud:
+                print(f"  {r['backend'].split('/')[0]}: cuDNN custom call in the optimized HLO: {bool(r['value'])}")
+    for n in notes:
+        print(n)
+    print(f"wrote {args.out} ({len(rows)} rows)")
+    return 0 if rows else 1
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): L=128, E=32, K=4, J=16")
+    p.add_argument("--out", default="expert_stage.csv")
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128])
+    p.add_argument("--local", nargs="+", type=int, default=[448, 112], help="J, local experts")
+    p.add_argument("--intermediate", nargs="+", type=int, default=[512, 2048], help="I")
+    p.add_argument("--latent", type=int, default=3584)
+    p.add_argument("--experts", type=int, default=896)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4, help="layers per program (fewer where weights pass --weights-gb)")
+    p.add_argument("--weights-gb", type=float, default=40.0)
+    p.add_argument("--gather-gb", type=float, default=8.0)
+    p.add_argument("--dense-gb", type=float, default=8.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hbm-bytes", type=int, default=2 << 30)
+    p.add_argument("--child-timeout", type=int, default=400)
+    p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.latent, args.experts, args.topk = 128, 32, 4
+        args.local, args.intermediate, args.tokens = [16], [32], [1, 4]
+        args.layers, args.repeats, args.hbm_bytes = 2, 1, 1 << 22
+        if "--paths" not in argv:
+            args.paths = ["ragged_dot-default", "gather", "dense"]
+    if args.group:
+        child(args)
+        return 0
+    return parent(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

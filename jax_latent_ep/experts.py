@@ -1,0 +1,260 @@
+"""The expert stage between `dispatch` and `combine`: a plan of the (row, local expert) pairs and a grouped SwiGLU.
+
+    recv = ep.dispatch(x, ids, weights)
+    pl   = experts.plan(recv, rank, num_local_experts=J, max_tokens=T)      # static shapes, no host sync
+    out  = experts.swiglu(recv, pl, w_gate, w_up, w_down, impl="ragged_dot")  # bf16 [N*S, L]
+    y    = ep.combine(out, ids, norm)
+
+The plan lists the pairs (row, local expert) that exist, sorted by local expert (the layout a grouped GEMM
+reads), with their group sizes and the way back from pairs to rows. Its capacity is static:
+`C = N * max_tokens * min(K, J)` (rows `t >= max_tokens` of a source block are always empty; `max_tokens`
+defaults to `S`, giving the `N * S * min(K, J)` bound), and a row is never planned twice for one expert:
+duplicate ids of a token that name the same local expert make one pair whose weight is their FP32 sum in
+ascending slot order. An id is local when `id // J == rank`; so `-1` (the documented "no expert" id of a
+padded token or an unused slot) and every other id outside this rank's range are not. Rows with `src == -1`
+get no pair whatever their ids (with N = 1 the empty rows carry expert 0 with weight 0).
+
+Numerics (docs/experts.md): activations are the dequantized MXFP8 rows rounded to bf16 (exact: an MXFP8 value
+has 4 significant bits); `gate = x @ w_gate[e]`, `up = x @ w_up[e]` bf16 x bf16 with FP32 accumulation;
+`h = bf16(silu(gate) * up)` (silu and product in FP32, one rounding); `y = h @ w_down[e]` FP32 accumulation;
+`out[row] = bf16(sum_m coef_m * y_m)`, the FP32 sum starting from 0 over the row's local experts in ascending
+order of their first slot `k`, rounded once. The sum is a fixed-order loop over `min(K, J)` gathered pair
+outputs, so given the pair outputs it is deterministic and identical on every implementation; the GEMMs'
+accumulation order is the implementation's (XLA's or the kernel's), hence a stated tolerance between them.
+
+Implementations (`IMPLEMENTATIONS`, a small registry; each maps the plan and the bf16 activations to the
+per-pair FP32 outputs `y [C, L]`): "ragged_dot" (`jax.lax.ragged_dot` over the sorted pairs; how XLA lowers it
+is the backend's: see benchmarks/expert_stage.py), "gather" (each pair gathers its expert's weights: only
+for small `C`), "dense" (every local expert on every row, then the pairs picked: the checker).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_latent_ep.numerics import mxfp8_dequantize
+from jax_latent_ep.received import Received
+
+#: The "no expert" id: a padded token's ids, or a slot a token does not use. It selects no rank.
+NO_EXPERT = -1
+
+
+class Plan(NamedTuple):
+    """The (row, local expert) pairs of one rank's receive rows, grouped by local expert (static shapes).
+
+    `C` = capacity, `R = N * S` rows, `J` local experts, `M = min(K, J)`.
+
+    Attributes:
+      row: int32 `[C]`, the receive row of each pair; pairs sorted by local expert, then row (0 in unused pairs).
+      expert: int32 `[C]`, the local expert `j` in `[0, J)` of each pair (`J` in unused pairs).
+      weight: float32 `[C]`, the pair's routing weight: the FP32 sum, ascending `k`, of the row's weights of
+        the slots naming that expert (0 in unused pairs).
+      group_sizes: int32 `[J]`, pairs per local expert (what `ragged_dot` takes).
+      count: int32 `[]`, pairs used (`sum(group_sizes)`); pairs `count ... C - 1` are unused.
+      row_pairs: int32 `[R, M]`, the way back: the pair of the row's `m`-th local expert in ascending order of
+        its first slot, or `C` where the row has fewer (points at a zero row).
+    """
+
+    row: jax.Array
+    expert: jax.Array
+    weight: jax.Array
+    group_sizes: jax.Array
+    count: jax.Array
+    row_pairs: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return int(self.row.shape[0])
+
+    @property
+    def num_local_experts(self) -> int:
+        return int(self.group_sizes.shape[0])
+
+
+def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> int:
+    """`N * max_tokens * min(K, J)`: the most pairs one rank's receive rows can hold."""
+    return ranks * max_tokens * min(topk, num_local_experts)
+
+
+def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None) -> Plan:
+    """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
+
+    Args:
+      recv: the rank's `Received` (`[N*S, ...]` rows); only `ids`, `weights` and `src` are read.
+      rank: int32 scalar (traced or static), this rank's index on the expert-parallel axis.
+      num_local_experts: `J = E / N`; an id is local when `id // J == rank`.
+      max_tokens: the `ExpertParallel`'s `max_tokens` (rows `t >= max_tokens` of every source block are
+        empty by the contract and are not planned); default `S`, i.e. every row.
+      ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
+        `max_tokens` is given, else 1 (one block of all rows).
+
+    Returns:
+      A `Plan` of capacity `N * max_tokens * min(K, J)`.
+    """
+    from jax_latent_ep.layout import stride
+
+    rows, k = recv.ids.shape
+    j = int(num_local_experts)
+    if j < 1:
+        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
+    m = min(k, j)
+    cap = capacity(ranks, mt, k, j)
+    ids, w = recv.ids, recv.weights.astype(jnp.float32)
+    rank = jnp.asarray(rank, jnp.int32)
+
+    live = (recv.src != -1) & ((jnp.arange(rows, dtype=jnp.int32) % s_rows) < mt)  # [R]
+    local = (jnp.floor_divide(ids, j) == rank) & live[:, None]  # [R, K]
+    # One pair per distinct local expert of a row: the first slot naming it; its weight sums the slots
+    # naming it in ascending k (FP32, from 0).
+    same = ids[:, :, None] == ids[:, None, :]  # [R, K(k), K(k')]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # k' < k
+    first = local & ~jnp.any(same & earlier[None], axis=2)
+    coef = jnp.zeros((rows, k), jnp.float32)
+    for kk in range(k):  # ascending k'
+        coef = coef + jnp.where(same[:, :, kk], w[:, kk : kk + 1], 0.0)
+    coef = jnp.where(first, coef, 0.0)
+
+    flat_first = first.reshape(-1)
+    key = jnp.where(first, jnp.clip(ids - rank * j, 0, j - 1), j).reshape(-1)  # [R*K], J = no pair
+    order = jnp.argsort(key, stable=True)[:cap].astype(jnp.int32)  # by expert, then row, then slot
+    used = flat_first[order]
+    pair_row = jnp.where(used, order // k, 0)
+    pair_expert = jnp.where(used, key[order], j)
+    pair_weight = jnp.where(used, coef.reshape(-1)[order], 0.0)
+    group_sizes = jnp.zeros((j + 1,), jnp.int32).at[key].add(1)[:j]
+    count = jnp.sum(flat_first, dtype=jnp.int32)
+
+    # The way back: the pair index of every (row, slot), then each row's pairs in ascending first slot.
+    pos = jnp.full((rows * k,), cap, jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32), unique_indices=True)
+    pos = jnp.where(flat_first, pos, cap).reshape(rows, k)
+    slots = jnp.argsort(~first, axis=1, stable=True)[:, :m]  # the row's first slots, ascending k
+    row_pairs = jnp.take_along_axis(pos, slots, axis=1)
+    row_pairs = jnp.where(jnp.take_along_axis(first, slots, axis=1), row_pairs, cap)
+    return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
+
+
+def activations(recv: Received):
+    """bf16 `[N*S, L]`: the dequantized MXFP8 rows (exact in bf16; unspecified in empty rows)."""
+    return mxfp8_dequantize(recv.x, recv.sf).astype(jnp.bfloat16)
+
+
+def _split(w_gate, w_up):
+    """(gate, up) weights, or the fused `[J, L, 2I]` and None."""
+    return (w_gate, w_up) if w_up is not None else (w_gate, None)
+
+
+def _glu(gu, up, inter):
+    """bf16 `h = silu(gate) * up` from FP32 `gate`, `up` (or the fused `[.., 2I]` `gu` with `up=None`)."""
+    if up is None:
+        gu, up = gu[..., :inter], gu[..., inter:]
+    return (jax.nn.silu(gu) * up).astype(jnp.bfloat16)
+
+
+def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down):
+    """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
+    xp = xb[pl.row]  # [C, L] bf16
+    gs = pl.group_sizes
+    rd = lambda a, w: lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32)  # noqa: E731
+    gate = rd(xp, w_gate)
+    up = rd(xp, w_up) if w_up is not None else None
+    h = _glu(gate, up, w_down.shape[1])
+    return rd(h, w_down)
+
+
+def _gather(pl: Plan, xb, w_gate, w_up, w_down):
+    """Each pair gathers its expert's weights (`[C, L, I]` temporaries: decode-sized `C` only)."""
+    e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
+    xp = xb[pl.row]
+    mv = lambda a, w: jnp.einsum("cl,cli->ci", a, w[e], preferred_element_type=jnp.float32)  # noqa: E731
+    gate = mv(xp, w_gate)
+    up = mv(xp, w_up) if w_up is not None else None
+    return mv(_glu(gate, up, w_down.shape[1]), w_down)
+
+
+def _dense(pl: Plan, xb, w_gate, w_up, w_down):
+    """Every local expert on every row (`[R, J, L]` FP32), then each pair's (row, expert) picked.
+
+    In FP32 operands (exact bf16 values: the same products), as XLA's CPU dot does not take bf16 x bf16 -> f32
+    in a batched dot; it is the checker, not a fast path."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    hi = lax.Precision.HIGHEST  # no TF32 on GPUs
+    mm = lambda a, w: jnp.einsum("rl,jli->rji", f32(a), f32(w), precision=hi)  # noqa: E731
+    gate = mm(xb, w_gate)
+    up = mm(xb, w_up) if w_up is not None else None
+    h = _glu(gate, up, w_down.shape[1])
+    y = jnp.einsum("rji,jil->rjl", f32(h), f32(w_down), precision=hi)
+    return y[pl.row, jnp.minimum(pl.expert, pl.num_local_experts - 1)]
+
+
+#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down) -> FP32 per-pair outputs [C, L].
+IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense}
+
+
+def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
+    j, lat = pl.num_local_experts, xb.shape[1]
+    inter = w_down.shape[1] if w_down.ndim == 3 else None
+    want_gate = (j, lat, inter if w_up is not None else 2 * (inter or 0))
+    checks = [("w_down", w_down, (j, inter, lat)), ("w_gate", w_gate, want_gate)]
+    if w_up is not None:
+        checks.append(("w_up", w_up, (j, lat, inter)))
+    for name, a, shape in checks:
+        if a.ndim != 3 or tuple(a.shape) != shape or a.dtype != jnp.bfloat16:
+            raise ValueError(
+                f"experts.swiglu: {name} must be bfloat16{list(shape)} (J={j} local experts, L={lat}), "
+                f"got {jnp.dtype(a.dtype).name}{list(a.shape)}"
+            )
+
+
+def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot"):
+    """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
+    if xb.dtype != jnp.bfloat16 or xb.ndim != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
+        raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
+                         f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
+    _check_weights(xb, w_gate, w_up, w_down, pl)
+    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down)  # [C, L] f32
+    yw = jnp.concatenate([y * pl.weight[:, None], jnp.zeros((1, y.shape[1]), jnp.float32)])  # row C: zero
+    yw = jnp.where(jnp.arange(yw.shape[0])[:, None] < pl.count, yw, 0.0)  # unused pairs may hold garbage
+    acc = jnp.zeros(xb.shape, jnp.float32)
+    for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
+        acc = acc + yw[pl.row_pairs[:, m]]
+    return acc.astype(jnp.bfloat16)
+
+
+def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot"):
+    """The rank's routed experts on its received rows: bf16 `[N*S, L]`, exactly what `combine` takes.
+
+    Args:
+      recv: the rank's `Received` (its MXFP8 `x`, `sf` are dequantized here).
+      pl: `plan(recv, ...)` of the same rows.
+      w_gate: bf16 `[J, L, I]` gate projection of each local expert, or bf16 `[J, L, 2I]` gate and up fused
+        (gate first) when `w_up` is None.
+      w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`).
+      w_down: bf16 `[J, I, L]` down projection.
+      impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense").
+
+    Returns:
+      bf16 `[N*S, L]`: `out[row] = bf16(sum_m weight_m * down(bf16(silu(gate) * up)))` over the row's local
+      experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
+      `src == -1`.
+    """
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl)
+
+
+def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None):
+    """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=...), ...)` with `J = w_down.shape[0]`."""
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks)
+    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)

@@ -1,0 +1,122 @@
+"""Receive rows for the expert stage without a dispatch (NumPy), and the NumPy model of `experts.swiglu`."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from jax_latent_ep.layout import stride
+from jax_latent_ep.received import Received
+
+
+def random_received(
+    rng: np.random.Generator,
+    *,
+    ranks: int,
+    rank: int,
+    tokens,
+    max_tokens: int,
+    latent: int,
+    experts: int,
+    topk: int,
+    pad_tokens: float = 0.0,
+    pad_slots: float = 0.0,
+    duplicates: float = 0.0,
+    local_bias: float | None = None,
+) -> Received:
+    """The `Received` rank `rank` would get from `ranks` sources (as the contract lays it out), as NumPy arrays.
+
+    Args:
+      rng: the generator.
+      ranks, rank: `N` and the receiving rank.
+      tokens: live tokens per source rank (an int, or a list of `N` ints: a different count per rank).
+      max_tokens: fixes `S = stride(max_tokens)`.
+      latent, experts, topk: `L`, `E`, `K`.
+      pad_tokens: fraction of live tokens whose ids are all `-1` (padded tokens: they reach no rank).
+      pad_slots: fraction of the other slots set to `-1` (unused slots).
+      duplicates: fraction of tokens whose slot 1 repeats slot 0's expert.
+      local_bias: with a value, each id is drawn from this rank's experts with that probability (else uniform).
+
+    Returns:
+      `Received` of NumPy arrays (`x` float8_e4m3fn, `sf` uint8, `ids` int32, `weights` float32, `src` int32),
+      `N * S` rows; empty rows as the contract's (`src = -1`, weights 0, ids `((rank + 1) % N) * E/N`).
+    """
+    from jax_latent_ep.numerics import mxfp8_quantize
+
+    s_rows, local = stride(max_tokens), experts // ranks
+    counts = [tokens] * ranks if np.isscalar(tokens) else list(tokens)
+    rows = ranks * s_rows
+    ids = np.full((rows, topk), ((rank + 1) % ranks) * local, np.int32)
+    weights = np.zeros((rows, topk), np.float32)
+    src = np.full((rows,), -1, np.int32)
+    for s in range(ranks):
+        for t in range(counts[s]):
+            if local_bias is None:
+                tid = rng.choice(experts, topk, replace=False)
+            else:
+                mine = rng.random(topk) < local_bias
+                tid = np.where(mine, rank * local + rng.integers(0, local, topk), rng.integers(0, experts, topk))
+            tid = tid.astype(np.int32)
+            if rng.random() < duplicates and topk > 1:
+                tid[1] = tid[0]
+            if rng.random() < pad_tokens:
+                tid[:] = -1
+            else:
+                tid[rng.random(topk) < pad_slots] = -1
+            # only tokens with an expert on `rank` are received here
+            if not np.any(tid // local == rank) or np.all(tid < 0):
+                continue
+            row = s * s_rows + t
+            ids[row] = tid
+            wt = rng.random(topk).astype(np.float32) + 0.05
+            weights[row] = wt / wt.sum()
+            src[row] = (s << 16) | t
+    xb = (rng.standard_normal((rows, latent)) * np.exp(rng.standard_normal((rows, 1)))).astype(ml_dtypes.bfloat16)
+    q, sf = (np.asarray(a) for a in mxfp8_quantize(xb))
+    return Received(q, sf, ids, weights, src)
+
+
+def _bf16(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tokens=None, ranks=1):
+    """NumPy model of `experts.swiglu` (FP32 GEMMs in NumPy's order, the stage's bf16 roundings): bf16 `[R, L]`.
+
+    Per live row (`src != -1`, `t < max_tokens`), the distinct local experts (`id // J == rank`) in ascending
+    order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
+    means `w_gate` is fused `[J, L, 2I]`."""
+    x = np.asarray(recv.x).astype(np.float32) * np.exp2(np.asarray(recv.sf).astype(np.float32) - 127).repeat(32, 1)
+    ids, wts, src = np.asarray(recv.ids), np.asarray(recv.weights), np.asarray(recv.src)
+    wg, wd = np.asarray(w_gate, np.float32), np.asarray(w_down, np.float32)
+    wu = None if w_up is None else np.asarray(w_up, np.float32)
+    j, inter = wd.shape[0], wd.shape[1]
+    rows = ids.shape[0]
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else max_tokens
+    out = np.zeros((rows, wd.shape[2]), np.float32)
+    for r in range(rows):
+        if src[r] == -1 or r % s_rows >= mt:
+            continue
+        seen = []
+        for k in range(ids.shape[1]):
+            e = int(ids[r, k])
+            if e // j == rank and e not in seen:
+                seen.append(e)
+        acc = np.zeros(wd.shape[2], np.float32)
+        for e in seen:
+            c = np.float32(0)
+            for k in range(ids.shape[1]):
+                if ids[r, k] == e:
+                    c = np.float32(c + wts[r, k])
+            le = e - rank * j
+            if wu is None:
+                gu = x[r] @ wg[le]
+                gate, up = gu[:inter], gu[inter:]
+            else:
+                gate, up = x[r] @ wg[le], x[r] @ wu[le]
+            with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for gate << 0: silu -> -0
+                h = _bf16(gate / (1 + np.exp(-gate)) * up)
+            acc = np.float32(acc + c * (h @ wd[le]))
+        out[r] = acc
+    return out.astype(ml_dtypes.bfloat16)

@@ -1,0 +1,28 @@
+"""The expert-stage and K3-layer benchmark scripts run end to end on tiny shapes (`--smoke`) and write their CSV."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
+
+
+@pytest.mark.parametrize("script,must", [
+    ("expert_stage.py", {"us_per_layer", "ratio", "active_experts", "us", "GBps"}),
+    ("k3_layer.py", {"layer_us", "experts_us", "comm_us", "rest_us"}),
+])
+def test_smoke(tmp_path, script, must):
+    out = tmp_path / "out.csv"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == COLUMNS
+    assert must <= {r[6] for r in rows[1:]}, proc.stdout
+    assert all(float(r[7]) == float(r[7]) for r in rows[1:])  # numbers, no NaN

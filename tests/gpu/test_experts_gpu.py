@@ -1,0 +1,53 @@
+"""The expert stage on a GPU (`@pytest.mark.gpu`): every implementation, and ragged_dot with the Pallas-Triton
+lowering, against the NumPy model at Kimi K3's L = 3584, K = 16 of 896 with padding and duplicates."""
+
+import subprocess
+import sys
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_latent_ep import experts
+from jax_latent_ep.testing.experts import random_received, reference_swiglu
+
+pytestmark = pytest.mark.gpu
+
+
+def _close(got, want):
+    # as tests/test_experts.py: 1 bf16 ulp + 1% of the row's largest value (GEMM accumulation order)
+    tol = np.abs(want) * 2.0**-7 + 1e-2 * np.max(np.abs(want), axis=1, keepdims=True)
+    assert np.all(np.abs(got - want) <= tol), float(np.max(np.abs(got - want) - tol))
+
+
+@pytest.mark.parametrize("impl", sorted(experts.IMPLEMENTATIONS))
+@pytest.mark.parametrize("n,t", [(2, 3), (8, 5)])
+def test_k3_sizes(impl, n, t):
+    rng = np.random.default_rng(n * 10 + t)
+    recv = random_received(rng, ranks=n, rank=1, tokens=[t - (s % t) for s in range(n)], max_tokens=t,
+                           latent=3584, experts=896, topk=16, pad_tokens=0.1, pad_slots=0.1, duplicates=0.3)
+    j, inter = 896 // n, 128
+    w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    ws = (w(j, 3584, inter), w(j, 3584, inter), w(j, inter, 3584))
+    fn = jax.jit(lambda r, a, b, c: experts.expert_stage(r, 1, a, b, c, impl=impl, max_tokens=t, ranks=n))
+    got = np.asarray(fn(jax.tree.map(jnp.asarray, recv), *ws), np.float32)
+    want = reference_swiglu(recv, 1, *ws, max_tokens=t, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    assert np.all(got[np.asarray(recv.src) == -1] == 0)
+    _close(got, want)
+
+
+def test_pallas_triton_lowering():
+    """The same check in a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`."""
+    code = (
+        "import jax; jax.config.update('jax_ragged_dot_use_gpu_pallas_triton_lowering', True)\n"
+        "import sys; sys.argv = ['x']; import pytest\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {os.path.abspath(__file__)!r} + '::test_k3_sizes', "
+        "'-k', 'ragged_dot']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -1,0 +1,162 @@
+"""The expert stage (`jax_latent_ep.experts`): the plan's pairs, and every implementation of the grouped SwiGLU
+against the NumPy model and the dense formulation, on fresh random routings with padded tokens (`-1` ids),
+unused slots, duplicate ids, rows with no local expert and a different live count per source rank. One test
+body, parametrized over the implementations."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_latent_ep import experts
+from jax_latent_ep.received import Received
+from jax_latent_ep.testing.experts import random_received, reference_swiglu
+
+IMPLS = sorted(experts.IMPLEMENTATIONS)
+# (N, rank, live tokens per source, max_tokens, L, E, K, I)
+CASES = [
+    (1, 0, [5], 5, 64, 16, 4, 32),  # N = 1: the empty rows carry expert 0 (weight 0), never planned
+    (2, 1, [7, 0], 9, 128, 32, 6, 64),  # one source sends nothing; S = 16 > max_tokens
+    (4, 2, [3, 8, 1, 5], 8, 64, 16, 8, 32),  # J = 4 < K: capacity N * T * J
+    (8, 0, [2, 2, 0, 1, 3, 2, 1, 2], 3, 96, 64, 8, 32),
+]
+
+
+def _case(seed_text, n, rank, tokens, mt, lat, e, k, inter, fused=False):
+    rng = np.random.default_rng(zlib.crc32(seed_text.encode()))
+    recv = random_received(rng, ranks=n, rank=rank, tokens=tokens, max_tokens=mt, latent=lat, experts=e, topk=k,
+                           pad_tokens=0.15, pad_slots=0.2, duplicates=0.3, local_bias=0.4)
+    j = e // n
+    w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    if fused:
+        return recv, (w(j, lat, 2 * inter), None, w(j, inter, lat))
+    return recv, (w(j, lat, inter), w(j, lat, inter), w(j, inter, lat))
+
+
+def _run(recv, weights, rank, mt, n, impl):
+    fn = jax.jit(lambda r, wg, wu, wd: experts.expert_stage(r, rank, wg, wu, wd, impl=impl, max_tokens=mt, ranks=n))
+    return np.asarray(fn(jax.tree.map(jnp.asarray, recv), *weights), np.float32)
+
+
+def _assert_close(got, want, what):
+    """Within 1 bf16 ulp of `want` plus 1% of the row's largest |want|: the GEMMs' FP32 accumulation order is
+    the implementation's, which may move the bf16 rounding of `h` (each flip changes `y` by ~2^-9 of one term)."""
+    ulp = np.abs(want) * 2.0**-7
+    tol = ulp + 1e-2 * np.max(np.abs(want), axis=1, keepdims=True)
+    bad = np.argwhere(np.abs(got - want) > tol)
+    assert bad.size == 0, f"{what}: {len(bad)} values off, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+
+
+def _plan_np(recv, rank, j, mt, n):
+    """(row, local expert) -> FP32 weight (ascending k) of the live rows: the pairs the plan must hold."""
+    ids, w, src = (np.asarray(a) for a in (recv.ids, recv.weights, recv.src))
+    s_rows = ids.shape[0] // n
+    pairs = {}
+    for r in range(ids.shape[0]):
+        if src[r] == -1 or r % s_rows >= mt:
+            continue
+        for k in range(ids.shape[1]):
+            if ids[r, k] // j == rank:
+                key = (r, int(ids[r, k]) - rank * j)
+                pairs[key] = np.float32(pairs.get(key, np.float32(0)) + w[r, k])
+    return pairs
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}" for c in CASES])
+def test_plan(case):
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, _ = _case(f"plan/{case}", *case)
+    j = e // n
+    pl = jax.jit(lambda r: experts.plan(r, rank, j, max_tokens=mt, ranks=n))(jax.tree.map(jnp.asarray, recv))
+    pl = jax.tree.map(np.asarray, pl)
+    want = _plan_np(recv, rank, j, mt, n)
+    count = int(pl.count)
+    assert pl.row.shape == (n * mt * min(k, j),) and count == len(want) > 0
+    got = {(int(r), int(x)): wt for r, x, wt in zip(pl.row[:count], pl.expert[:count], pl.weight[:count])}
+    assert len(got) == count, "a (row, expert) planned twice"
+    assert got.keys() == want.keys()
+    assert all(got[p] == want[p] for p in want), "pair weights are not the ascending-k FP32 sums"
+    assert np.all(np.diff(pl.expert[:count]) >= 0), "pairs not grouped by expert"
+    np.testing.assert_array_equal(pl.group_sizes, np.bincount(pl.expert[:count], minlength=j))
+    assert np.all(pl.expert[count:] == j) and np.all(pl.weight[count:] == 0)
+    # the way back: each row's pairs, in ascending first slot, then C
+    ids = np.asarray(recv.ids)
+    for r in range(ids.shape[0]):
+        firsts = [int(x) - rank * j for kk, x in enumerate(ids[r]) if (r, int(x) - rank * j) in want and x not in ids[r, :kk]]
+        refs = [p for p in pl.row_pairs[r] if p != pl.capacity]
+        assert [int(pl.expert[p]) for p in refs] == firsts and all(pl.row[p] == r for p in refs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}" for c in CASES])
+def test_swiglu_against_numpy(impl, case):
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, weights = _case(f"mlp/{impl}/{case}", *case)
+    got = _run(recv, weights, rank, mt, n, impl)
+    want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    src = np.asarray(recv.src)
+    assert np.any(want != 0)
+    assert np.all(got[src == -1] == 0), "an empty row is not exactly 0"
+    assert np.all(got[~np.any(want != 0, axis=1)] == 0), "a row with no local expert is not exactly 0"
+    _assert_close(got, want, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_gate_up(impl):
+    case = CASES[1]
+    n, rank, tokens, mt = case[:4]
+    recv, weights = _case(f"fused/{impl}", *case, fused=True)
+    got = _run(recv, weights, rank, mt, n, impl)
+    _assert_close(got, reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_against_dense_formulation(impl):
+    """Against the dense formulation written independently: every local expert on every row, weighted by the
+    row's summed routing weight of that expert (`moe.local_coefficients`), summed over experts by XLA."""
+    from jax_latent_ep import moe
+
+    case = CASES[2]
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, (wg, wu, wd) = _case(f"dense/{impl}", *case)
+    j = e // n
+    got = _run(recv, (wg, wu, wd), rank, mt, n, impl)
+    xf = jnp.asarray(experts.activations(jax.tree.map(jnp.asarray, recv)), jnp.float32)
+    live = (np.asarray(recv.src) != -1)[:, None]
+    coef = moe.local_coefficients(jnp.asarray(recv.ids), jnp.where(live, jnp.asarray(recv.weights), 0.0), rank * j, j)
+    f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    hid = jax.nn.silu(jnp.einsum("rl,jli->rji", xf, f(wg))) * jnp.einsum("rl,jli->rji", xf, f(wu))
+    y = jnp.einsum("rji,jil->rjl", hid.astype(jnp.bfloat16).astype(jnp.float32), f(wd))
+    want = np.asarray(jnp.einsum("rj,rjl->rl", coef, y).astype(jnp.bfloat16), np.float32)
+    _assert_close(got, want, f"{impl} vs dense")
+
+
+def test_bad_arguments():
+    recv, (wg, wu, wd) = _case("bad", *CASES[1])
+    recv = jax.tree.map(jnp.asarray, recv)
+    pl = experts.plan(recv, 1, 16, max_tokens=9, ranks=2)
+    with pytest.raises(ValueError, match="impl='cutlass' must be one of"):
+        experts.swiglu(recv, pl, wg, wu, wd, impl="cutlass")
+    with pytest.raises(ValueError, match=r"w_up must be bfloat16\[16, 128, 64\]"):
+        experts.swiglu(recv, pl, wg, wu[:8], wd)
+    with pytest.raises(ValueError, match=r"w_gate must be bfloat16"):
+        experts.swiglu(recv, pl, np.asarray(wg, np.float32), wu, wd)
+    with pytest.raises(ValueError, match="max_tokens=17 must be in"):
+        experts.plan(recv, 1, 16, max_tokens=17, ranks=2)
+    with pytest.raises(ValueError, match="num_local_experts=0"):
+        experts.plan(recv, 1, 0)
+
+
+def test_no_expert_id_is_never_local():
+    """`-1` (and any id outside the rank's range) plans nothing, on every rank, whatever the row."""
+    rows, k = 16, 4
+    ids = np.full((rows, k), -1, np.int32)
+    ids[3] = [-1, 5, -1, 70]  # 5 is local to rank 0 of J = 8; 70 // 8 = 8 is no rank of N = 8
+    recv = Received(np.zeros((rows, 32), ml_dtypes.float8_e4m3fn), np.zeros((rows, 1), np.uint8), ids,
+                    np.full((rows, k), 0.25, np.float32), np.arange(rows, dtype=np.int32))
+    for rank in range(8):
+        pl = experts.plan(jax.tree.map(jnp.asarray, recv), rank, 8)
+        assert int(pl.count) == (1 if rank == 0 else 0)
