@@ -20,6 +20,18 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
+def _found(jax, gpus) -> str:
+    """The demo's first line: the accelerators JAX found (and, without any, why that may be)."""
+    if gpus:
+        return (f"found: {len(gpus)} GPU(s) ({gpus[0].device_kind}), jax {jax.__version__} on "
+                f"{jax.default_backend()}: running on the GPUs")
+    import shutil
+
+    hint = ("an NVIDIA driver is present but JAX has no CUDA plugin: `JAX_LATENT_EP_CUDA=auto ./dev setup` (or pip install "
+            "'jax_latent_ep[cuda13]' / '[cuda12]', matching the driver)" if shutil.which("nvidia-smi") else "no GPU")
+    return f"found: {hint}; jax {jax.__version__}: running on {len(jax.devices('cpu'))} CPU devices"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", choices=["auto", "xla", "nvlink"])
@@ -40,6 +52,7 @@ def main(argv=None) -> int:
     from jax_latent_ep import KIMI_K3, ExpertParallel, moe
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    print(_found(jax, gpus), flush=True)
     kimi = args.shape == "kimi" or (args.shape == "auto" and bool(gpus))
     shape = KIMI_K3 if kimi else moe.SMALL
     cfg = moe.MoEConfig(shape=shape, hidden=args.hidden, intermediate=args.intermediate, layers=args.layers)

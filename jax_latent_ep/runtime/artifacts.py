@@ -6,6 +6,11 @@ Searched in order, file by file (the first directory holding the wanted file win
      `python -m jax_latent_ep.runtime.build` wrote the cubins);
   3. the installed distribution's `jax_latent_ep/_artifacts` (found through `importlib.metadata`), for tests
      run from a source checkout whose package shadows the installed one.
+
+A kernel (`runtime.ffi.find_kernel`) is looked up in the first manifest found this way; a variant it lacks comes
+from the per-user kernel cache next (`runtime/kernel_cache.py`: `$JAX_LATENT_EP_CACHE`, else
+`${XDG_CACHE_HOME:-~/.cache}/jax_latent_ep/kernels`), and is compiled into that cache on demand where
+nvidia-cutlass-dsl is installed (else a LookupError names the variant and the command that installs it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Ahead-of-time build of the EP kernels: `python -m jax_latent_ep.runtime.build [--out DIR] [--arch sm_90a,sm_100a]
-[--only kimi_k3/2 ...] [--jobs J] [--check-installed]`.
+[--only kimi_k3/2 ... | --shape L,E,K --ranks N[,N...]] [--cache] [--jobs J] [--check-installed]`.
 
 Compiles every default variant (`default_variants()`: both kernels, each shape and rank count, each arch) with
 nvidia-cutlass-dsl into `DIR/cubins/<kernel>_<shape>_n<N>_<arch>.cubin` and writes `DIR/manifest.json`, the
 record the C++ launcher reads (symbol name, parameter list, block, shared memory; see docs/kernel_abi.md).
-Needs no GPU. `--check-installed` verifies an installed artifact directory (manifest complete, files present,
+`--shape 4096,128,8 --ranks 1,8` builds that shape's variants instead (cubins named `<kernel>_L4096_E128_K8_n<N>_
+<arch>.cubin`, added to the manifest); with `--cache` they go into the per-user kernel cache
+(`runtime/kernel_cache.py`) that the NVLink backend also fills on demand. Needs no GPU. `--check-installed` verifies an installed artifact directory (manifest complete, files present,
 hashes equal) without importing cutlass, so it runs on the GPU machine too; it exits 1 if anything is off.
 
 No JAX is imported here (the CMake build calls this module).
@@ -23,7 +25,7 @@ import sys
 import time
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.shapes import SHAPES
+from jax_latent_ep.shapes import SHAPES, LatentMoEShape
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = PACKAGE_DIR / "_artifacts"
@@ -75,12 +77,28 @@ def _parse_only(items):
 
 
 def _compile_one(job):
-    """Worker: compiles one variant, writes its cubin, returns its manifest entry."""
+    """Worker: compiles one default-build variant (a named shape), writes its cubin, returns its manifest entry."""
     kernel, shape_name, ranks, arch, out_dir = job
+    shape = SHAPES[shape_name] if isinstance(shape_name, str) else LatentMoEShape(*shape_name)
+    name = shape_label(shape)
+    return compile_variant(kernel, shape, ranks, arch, out_dir, f"cubins/{cubin_name(kernel, name, ranks, arch)}", name)
+
+
+def shape_label(shape: LatentMoEShape) -> str:
+    """The name a shape's cubins and manifest entries carry: its `SHAPES` name, else `L<L>_E<E>_K<K>`."""
+    for name, named in SHAPES.items():
+        if named == shape:
+            return name
+    return f"L{shape.latent}_E{shape.experts}_K{shape.topk}"
+
+
+def compile_variant(kernel: str, shape: LatentMoEShape, ranks: int, arch: str, out_dir, file: str,
+                    shape_name: str | None = None) -> dict:
+    """Compiles `kernel` ("dispatch" / "combine") of `(shape, ranks)` for `arch` into `out_dir/file` (written
+    atomically) and returns its manifest entry. Imports cutlass."""
     started = time.perf_counter()
     from importlib import metadata
 
-    shape = SHAPES[shape_name]
     if kernel == "dispatch":
         from jax_latent_ep.kernels import dispatch as module
 
@@ -89,7 +107,6 @@ def _compile_one(job):
         from jax_latent_ep.kernels import combine as module
 
         name, cubin = module.compile_combine(shape, ranks, arch)
-    file = f"cubins/{cubin_name(kernel, shape_name, ranks, arch)}"
     path = pathlib.Path(out_dir) / file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -103,7 +120,8 @@ def _compile_one(job):
         "params": [list(p) for p in abi.KERNELS[kernel].signature()],
         "block": shape.latent // 16,
         "smem": module.smem_bytes(shape),
-        "shape": {"name": shape_name, "latent": shape.latent, "experts": shape.experts, "topk": shape.topk},
+        "shape": {"name": shape_name or shape_label(shape), "latent": shape.latent, "experts": shape.experts,
+                  "topk": shape.topk},
         "ranks": ranks,
         "arch": arch,
         "source_sha256": source_sha256(),
@@ -112,14 +130,19 @@ def _compile_one(job):
     }
 
 
-def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print):
+def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None):
     """Compiles the selected variants into `out_dir` and (re)writes its manifest; returns the manifest dict.
 
+    `shape` (a LatentMoEShape) with `ranks` (rank counts) builds those instead of the default variants.
     Entries already in an existing manifest for other variants are kept (so `--only` adds to a build)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    keep = _parse_only(only)
-    todo = [(k, s, n, a, str(out_dir)) for k, s, n, a in default_variants(archs) if keep(s, n)]
+    if shape is not None:
+        key = (shape.latent, shape.experts, shape.topk)
+        todo = [(k, key, shape.check_ranks(n), a, str(out_dir)) for a in archs for n in ranks for k in KERNELS]
+    else:
+        keep = _parse_only(only)
+        todo = [(k, s, n, a, str(out_dir)) for k, s, n, a in default_variants(archs) if keep(s, n)]
     if not todo:
         raise SystemExit("nothing to build")
     jobs = jobs or min(len(todo), os.cpu_count() or 1)
@@ -202,6 +225,11 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", metavar="SHAPE[/N]", help="build only these, e.g. kimi_k3/2 deepseek_v3")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count)")
     parser.add_argument("--check-installed", action="store_true", help="verify DIR and exit (no cutlass needed)")
+    parser.add_argument("--shape", metavar="L,E,K", help="build this shape (with --ranks) instead of the defaults")
+    parser.add_argument("--ranks", metavar="N[,N...]", help="rank counts of --shape (default: 1)")
+    parser.add_argument("--cache", action="store_true",
+                        help="compile --shape / --ranks into the per-user kernel cache (runtime/kernel_cache.py: "
+                             "$JAX_LATENT_EP_CACHE or ~/.cache/jax_latent_ep/kernels) instead of --out")
     args = parser.parse_args(argv)
     archs = tuple(a for a in args.arch.split(",") if a)
     for arch in archs:
@@ -214,7 +242,30 @@ def main(argv=None) -> int:
         if not problems:
             print(f"{args.out}: artifacts complete and intact")
         return 1 if problems else 0
-    build(args.out, archs, args.only, args.jobs)
+    shape = ranks = None
+    if args.shape or args.ranks or args.cache:
+        if not args.shape:
+            parser.error("--ranks and --cache need --shape L,E,K")
+        if args.only:
+            parser.error("--only and --shape exclude each other")
+        try:
+            shape = LatentMoEShape(*(int(v) for v in args.shape.split(",")))
+            ranks = [shape.check_ranks(int(n)) for n in (args.ranks or "1").split(",")]
+            if len(args.shape.split(",")) != 3:
+                raise ValueError("give three integers")
+            from jax_latent_ep.kernels import dispatch
+
+            dispatch.check_shape(shape)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--shape {args.shape} --ranks {args.ranks or 1}: {error}")
+    if args.cache:
+        from jax_latent_ep.runtime import kernel_cache
+
+        for arch in archs:
+            for n in ranks:
+                kernel_cache.compile_into_cache(shape, n, arch)
+        return 0
+    build(args.out, archs, args.only, args.jobs, shape=shape, ranks=ranks)
     return 0
 
 

@@ -194,13 +194,24 @@ def _field(v: dict, *names, default=None):
     return default
 
 
-def find_kernel(kernel: str, ranks: int, shape, arch: str) -> KernelImage:
-    """The manifest's variant of `kernel` ('dispatch' or 'combine') for `ranks`, `shape` and `arch`.
+def find_kernel(kernel: str, ranks: int, shape, arch: str, *, compile: bool = True) -> KernelImage:
+    """The compiled `kernel` ('dispatch' or 'combine') for `ranks`, `shape` and `arch`, looked up in order:
+    the installed manifest's variants, then the per-user kernel cache (`runtime/kernel_cache.py`), then (with
+    `compile` and nvidia-cutlass-dsl importable) compiled on demand into that cache, with a progress line.
 
     Raises:
-      FileNotFoundError: no manifest / cubin; LookupError: no such variant (the message lists what exists).
+      LookupError: no such variant anywhere and it cannot be compiled here (the message lists what the
+        manifest has, names the variant and the command that installs the compiler), or the manifest's
+        parameter list differs from this library's.
     """
-    directory, manifest = artifacts.manifest()
+    from jax_latent_ep.runtime import kernel_cache
+
+    try:
+        directory, manifest = artifacts.manifest()
+    except FileNotFoundError as error:  # no installed manifest: the cache may still serve
+        directory, manifest, listing = None, {}, f"no installed manifest: {error}"
+    else:
+        listing = None
     want = {"kernel": kernel, "ranks": ranks, "latent": shape.latent, "experts": shape.experts,
             "topk": shape.topk, "arch": arch}
     have = []
@@ -215,24 +226,35 @@ def find_kernel(kernel: str, ranks: int, shape, arch: str) -> KernelImage:
         }
         have.append(got)
         if got == want:
-            params = v.get("params")
-            expected = abi.KERNELS[kernel].signature()
-            if params is not None and tuple(tuple(p) for p in params) != expected:
-                raise LookupError(
-                    f"the manifest's {kernel} kernel takes {params}, but this FFI library passes {list(expected)} "
-                    "(kernels/abi.py): rebuild the artifacts and the library from one source tree"
-                )
-            cubin_path = pathlib.Path(directory) / _field(v, "cubin", "path", "file")
-            return KernelImage(
-                cubin_path.read_bytes(),
-                _field(v, "name", "symbol"),
-                _field(v, "block", "threads"),
-                _field(v, "smem", "shared_bytes", default=0),
-                str(cubin_path),
-            )
-    raise LookupError(
-        f"no compiled {kernel} kernel for N={ranks}, shape={shape}, arch={arch} in {directory}/manifest.json "
-        f"(it has {_listing(have, kernel)}). Rebuild the artifacts with that variant (python -m jax_latent_ep.runtime.build)."
+            return _image(kernel, v, directory)
+    listing = listing or f"{directory}/manifest.json has {_listing(have, kernel)}"
+    try:
+        cached = (kernel_cache.ensure(shape, ranks, arch) if compile
+                  else kernel_cache.lookup(shape, ranks, arch))
+        if cached is None:
+            raise LookupError(kernel_cache.missing_message(shape, ranks, arch, "compile=False"))
+    except LookupError as error:
+        raise LookupError(f"no compiled {kernel} kernel for N={ranks}, shape={shape}, arch={arch} ({listing}); "
+                          f"{error}") from None
+    return _image(kernel, kernel_cache.entries(cached)[kernel], cached)
+
+
+def _image(kernel: str, v: dict, directory) -> KernelImage:
+    """The KernelImage of manifest entry `v` (its cubin relative to `directory`), its parameter list checked."""
+    params = v.get("params")
+    expected = abi.KERNELS[kernel].signature()
+    if params is not None and tuple(tuple(p) for p in params) != expected:
+        raise LookupError(
+            f"the manifest's {kernel} kernel takes {params}, but this FFI library passes {list(expected)} "
+            "(kernels/abi.py): rebuild the artifacts and the library from one source tree"
+        )
+    cubin_path = pathlib.Path(directory) / _field(v, "cubin", "path", "file")
+    return KernelImage(
+        cubin_path.read_bytes(),
+        _field(v, "name", "symbol"),
+        _field(v, "block", "threads"),
+        _field(v, "smem", "shared_bytes", default=0),
+        str(cubin_path),
     )
 
 
