@@ -12,11 +12,14 @@ mapped too), with the constructor's mesh: a trace-time check compares the mesh t
 axis names and sizes) with it. JAX gives a `shard_map` body only that abstract mesh, without device ids, so
 a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
 nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
-`shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
+`shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch; what the
+traced program shows against that is refused at trace time on every backend (`jax_latent_ep.sequence`).
 
-Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
-its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
-trip) fails the computation on every rank at the same point with a `JaxRuntimeError` whose message names the
+Ids must lie in `[0, E)`, or be -1 (`NO_EXPERT`: a padded token or an unused slot, routed to no rank). With
+`check_ids=True` (a debugging flag; it works under vmap, grad, scan and remat) every dispatch and combine checks
+them: each rank finds its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a
+device-host round trip) raises `BadIdError` (a ValueError) on every rank at the same point, which JAX surfaces
+as one `JaxRuntimeError` carrying its message (not logged per rank) naming the
 first bad id, its token, its rank and the call that first received it (combine's check runs after its
 dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
 it nothing is
