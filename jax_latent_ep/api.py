@@ -12,11 +12,14 @@ mapped too), with the constructor's mesh: a trace-time check compares the mesh t
 axis names and sizes) with it. JAX gives a `shard_map` body only that abstract mesh, without device ids, so
 a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
 nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
-`shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch.
+`shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch; what the
+traced program shows against that is refused at trace time on every backend (`jax_latent_ep.sequence`).
 
-Ids must lie in `[0, E)`. With `check_ids=True` every dispatch and combine checks them: each rank finds
-its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a device-host round
-trip) fails the computation on every rank at the same point with a `JaxRuntimeError` whose message names the
+Ids must lie in `[0, E)`, or be -1 (`NO_EXPERT`: a padded token or an unused slot, routed to no rank). With
+`check_ids=True` (a debugging flag; it works under vmap, grad, scan and remat) every dispatch and combine checks
+them: each rank finds its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a
+device-host round trip) raises `BadIdError` (a ValueError) on every rank at the same point, which JAX surfaces
+as one `JaxRuntimeError` carrying its message (not logged per rank) naming the
 first bad id, its token, its rank and the call that first received it (combine's check runs after its
 dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
 it nothing is
@@ -33,6 +36,8 @@ gives the raw records).
 
 from __future__ import annotations
 
+import logging
+import math
 import numbers
 import weakref
 
@@ -41,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_latent_ep import backends
+from jax_latent_ep import backends, sequence
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 from jax_latent_ep.received import Received
@@ -62,18 +67,61 @@ def _describe_mesh(sig) -> str:
     return "(" + ", ".join(f"{k!r}: {v}" for k, v in sig) + ")"
 
 
+class BadIdError(ValueError):
+    """`check_ids=True` found an id outside `[0, E)` other than -1 ("no expert"): names the id, its token, its
+    rank and the call."""
+
+
+#: The id of "no expert" (a padded token or an unused slot): accepted by `check_ids`, routed to no rank.
+NO_EXPERT = -1
+
+
+class _QuietBadIds(logging.Filter):
+    """JAX logs every failed host callback with its traceback, once per rank; a `BadIdError` is reported by
+    the exception itself, once."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, BadIdError)
+
+
+logging.getLogger("jax._src.callback").addFilter(_QuietBadIds())
+
+
 def _check_ids_host(table, experts, where):
-    """Raises (on every rank alike) if any rank's `[count, t, k, id]` row of `table` counts a bad id."""
+    """Raises `BadIdError` (on every rank alike) if any rank's `[count, t, k, id]` row of `table` counts a bad
+    id; `table` is `[N, 4]`, or `[..., N, 4]` under `jax.vmap` (the first bad batch element is named)."""
     table = np.asarray(table)
-    total = int(table[:, 0].sum())
-    if total:
-        rank = int(np.flatnonzero(table[:, 0])[0])
-        _, t, k, value = (int(v) for v in table[rank])
-        raise ValueError(
-            f"ExpertParallel.{where}: ids[{t}, {k}] = {value} on rank {rank} is outside [0, {experts}) "
-            f"({total} bad id(s) on all ranks)"
-        )
-    return np.zeros((), np.int32)
+    flat = table.reshape(-1, *table.shape[-2:])
+    for b, rows in enumerate(flat):
+        total = int(rows[:, 0].sum())
+        if total:
+            rank = int(np.flatnonzero(rows[:, 0])[0])
+            _, t, k, value = (int(v) for v in rows[rank])
+            batch = f" (batch element {b} of {len(flat)})" if len(flat) > 1 else ""
+            raise BadIdError(
+                f"ExpertParallel.{where}: ids[{t}, {k}] = {value} on rank {rank} is outside [0, {experts}) and not "
+                f"{NO_EXPERT} (no expert){batch} ({total} bad id(s) on all ranks)"
+            )
+    return np.zeros(table.shape[:-2], np.int32)
+
+
+def _as_eps(eps) -> float:
+    """`eps` as a Python float: a finite non-negative real number (Python, NumPy or a concrete 0-d JAX array)."""
+    bad = ValueError(f"ExpertParallel.combine: eps={eps!r} must be a finite non-negative float")
+    if isinstance(eps, (bool, np.bool_)) or isinstance(eps, jax.core.Tracer):
+        raise bad
+    if hasattr(eps, "dtype") and (getattr(eps, "shape", ()) != () or jnp.dtype(eps.dtype).kind not in "fiu"):
+        raise bad
+    if not isinstance(eps, (numbers.Real, np.generic)) and not hasattr(eps, "dtype"):
+        raise bad
+    try:
+        value = float(eps)
+    except Exception:
+        raise bad from None
+    if not (math.isfinite(value) and value >= 0):
+        raise bad
+    return value
 
 
 class ExpertParallel:
@@ -88,7 +136,8 @@ class ExpertParallel:
         memory, CUDA GPUs only) or "auto" (nvlink when N > 1, every mesh device is a CUDA GPU, the kernel artifacts
         exist, the module imports and a kernel is compiled for this N / shape / GPU; xla otherwise, with
         the reason in `fallback_reason`). The chosen one is `self.backend`.
-      check_ids: check at run time that every id is in `[0, E)` (see the module docstring).
+      check_ids: a debugging flag: check at run time that every id is in `[0, E)` or -1 ("no expert"); see
+        the module docstring. It changes nothing else (it works under vmap, grad, scan and remat).
       **backend_opts: passed to the nvlink backend's constructor (e.g. `timeout_s`, `grid`); ignored when
         "auto" falls back to xla; an error with backend="xla".
 
@@ -112,10 +161,16 @@ class ExpertParallel:
     ):
         if max_tokens is None:
             raise ValueError("ExpertParallel needs max_tokens (the largest T of one call per rank)")
-        check_max_tokens(max_tokens)
+        max_tokens = check_max_tokens(max_tokens)  # a Python int from here on
         if not isinstance(shape, LatentMoEShape):
             raise ValueError(f"shape={shape!r} must be a LatentMoEShape")
         axes = dict(mesh.shape)
+        if not isinstance(axis_name, str):
+            raise ValueError(
+                f"axis_name={axis_name!r} must be one mesh axis name (a str): expert parallelism over several mesh "
+                "axes is not supported (the kernels number the ranks of one axis and exchange over it); make the EP "
+                f"group one axis of the mesh (mesh axes: {list(axes)})"
+            )
         if axis_name not in axes:
             raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh (axes: {list(axes)})")
         self.ranks = shape.check_ranks(int(axes[axis_name]))
@@ -159,6 +214,8 @@ class ExpertParallel:
         self._closed = False
         # The kind of the last call traced into each JAX trace (the pairing check, `_check_pairing`).
         self._last_call = weakref.WeakKeyDictionary()
+        # The last dispatch traced into each JAX trace (`sequence.DispatchRecord`, the combine's source check).
+        self._dispatches = weakref.WeakKeyDictionary()
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -222,15 +279,17 @@ class ExpertParallel:
             return ids
         # Every rank learns every rank's first bad id (a tiny all_gather) and the host check raises on all
         # ranks at the same point, so no rank is left waiting in a later collective for a failed one.
-        bad = (ids < 0) | (ids >= self.shape.experts)
+        bad = (ids < NO_EXPERT) | (ids >= self.shape.experts)
         first = jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
         k = self.shape.topk
         info = jnp.stack([jnp.sum(bad, dtype=jnp.int32), first // k, first % k, ids.reshape(-1)[first]])
         table = lax.all_gather(info, self.axis_name)  # [N, 4]
-        operands = (table,) if after is None else (table, after.reshape(-1)[:1])
+        # stop_gradient: the ordering operand carries no tangent, so the check is transparent to jax.grad.
+        operands = (table,) if after is None else (table, lax.stop_gradient(after.reshape(-1)[:1]))
         experts = self.shape.experts
         ok = jax.pure_callback(
-            lambda *a: _check_ids_host(a[0], experts, where), jax.ShapeDtypeStruct((), jnp.int32), *operands
+            lambda *a: _check_ids_host(a[0], experts, where), jax.ShapeDtypeStruct((), jnp.int32), *operands,
+            vmap_method="broadcast_all",
         )
         return ids + ok  # a data dependency keeps the check
 
@@ -256,7 +315,10 @@ class ExpertParallel:
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
         self._check_pairing("dispatch", t, x, ids, weights)
-        return self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
+        self._check_control_flow("dispatch")
+        received = self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
+        self._record_dispatch(ids, received, x, ids, weights)
+        return received
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
         """Returns every own token's routed latent (FP32 sum over its ranks, one bf16 rounding), RMS-normed
@@ -284,10 +346,61 @@ class ExpertParallel:
         self._check_array("combine", "ids", ids, jnp.int32, (t, shp.topk))
         if norm_weight is not None:
             self._check_array("combine", "norm_weight", norm_weight, jnp.bfloat16, (shp.latent,))
-        if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, np.floating)) or not eps >= 0:
-            raise ValueError(f"ExpertParallel.combine: eps={eps!r} must be a non-negative float")
+        eps = _as_eps(eps)
+        self._check_control_flow("combine")
+        last = self._last_kind(out, ids)
         self._check_pairing("combine", t, out, ids)
-        return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, float(eps))
+        self._check_combine_source(out, ids, last)
+        return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, eps)
+
+    # -- the call-sequence contract (trace time; `jax_latent_ep.sequence`) ---------------------------------
+
+    def _check_control_flow(self, where: str):
+        reason = sequence.divergent_control_flow(self.axis_name)
+        if reason is not None:
+            raise ValueError(
+                f"ExpertParallel.{where}: {reason}. Every rank must make every dispatch and combine, in the same "
+                "order (a rank with no tokens still calls them, e.g. with its ids all -1, 'no expert')"
+            )
+
+    def _record_dispatch(self, ids, received, *arrays):
+        trace = self._trace_of(arrays)
+        if trace is not None:
+            try:
+                self._dispatches[trace] = sequence.DispatchRecord(ids, received)
+            except TypeError:  # pragma: no cover - a trace that is not weakly referenceable
+                pass
+
+    def _last_kind(self, *arrays):
+        """"dispatch" / "combine" / None: the last call traced into the trace of `arrays`."""
+        trace = self._trace_of(arrays)
+        try:
+            return None if trace is None else self._last_call.get(trace, (None, None))[0]
+        except TypeError:  # pragma: no cover
+            return None
+
+    def _check_combine_source(self, out, ids, last):
+        """A combine after a dispatch of the same trace (`last`, before this combine) takes that dispatch's ids
+        and an `out` derived from its `Received` (else XLA drops the dispatch: the kernels' error 4)."""
+        trace = self._trace_of((out, ids))
+        record = self._dispatches.get(trace) if last == "dispatch" and trace is not None else None
+        if record is None:
+            return
+        if not record.ids_match(ids):
+            raise ValueError(
+                "ExpertParallel.combine: ids are not the ids given to this layer's dispatch; combine takes the "
+                "ids of its dispatch (the same array)"
+            )
+        if record.derives(out) is False:
+            raise ValueError(
+                f"ExpertParallel.combine: {sequence.WITHOUT_DISPATCH}: out does not derive from the Received of "
+                "this layer's dispatch in this traced function, so XLA drops that dispatch (nothing uses it) and "
+                "the combine would run without it; compute out from the dispatch's result"
+            )
+
+    @staticmethod
+    def _trace_of(arrays):
+        return next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
 
     def _check_pairing(self, where: str, tokens: int, *arrays):
         """Calls traced into one function must alternate: dispatch, combine, dispatch, ... (the contract's
@@ -362,6 +475,8 @@ class ExpertParallel:
             self._impl.close()
 
     def __enter__(self):
+        if self._closed:
+            raise ValueError("ExpertParallel is closed: `with` needs an open instance (build a new one)")
         return self
 
     def __exit__(self, *exc):

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 
 from jax_latent_ep.kernels.abi import MX_BLOCK, NUM_MAX_RANKS, NUM_MAX_TOKENS_EXCLUSIVE, NUM_MAX_TOPK
+
+
+def as_int(value, name: str) -> int:
+    """`value` as a Python int if it is an integer number: a Python or NumPy integer, or a concrete 0-d integer
+    array (NumPy or JAX); raises ValueError naming `name` otherwise (bools and floats included)."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Number) and not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{name}={value!r} must be an int")
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and (getattr(value, "shape", ()) != () or dtype.kind not in "iu"):
+        raise ValueError(f"{name}={value!r} must be an int (a 0-d integer array at most)")
+    try:
+        return operator.index(value)
+    except Exception:  # a tracer (not concrete) or another type
+        raise ValueError(f"{name}={value!r} must be an int") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +42,7 @@ class LatentMoEShape:
 
     def __post_init__(self):
         for name in ("latent", "experts", "topk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}={value!r} must be an int")
+            object.__setattr__(self, name, as_int(getattr(self, name), name))  # NumPy / JAX ints become ints
         if self.latent <= 0 or self.latent % MX_BLOCK:
             raise ValueError(f"latent={self.latent} must be a positive multiple of {MX_BLOCK}")
         if self.experts <= 0:
@@ -45,8 +59,7 @@ class LatentMoEShape:
 
     def check_ranks(self, ranks: int) -> int:
         """Returns `ranks` if `1 <= ranks <= 32` and `experts % ranks == 0`, else raises ValueError."""
-        if isinstance(ranks, bool) or not isinstance(ranks, int):
-            raise ValueError(f"ranks={ranks!r} must be an int")
+        ranks = as_int(ranks, "ranks")
         if not 1 <= ranks <= NUM_MAX_RANKS:
             raise ValueError(f"ranks={ranks} must satisfy 1 <= ranks <= {NUM_MAX_RANKS}")
         if self.experts % ranks:
@@ -59,9 +72,9 @@ class LatentMoEShape:
 
 
 def check_max_tokens(max_tokens: int) -> int:
-    """Returns `max_tokens` if `1 <= max_tokens < 2**16`, else raises ValueError."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise ValueError(f"max_tokens={max_tokens!r} must be an int")
+    """Returns `max_tokens` (as a Python int; NumPy / JAX integers accepted) if `1 <= max_tokens < 2**16`,
+    else raises ValueError."""
+    max_tokens = as_int(max_tokens, "max_tokens")
     if not 1 <= max_tokens < NUM_MAX_TOKENS_EXCLUSIVE:
         raise ValueError(f"max_tokens={max_tokens} must satisfy 1 <= max_tokens < {NUM_MAX_TOKENS_EXCLUSIVE}")
     return max_tokens

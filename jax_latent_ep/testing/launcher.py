@@ -8,6 +8,11 @@ a free localhost port), with `devices_per_process` CPU devices. `launch` returns
 exit with status 0; if any exits otherwise, it kills the rest at once (they may be stuck in a collective
 waiting for it) and raises AssertionError; if they are not all done within `timeout` seconds it kills
 them all and raises AssertionError. Both messages show every rank's exit status and log.
+
+The processes join through `jax_latent_ep.runtime.liveness.initialize` (heartbeat and shutdown timeouts of
+`liveness_s`, 60 s by default; a watcher thread ends a process whose peer published a failure), so a dead
+process ends the others by itself, bounded and named. `run` leaves them to it: it waits for every process and
+returns each one's exit status, log and exit time (the dead-process tests measure with it).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ try:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 except Exception as e:  # older or newer jax: gloo is the default where the option is gone
     print(f"launcher: jax_cpu_collectives_implementation not set ({e})", flush=True)
-jax.distributed.initialize(coordinator_address=coordinator, num_processes=nproc, process_id=pid,
-                           initialization_timeout=60)
+from jax_latent_ep.runtime import liveness
+liveness.initialize(coordinator, nproc, pid, timeout_s=int(os.environ.get("JAX_LATENT_EP_LIVENESS_S", "60")),
+                    initialization_timeout=60)
 path, _, name = target.rpartition(":")
 if path.endswith(".py"):
     spec = importlib.util.spec_from_file_location(f"_launched_{pid}", path)
@@ -41,11 +47,11 @@ else:
 print(f"launcher: process {pid}/{nproc} devices {jax.local_devices()} of {jax.device_count()}", flush=True)
 try:
     getattr(module, name)(pid, nproc, **json.loads(args))
-except BaseException:
+except BaseException as e:
     import traceback
     traceback.print_exc()
     sys.stdout.flush(); sys.stderr.flush()
-    os._exit(1)  # at once: a normal exit would wait in jax.distributed's shutdown barrier for the others
+    liveness.fail(e)  # publish for the others' watchers, exit without jax.distributed's shutdown barrier
 print(f"launcher: process {pid} done", flush=True)
 jax.distributed.shutdown()
 """
@@ -84,13 +90,7 @@ def _report(headline, procs, logs) -> str:
     return "\n".join(parts)
 
 
-def launch(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
-           devices_per_process: int = 1, env: dict | None = None) -> list[str]:
-    """Runs `target` ("path/to/file.py:function" or "package.module:function") in `processes` processes.
-
-    Returns every rank's log. Raises AssertionError (with every rank's log) if one fails or the whole
-    run outlives `timeout` seconds.
-    """
+def _start(target, processes, args, devices_per_process, env, liveness_s):
     import json
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -100,19 +100,58 @@ def launch(target: str, processes: int, timeout: float = 120.0, args: dict | Non
     flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     base_env["XLA_FLAGS"] = " ".join(flags)
     base_env["JAX_PLATFORMS"] = "cpu"
+    base_env["JAX_LATENT_EP_LIVENESS_S"] = str(int(liveness_s))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
     logdir = tempfile.mkdtemp(prefix="jax_latent_ep_launch_")
     procs, logs = [], []
+    for pid in range(processes):
+        path = os.path.join(logdir, f"rank{pid}.log")
+        logs.append(path)
+        with open(path, "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", "-c", _BOOTSTRAP, target, coordinator, str(processes), str(pid),
+                 json.dumps(args or {})],
+                stdout=log, stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
+    return procs, logs
+
+
+def _read(path) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def run(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
+        devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60):
+    """Like `launch`, but waits for every process to end by itself (killing those left after `timeout`).
+
+    Returns `[(exit status, log, time.time() at which its exit was seen), ...]` per rank; a process killed at
+    the timeout has status None.
+    """
+    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s)
+    ended = [None] * processes
+    codes = [None] * processes
     try:
-        for pid in range(processes):
-            path = os.path.join(logdir, f"rank{pid}.log")
-            logs.append(path)
-            with open(path, "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-u", "-c", _BOOTSTRAP, target, coordinator, str(processes), str(pid),
-                     json.dumps(args or {})],
-                    stdout=log, stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(e is None for e in ended) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if ended[i] is None and p.poll() is not None:
+                    ended[i], codes[i] = time.time(), p.returncode
+            time.sleep(0.05)
+    finally:
+        _kill(procs)
+    return [(c, _read(path), e) for c, path, e in zip(codes, logs, ended)]
+
+
+def launch(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
+           devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60) -> list[str]:
+    """Runs `target` ("path/to/file.py:function" or "package.module:function") in `processes` processes.
+
+    Returns every rank's log. Raises AssertionError (with every rank's log) if one fails or the whole
+    run outlives `timeout` seconds. `liveness_s`: the heartbeat / shutdown timeout (`runtime.liveness`).
+    """
+    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s)
+    try:
         deadline = time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]

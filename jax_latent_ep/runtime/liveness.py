@@ -1,0 +1,156 @@
+"""A dead process ends its multi-process job, bounded and named: `initialize` (jax.distributed with short
+coordination timeouts) and `watch` (failure records in the key-value store, read by a watcher thread).
+
+    from jax_latent_ep.runtime import liveness
+    liveness.initialize(coordinator_address, num_processes, process_id, timeout_s=60)   # instead of
+    # jax.distributed.initialize(...); or, after your own initialize:   liveness.watch(timeout_s=60)
+
+Without it a process that raises waits in `jax.distributed`'s shutdown barrier (300 s by default) while its
+peers wait in a collective for it, and both end in SIGABRT. With it:
+
+- a process that raises (an uncaught exception, in the main thread or another) publishes
+  `process P failed: <type>: <message>` under `jax_latent_ep/failed/P` and exits at once with status 1,
+  skipping the shutdown barrier;
+- every process runs a daemon thread that reads those records every `poll_s` (0.25 s); on finding another
+  process's record it prints `jax_latent_ep: ending process Q: process P failed: ...` to stderr and exits
+  with status 1 (it cannot raise into a thread blocked in a collective; the job is SPMD, so it would wait
+  there for the dead process anyway);
+- a process that dies without a word (SIGKILL, a crash) stops sending heartbeats: the coordination service
+  marks it failed after `timeout_s` and ends every other process with "The following tasks are unhealthy
+  (stopped sending heartbeats): P" (an abort raised by XLA's client, SIGABRT). A gloo collective waiting for
+  it fails at once ("Connection closed by peer"), naming only a socket: `fail` then waits for that abort.
+
+The bound from a death to every peer's end is therefore about `poll_s` for a raise and `timeout_s` plus a
+few seconds for a silent death. The NVLink kernels bound their own waits (`timeout_s` of that backend, 5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+PREFIX = "jax_latent_ep/failed/"
+#: The default bound (seconds) on a silent death: heartbeat and shutdown-barrier timeouts.
+DEFAULT_TIMEOUT_S = 60
+
+_state = {"thread": None, "stop": None, "timeout_s": DEFAULT_TIMEOUT_S}
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client, distributed.global_state.process_id
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *, timeout_s: int = DEFAULT_TIMEOUT_S,
+               initialization_timeout: int = 60, poll_s: float = 0.25, **kwargs) -> None:
+    """`jax.distributed.initialize` with `heartbeat_timeout_seconds` and `shutdown_timeout_seconds` set to
+    `timeout_s` (JAX's defaults: 100 s and 300 s), then `watch(poll_s)`. Other keyword arguments go to JAX."""
+    import jax
+
+    timeout_s = int(timeout_s)
+    if timeout_s < 1:
+        raise ValueError(f"timeout_s={timeout_s} must be at least 1 second")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=timeout_s, **kwargs)
+    watch(poll_s, timeout_s=timeout_s)
+
+
+def _others(client, pid, wait_s: float = 0.0) -> str:
+    """The failure records of the other processes ("; "-joined), waiting up to `wait_s` for one to appear."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            records = client.key_value_dir_get(PREFIX)
+        except Exception:
+            return ""
+        others = sorted(v for k, v in records if k.rsplit("/", 1)[-1] != str(pid))
+        if others or time.monotonic() >= deadline:
+            return "; ".join(others)
+        time.sleep(0.05)
+
+
+def report_failure(exc: BaseException | str) -> str:
+    """Publishes this process's failure record (first one wins) and returns its text.
+
+    A failure that follows another process's (a collective whose peer went away: "Connection closed by
+    peer") names that process first: the record then reads "process P failed after process Q failed: ...".
+    """
+    client, pid = _client()
+    if isinstance(exc, BaseException):
+        where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        at = f" (at {where[0].filename}:{where[0].lineno} in {where[0].name})" if where else ""
+        text = f"process {pid} failed: {type(exc).__name__}: {exc}{at}"
+    else:
+        text = f"process {pid} failed: {exc}"
+    if client is not None:
+        cause = _others(client, pid, wait_s=1.0 if "peer" in text.lower() else 0.0)
+        if cause:
+            text = f"{cause}; then process {pid} failed: {text.split(': ', 1)[1]}"
+        try:
+            client.key_value_set(f"{PREFIX}{pid}", text)
+        except Exception:  # already published, or the service is gone: nothing more to tell
+            pass
+    return text
+
+
+def fail(exc: BaseException) -> None:
+    """Ends this process after `exc`: publishes its record and exits with status 1, skipping the shutdown barrier.
+
+    A collective error that names only a peer's socket ("Connection closed by peer") with no failure record
+    from any process means a peer died silently (SIGKILL, a crash): then this process waits (at most
+    `timeout_s` + 10 s) for the coordination service's heartbeat timeout, which ends it with a message naming
+    that process ("The following tasks are unhealthy ... 1"), instead of exiting without a name.
+    """
+    text = report_failure(exc)
+    print(f"jax_latent_ep: {text}; exiting", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if "peer" in str(exc).lower() and " then process " not in text and _client()[0] is not None:
+        print(f"jax_latent_ep: no process published a failure: a peer died silently; waiting up to "
+              f"{_state['timeout_s']} s for the coordination service to name it", file=sys.stderr, flush=True)
+        time.sleep(_state["timeout_s"] + 10)
+    os._exit(1)
+
+
+def _die(exc_type, exc, tb):
+    """Excepthook: print the traceback, then `fail`."""
+    traceback.print_exception(exc_type, exc, tb)
+    if exc is not None and exc.__traceback__ is None:
+        exc.__traceback__ = tb
+    fail(exc)
+
+
+def _watch(stop: threading.Event, poll_s: float):
+    while not stop.wait(poll_s):
+        client, pid = _client()
+        if client is None:
+            return
+        text = _others(client, pid)
+        if text and not stop.is_set():
+            print(f"jax_latent_ep: ending process {pid}: {text}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def watch(poll_s: float = 0.25, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+    """Installs the failure hooks and starts the watcher thread (idempotent; after `jax.distributed.initialize`).
+
+    Set `heartbeat_timeout_seconds` and `shutdown_timeout_seconds` in your own `jax.distributed.initialize`
+    to bound a silent death (see the module docstring), and pass that `timeout_s` here."""
+    import atexit
+
+    if _state["thread"] is not None:
+        return
+    if _client()[0] is None:
+        raise RuntimeError("liveness.watch needs jax.distributed.initialize first")
+    sys.excepthook = _die
+    threading.excepthook = lambda args: _die(args.exc_type, args.exc_value, args.exc_traceback)
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(stop, poll_s), name="jax_latent_ep-liveness", daemon=True)
+    _state.update(thread=thread, stop=stop, timeout_s=int(timeout_s))
+    atexit.register(stop.set)  # before jax.distributed.shutdown (atexit runs in reverse order of registration)
+    thread.start()
