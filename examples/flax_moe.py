@@ -3,14 +3,15 @@
     python examples/flax_moe.py [--backend auto|xla|nvlink] [--layers 2] [--tokens 4]     (pip install flax)
 
 `LatentMoEBlock` is an `nnx.Module` holding one layer's parameters as `nnx.Param`s, each with its
-`out_sharding` (the expert weights `w1 [E, L, I]` / `w2 [E, I, L]` over the `ep` axis, the rest replicated).
+`out_sharding` (the SwiGLU expert weights `w_gate`, `w_up` `[E, L, I]`, `w_down` `[E, I, L]` over the `ep` axis,
+the rest replicated).
 Built under `jax.set_mesh(mesh)`, every Param is placed as its `out_sharding` says. `LatentMoE` stacks blocks;
 its `__call__` splits the module into a graph and a state, gives `jax.shard_map` the state's specs from the
 params' metadata (`nnx.get_partition_spec`), and runs every block inside one `jax.shard_map` over the mesh,
 where each block's `local` method is the per-rank layer: router -> down projection -> `ep.dispatch` -> this rank's
-experts on the dequantized MXFP8 rows -> `ep.combine` (RMSNorm) -> up projection + residual. The expert stage is
-`jax_latent_ep.moe`'s (`experts_mlp`), and the check is `moe.reference_layer`, the same layer on one device
-without collectives: on CPU the two are bit for bit equal.
+experts on the dequantized MXFP8 rows (`jax_latent_ep.experts`: the plan of (row, local expert) pairs and the
+grouped SwiGLU) -> `ep.combine` (RMSNorm) -> up projection + residual. The check is `moe.reference_layer`, the
+same layer on one device without collectives: on CPU the two are bit for bit equal.
 
 Not part of the wheel (a top-level example); CI runs it on 8 CPU devices (tests/examples/test_flax_moe.py).
 """
@@ -31,17 +32,16 @@ from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_latent_ep import ExpertParallel, moe  # noqa: E402
-from jax_latent_ep.numerics import mxfp8_dequantize  # noqa: E402
+from jax_latent_ep import ExpertParallel, experts, moe  # noqa: E402
 
-NAMES = ("router", "down", "w1", "w2", "up", "norm")
+NAMES = ("router", "down", "w_gate", "w_up", "w_down", "up", "norm")
 
 
 class LatentMoEBlock(nnx.Module):
     """One latent MoE decode layer (`moe.MoEConfig` sizes: hidden H, latent L, experts E, top-K, intermediate I).
 
-    Params (bf16): router `[H, E]`, down `[H, L]`, w1 `[E, L, I]` and w2 `[E, I, L]` sharded over `axis_name` on
-    their expert dimension (rank `d` holds experts `d * E/N ... (d + 1) * E/N - 1`), up `[L, H]`, norm `[L]`.
+    Params (bf16): router `[H, E]`, down `[H, L]`, w_gate and w_up `[E, L, I]`, w_down `[E, I, L]` sharded over
+    `axis_name` on their expert dimension (rank `d` holds experts `d * E/N ... (d + 1) * E/N - 1`), up `[L, H]`, norm `[L]`.
     """
 
     def __init__(self, cfg: moe.MoEConfig, axis_name: str = "ep", *, rngs: nnx.Rngs):
@@ -54,24 +54,25 @@ class LatentMoEBlock(nnx.Module):
 
         self.router = param((h, s.experts), h)
         self.down = param((h, s.latent), h)
-        self.w1 = param((s.experts, s.latent, i), s.latent, (axis_name, None, None))
-        self.w2 = param((s.experts, i, s.latent), i, (axis_name, None, None))
+        self.w_gate = param((s.experts, s.latent, i), s.latent, (axis_name, None, None))
+        self.w_up = param((s.experts, s.latent, i), s.latent, (axis_name, None, None))
+        self.w_down = param((s.experts, i, s.latent), i, (axis_name, None, None))
         self.up = param((s.latent, h), s.latent)
         norm = (1 + 0.1 * jax.random.normal(rngs.params(), (s.latent,))).astype(jnp.bfloat16)
         self.norm = nnx.Param(norm, out_sharding=(None,))
 
     def local(self, ep: ExpertParallel, h):
         """The layer on one rank, inside `jax.shard_map` over `ep.axis_name`: h bf16 `[T, H]` -> bf16 `[T, H]`
-        (this rank's tokens; `self.w1` / `self.w2` hold this rank's `E/N` experts only)."""
+        (this rank's tokens; the expert weights hold this rank's `E/N` experts only)."""
         shape = ep.shape
         local = shape.num_local_experts(ep.ranks)
         rank = lax.axis_index(ep.axis_name).astype(jnp.int32)
         ids, weights = moe.route(h, self.router[...], shape.topk)                   # [T, K] int32 / f32
         x = jnp.dot(h, self.down[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [T, L]
-        recv = ep.dispatch(x, ids, weights)                                           # N*S rows
-        xf = jnp.where(recv.src[:, None] == -1, 0.0, mxfp8_dequantize(recv.x, recv.sf))
-        coef = moe.local_coefficients(recv.ids, recv.weights, rank * local, local)    # [N*S, E/N]
-        out = moe.experts_mlp(xf, self.w1[...], self.w2[...], coef)                  # bf16 [N*S, L]
+        recv, xf = ep.dispatch(x, ids, weights, dequantize=True)                      # N*S rows, f32 latent
+        pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)  # the local pairs
+        out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), self.w_gate[...], self.w_up[...],
+                                  self.w_down[...])                                   # bf16 [N*S, L]
         y = ep.combine(out, ids, self.norm[...], self.cfg.eps)                        # bf16 [T, L], RMS-normed
         return h + jnp.dot(y, self.up[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
@@ -113,9 +114,9 @@ def run(backend: str = "auto", layers: int = 2, tokens: int = 4, devices=None) -
     mesh = jax.make_mesh((n,), ("ep",), devices=devices[:n])
     with jax.set_mesh(mesh):  # each Param is placed by its out_sharding as it is created (eager sharding)
         model = LatentMoE(cfg, "ep", rngs=nnx.Rngs(params=0))
-    w1 = model.blocks[0].w1[...]
-    assert w1.sharding.spec == P("ep", None, None), w1.sharding  # the experts are sharded over ep:
-    assert {s.data.shape[0] for s in w1.addressable_shards} == {cfg.shape.experts // n}  # E/N per device
+    w_gate = model.blocks[0].w_gate[...]
+    assert w_gate.sharding.spec == P("ep", None, None), w_gate.sharding  # the experts are sharded over ep:
+    assert {s.data.shape[0] for s in w_gate.addressable_shards} == {cfg.shape.experts // n}  # E/N per device
     h = jax.random.normal(jax.random.key(1), (n * tokens, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
     with ExpertParallel(mesh, "ep", max_tokens=tokens, shape=cfg.shape, backend=backend) as ep:
         forward = nnx.jit(lambda model, h: model(ep, h))

@@ -28,6 +28,11 @@ alike, is carried unchanged in the received `ids`, and is never local to a rank;
 unsigned, `kernels.common.expert_rank_bit`). Duplicate ids within a token are allowed: a token reaches a rank once,
 however many of its ids live there.
 
+Gradients: `jax.grad` through both calls (inside `jax.jit`) follows `jax_latent_ep.autodiff`: straight-through
+MXFP8, the backward of dispatch a combine and of combine a dispatch, over XLA collectives on both backends; the
+experts take `latent` from `ep.dispatch(..., dequantize=True)` (a gradient reaching the float8 `Received.x` is
+refused).
+
 A stuck peer (nvlink): every wait inside the kernels is bounded by `timeout_s` (a backend option, 5 s by
 default); a rank whose peer never answers traps its kernel, so the computation fails with a CUDA error, and
 `ep.check()` then raises RuntimeError naming the rank, the peer it waited for and the layer (`ep.status()`
@@ -46,10 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_latent_ep import backends, sequence
+from jax_latent_ep import autodiff, backends, sequence
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
-from jax_latent_ep.received import Received
 
 BACKENDS = backends.NAMES
 
@@ -295,16 +299,27 @@ class ExpertParallel:
 
     # -- the calls ----------------------------------------------------------------------------------
 
-    def dispatch(self, x, ids, weights) -> Received:
+    def dispatch(self, x, ids, weights, *, dequantize: bool = False):
         """Sends every token to each rank holding one of its experts.
 
         Args:
           x: bfloat16 `[T, L]`, `1 <= T <= max_tokens`.
           ids: int32 `[T, K]` global expert ids in `[0, E)`.
           weights: float32 `[T, K]` routing weights.
+          dequantize: also return the received rows dequantized (the differentiable path of `x`).
 
         Returns:
-          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.received.Received`).
+          `Received(x, sf, ids, weights, src)` with `N * S` rows (see `jax_latent_ep.received.Received`); with
+          `dequantize=True`, `(Received, latent)`, `latent` float32 `[N*S, L]`: `f32(x) * 2^(sf - 127)` per
+          32-block of every received row, 0 in empty rows (XLA computes it only where it is used).
+
+        Gradients (`jax.grad`, `jax.vjp`; `jax_latent_ep.autodiff` has the rule, `docs/numerics.md` the
+        numerics): the backward is a combine over XLA collectives. Each token's `x` gradient is the FP32 sum,
+        over the ranks its rows reached in ascending order, of those rows' `latent` gradients, rounded to BF16:
+        the MXFP8 round trip differentiates as the identity (straight-through). `weights` get the FP32 sum of
+        their rows' `Received.weights` gradients. `ids` are integers. A gradient reaching the float8
+        `Received.x` (e.g. through `mxfp8_dequantize(recv.x, recv.sf)`) is refused with a ValueError at trace
+        time: it would be rounded to float8 before any rule sees it; use `latent`.
         """
         self._check_open()
         self._check_axis("dispatch")
@@ -314,11 +329,13 @@ class ExpertParallel:
         self._check_array("dispatch", "x", x, jnp.bfloat16, (t, shp.latent))
         self._check_array("dispatch", "ids", ids, jnp.int32, (t, shp.topk))
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
+        if not isinstance(dequantize, bool):
+            raise ValueError(f"ExpertParallel.dispatch: dequantize={dequantize!r} must be a bool")
         self._check_pairing("dispatch", t, x, ids, weights)
         self._check_control_flow("dispatch")
-        received = self._impl.dispatch(x, self._checked_ids(ids, "dispatch"), weights)
-        self._record_dispatch(ids, received, x, ids, weights)
-        return received
+        recv, latent = autodiff.dispatch(self._impl, self.axis_name, x, self._checked_ids(ids, "dispatch"), weights)
+        self._record_dispatch(ids, (recv, latent), x, ids, weights)
+        return (recv, latent) if dequantize else recv
 
     def combine(self, out, ids, norm_weight=None, eps: float = 1e-5):
         """Returns every own token's routed latent (FP32 sum over its ranks, one bf16 rounding), RMS-normed
@@ -332,6 +349,13 @@ class ExpertParallel:
 
         Returns:
           bfloat16 `[T, L]`.
+
+        Gradients (`jax_latent_ep.autodiff`): the backward is a dispatch over XLA collectives. The RMSNorm's
+        backward (FP32) gives `norm_weight`'s gradient and the routed latent's, rounded once to BF16 (the
+        routed latent's BF16 rounding differentiates as the identity); every row of `out` that sent a partial of
+        token `t` gets that gradient, other rows 0. Under differentiation the nvlink backend's forward computes
+        the RMSNorm in XLA (as the xla backend does; against its fused kernel at most 1 BF16 ulp differs, on a
+        small fraction of elements).
 
         `out` must be computed from this layer's dispatch result (as an expert stage is): XLA drops a call
         whose results nothing uses, so a combine fed from elsewhere may run without its dispatch, which the
@@ -351,7 +375,8 @@ class ExpertParallel:
         last = self._last_kind(out, ids)
         self._check_pairing("combine", t, out, ids)
         self._check_combine_source(out, ids, last)
-        return self._impl.combine(out, self._checked_ids(ids, "combine", after=out), norm_weight, eps)
+        ids = self._checked_ids(ids, "combine", after=out)
+        return autodiff.combine(self._impl, self.axis_name, out, ids, norm_weight, eps)
 
     # -- the call-sequence contract (trace time; `jax_latent_ep.sequence`) ---------------------------------
 

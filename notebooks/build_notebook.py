@@ -217,6 +217,29 @@ for impl, out in got.items():
 ]
 
 
+# --- Training (appended section: a few SGD steps through dispatch / combine's gradients) ---
+CELLS += [
+    ("md", """## 7. Training
+
+`jax.grad` through `ep.dispatch` / `ep.combine` (straight-through MXFP8, `docs/numerics.md`): a few plain SGD
+steps of the example model (jit, scan over layers, remat) with the loss going down."""),
+    ("code", """from jax_latent_ep import LatentMoEShape, moe
+tcfg = moe.MoEConfig(shape=LatentMoEShape(latent=64, experts=16, topk=4), hidden=32, layers=2)
+tn, tt = len(mesh.devices.flat), 4
+tparams = moe.shard_params(moe.init_params(jax.random.key(0), tcfg), mesh, "ep")
+th = jax.device_put(jax.random.normal(jax.random.key(1), (tn * tt, tcfg.hidden)).astype(jnp.bfloat16),
+                    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
+ttarget = jax.random.normal(jax.random.key(2), (tn * tt, tcfg.hidden), jnp.float32)
+with ExpertParallel(mesh, "ep", max_tokens=tt, shape=tcfg.shape, backend="xla") as tep:
+    tforward = moe.make_forward(tep, tcfg, remat=True)
+    tstep = jax.jit(jax.value_and_grad(lambda p, h: jnp.mean((tforward(p, h).astype(jnp.float32) - ttarget) ** 2)))
+    for i in range(5):
+        tloss, tg = tstep(tparams, th)
+        tparams = jax.tree.map(lambda a, b: (a.astype(jnp.float32) - 0.05 * b.astype(jnp.float32)).astype(a.dtype), tparams, tg)
+        print(f"step {i}: loss {float(tloss):.4f}, |d router| {float(jnp.abs(tg['router'].astype(jnp.float32)).max()):.3g}")"""),
+]
+
+
 def main():
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -229,3 +252,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+

@@ -35,7 +35,8 @@ from jax_latent_ep import experts
 from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.received import Received
 from jax_latent_ep.layout import stride
-from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize, rms_norm
+from jax_latent_ep.autodiff import mxfp8_round_trip, positive_zero
+from jax_latent_ep.numerics import rms_norm
 
 #: A small latent MoE for CPU tests and the demo.
 SMALL = LatentMoEShape(latent=512, experts=64, topk=4)
@@ -162,16 +163,19 @@ def _layer(ep, p: dict, h, eps: float, live=None, impl: str = "ragged_dot"):
     ids, weights = route(h, p["router"], ep.shape.topk)
     ids = pad_ids(ids, live)
     x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    recv = ep.dispatch(x, ids, weights)
+    recv, xf = ep.dispatch(x, ids, weights, dequantize=True)  # xf: the dequantized rows, the path of x's gradient
     pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)
-    out = experts.swiglu(recv, pl, p["w_gate"], p["w_up"], p["w_down"], impl=impl)
+    out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), p["w_gate"], p["w_up"], p["w_down"], impl=impl)
     y = ep.combine(out, ids, p["norm"], eps)
     return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16), ids
 
 
-def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False, impl: str = "ragged_dot"):
+def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False, impl: str = "ragged_dot",
+                 remat: bool = False):
     """`forward(params, h, live=None)`: all `cfg.layers` layers in one `jax.jit(jax.shard_map(...))` over
-    `ep.mesh`, as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`).
+    `ep.mesh`, as a `lax.scan` over the stacked layer parameters (one layer compiled) or unrolled (`scan=False`);
+    with `remat`, each layer is a `jax.checkpoint` (its activations are recomputed in the backward pass).
+    Differentiable (`jax.grad`; `jax_latent_ep.autodiff` has the rules of dispatch and combine).
 
     `h` is bf16 [N*T, H] sharded over the axis (rank `r` owns rows `r*T ... r*T + T - 1`); params as
     `param_specs` shards them (see `shard_params`); `live`, int32 [N] or None, the live token count of each
@@ -179,10 +183,13 @@ def make_forward(ep, cfg: MoEConfig, scan: bool = True, per_layer: bool = False,
     instead: every layer's output bf16 [Ly, N*T, H] and routing ids int32 [Ly, N*T, K]. `impl`: the expert
     stage's implementation (`experts.IMPLEMENTATIONS`)."""
     axis = ep.axis_name
+    run_layer = _layer
+    if remat:  # ep, eps and impl are static; the layer's collectives are recomputed with it
+        run_layer = jax.checkpoint(_layer, static_argnums=(0, 3, 5))
 
     def body(params, h, live):
         lv = None if live is None else live[0]
-        one = lambda h, p: _layer(ep, p, h, cfg.eps, lv, impl)  # noqa: E731
+        one = lambda h, p: run_layer(ep, p, h, cfg.eps, lv, impl)  # noqa: E731
 
         def step(h, p):  # per_layer: the carry, and the layer's (output, ids)
             out, ids = one(h, p)
@@ -262,9 +269,8 @@ def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float, 
         ids = pad_ids(ids, lv)
         x = jnp.dot(hr, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         member = jnp.any(ids[:, :, None] // local == rank_ids[None, None, :], axis=1)  # [T, N]
-        # The barrier keeps the FP8 rounding: with XLA's default `xla_allow_excess_precision` the GPU compiler
-        # removes the f32 -> float8 -> f32 convert pair of quantize-then-dequantize (dispatch's bitcasts keep it).
-        return ids, w, mxfp8_dequantize(*lax.optimization_barrier(mxfp8_quantize(x))), member
+        # Dispatch's rows, with dispatch's straight-through gradient (the round trip keeps the FP8 rounding).
+        return ids, w, mxfp8_round_trip(x), member
 
     ids, w, xf, member = lax.map(project, (hs, lives))  # [N, T, ...]
     src = (rank_ids[:, None] << 16) | jnp.arange(t, dtype=jnp.int32)[None, :]  # [N, T]
@@ -292,7 +298,7 @@ def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float, 
         acc = jnp.zeros((t, shape.latent), jnp.float32)
         for d in range(ranks):
             acc = jnp.where(mr[:, d, None], acc + parts[d].astype(jnp.float32), acc)
-        acc = jnp.where(acc == 0, jnp.float32(0), acc)
+        acc = positive_zero(acc)  # combine's sum from +0 (and its identity gradient)
         y = rms_norm(lax.optimization_barrier(acc.astype(jnp.bfloat16)), p["norm"], eps)  # as combine does
         return hr + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
