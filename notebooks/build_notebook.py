@@ -177,7 +177,7 @@ fig, axes = plt.subplots(1, 2, figsize=(14, 5))
 for ax, path in zip(axes, paths):
     ax.imshow(plt.imread(path)); ax.axis("off")
 plt.tight_layout(); plt.show()"""),
-    ("md", """## The expert stage: plan, pairs per expert, and a check against the dense formulation
+    ("md", """## 7. The expert stage: plan, pairs per expert, and a check against the dense formulation
 
 `experts.plan` lists the (row, local expert) pairs of a rank's receive rows, grouped by expert, with static
 shapes; `experts.swiglu` runs the grouped SwiGLU on them (docs/experts.md). Here on the CPU: a small shape,
@@ -219,7 +219,7 @@ for impl, out in got.items():
 
 # --- Training (appended section: a few SGD steps through dispatch / combine's gradients) ---
 CELLS += [
-    ("md", """## 7. Training
+    ("md", """## 8. Training
 
 `jax.grad` through `ep.dispatch` / `ep.combine` (straight-through MXFP8, `docs/numerics.md`): a few plain SGD
 steps of the example model (jit, scan over layers, remat) with the loss going down."""),
