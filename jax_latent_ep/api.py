@@ -220,6 +220,8 @@ class ExpertParallel:
         self._last_call = weakref.WeakKeyDictionary()
         # The last dispatch traced into each JAX trace (`sequence.DispatchRecord`, the combine's source check).
         self._dispatches = weakref.WeakKeyDictionary()
+        # A weak reference to the result of the last combine traced into each JAX trace (`_after_combine`).
+        self._combines = weakref.WeakKeyDictionary()
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -331,8 +333,13 @@ class ExpertParallel:
         self._check_array("dispatch", "weights", weights, jnp.float32, (t, shp.topk))
         if not isinstance(dequantize, bool):
             raise ValueError(f"ExpertParallel.dispatch: dequantize={dequantize!r} must be a bool")
+        previous = self._previous_combine(x, ids, weights)
         self._check_pairing("dispatch", t, x, ids, weights)
         self._check_control_flow("dispatch")
+        if previous is not None:
+            # Calls run in the contract's order only where the data orders them (XLA has no other order): this
+            # dispatch's tokens wait for the previous combine's result, even when they are not computed from it.
+            x, _ = lax.optimization_barrier((x, previous))
         recv, latent = autodiff.dispatch(self._impl, self.axis_name, x, self._checked_ids(ids, "dispatch"), weights)
         self._record_dispatch(ids, (recv, latent), x, ids, weights)
         return (recv, latent) if dequantize else recv
@@ -376,7 +383,29 @@ class ExpertParallel:
         self._check_pairing("combine", t, out, ids)
         self._check_combine_source(out, ids, last)
         ids = self._checked_ids(ids, "combine", after=out)
-        return autodiff.combine(self._impl, self.axis_name, out, ids, norm_weight, eps)
+        result = autodiff.combine(self._impl, self.axis_name, out, ids, norm_weight, eps)
+        self._record_combine(result, out, ids)
+        return result
+
+    def _record_combine(self, result, *arrays):
+        trace = self._trace_of(arrays)
+        if trace is not None:
+            try:
+                self._combines[trace] = sequence._ref(result)
+            except TypeError:  # pragma: no cover - a trace that is not weakly referenceable
+                pass
+
+    def _previous_combine(self, *arrays):
+        """The result of the combine traced last into the trace of `arrays`, if that was the last call there and
+        its result is still alive (else None)."""
+        trace = self._trace_of(arrays)
+        if trace is None or self._last_kind(*arrays) != "combine":
+            return None
+        try:
+            ref = self._combines.get(trace)
+        except TypeError:  # pragma: no cover
+            return None
+        return None if ref is None else ref()
 
     # -- the call-sequence contract (trace time; `jax_latent_ep.sequence`) ---------------------------------
 

@@ -225,3 +225,41 @@ def test_with_on_a_closed_instance_is_refused():
     with pytest.raises(ValueError, match="ExpertParallel is closed: `with` needs an open instance"):
         with ep:
             pass
+
+
+def _ancestors(jaxpr, variables):
+    """Every variable of `jaxpr` that `variables` are computed from (themselves included)."""
+    made = {id(v): e for e in jaxpr.eqns for v in e.outvars}
+    seen, stack = set(), list(variables)
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if id(v) in made:
+            stack.extend(u for u in made[id(v)].invars if hasattr(u, "aval") and not hasattr(u, "val"))
+    return seen
+
+
+def test_next_dispatch_waits_for_the_previous_combine():
+    """A dispatch of tokens that are not computed from the previous combine's result still follows that combine
+    (XLA orders calls by data only; the kernels refuse a dispatch run before the previous combine)."""
+    x, ids, w = good_inputs()
+    ep = _ep()
+
+    def body(x, i, w):
+        y = ep.combine(_expert(ep.dispatch(x, i, w)), i)
+        return ep.combine(_expert(ep.dispatch(x, i, w)), i), y  # the second dispatch's x ignores y
+
+    spec = P("ep")
+    closed = jax.make_jaxpr(jax.shard_map(body, mesh=ep.mesh, in_specs=(spec,) * 3, out_specs=(spec, spec)))(
+        *_sharded(ep, x, ids, w))
+    inner = next(e.params["jaxpr"] for e in closed.jaxpr.eqns if e.primitive.name == "shard_map")
+    calls = [e for e in inner.eqns if e.primitive.name.startswith("custom_vjp")]
+    assert len(calls) == 4, [e.primitive.name for e in inner.eqns]  # dispatch, combine, dispatch, combine
+    first_combine, second_dispatch = calls[1], calls[2]
+    assert {id(v) for v in first_combine.outvars} & _ancestors(inner, second_dispatch.invars)
+    # ... and the results are the same as without the tie (it is an optimization barrier, no arithmetic)
+    f = jax.jit(jax.shard_map(body, mesh=ep.mesh, in_specs=(spec,) * 3, out_specs=(spec, spec)))
+    a, b = f(*_sharded(ep, x, ids, w))
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(run(ep, _layer(ep), x, ids, w)))

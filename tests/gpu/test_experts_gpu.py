@@ -50,4 +50,6 @@ def test_pallas_triton_lowering():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if "No module named 'jax._src.lax.pallas_lowerings'" in proc.stdout + proc.stderr:
+        pytest.skip("this jax has no Pallas-Triton lowering of ragged_dot (jax._src.lax.pallas_lowerings)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
