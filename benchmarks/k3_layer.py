@@ -35,20 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _median(xs):
-    return sorted(xs)[len(xs) // 2]
-
-
-def _time(fn, args, repeats):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return _median(samples)
+from expert_stage import _time  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def run_case(case, j, backend, shape, args, t, params):
