@@ -98,8 +98,7 @@ def test_flag_timeout_reports_and_traps(case, record):
 def test_call_out_of_sequence_writes_nothing(case, code):
     # Rank 0 of two virtual ranks repeats a call out of sequence: it must trap with its record, and rank 1's
     # buffer (in mapped host memory, read after the trap) must be byte for byte what it was. A separate
-    # process: the trap kills its CUDA context. (The kernels' earlier CTA-0-only guard changed 25,479 and
-    # 51,346 bytes here: benchmarks/results/sequence.csv.)
+    # process: the trap kills its CUDA context (docs/protocol_checker.md: why a guard in CTA 0 alone would write).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     result = subprocess.run(
         [sys.executable, "-m", "tools.kernel_harness", "--mode", "sequence", "--sequence-case", case],

@@ -423,7 +423,7 @@ def test_grid_larger_than_residency_deadlocks():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Narrow epochs (a design study for fewer bytes per wide word, docs/open_work.md): a data or comb word that
+# Narrow epochs (a design study for fewer bytes per wide word, docs/protocol_checker.md): a data or comb word that
 # carries only `epochs` epoch values repeats them, so a word not written for a while looks fresh to a later
 # reader; the reader setting the epoch to 0 once it has read the word (`invalidate`) must close that, down to a
 # single value (a full / empty flag).
