@@ -391,7 +391,7 @@ class ExpertParallel:
         trace = self._trace_of(arrays)
         if trace is not None:
             try:
-                self._combines[trace] = sequence._ref(result)
+                self._combines[trace] = sequence.weak_ref(result)
             except TypeError:  # pragma: no cover - a trace that is not weakly referenceable
                 pass
 

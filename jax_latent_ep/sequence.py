@@ -70,7 +70,9 @@ def _varying_axes(value):
     return getattr(aval, "vma", None)
 
 
-def _ref(value):
+def weak_ref(value):
+    """A weak reference to `value` (a callable returning it, or None once it is gone); one that always returns None
+    where `value` cannot be weakly referenced."""
     try:
         return weakref.ref(value)
     except TypeError:
@@ -95,9 +97,9 @@ class DispatchRecord:
     """What a traced dispatch leaves for its combine: weak references to its ids and its `Received` leaves."""
 
     def __init__(self, ids, received):
-        self.ids = _ref(ids)
+        self.ids = weak_ref(ids)
         self.ids_copy = None if isinstance(ids, jax.core.Tracer) else np.asarray(ids).copy()
-        self.leaves = [_ref(a) for a in jax.tree.leaves(received) if isinstance(a, jax.core.Tracer)]
+        self.leaves = [weak_ref(a) for a in jax.tree.leaves(received) if isinstance(a, jax.core.Tracer)]
 
     def ids_match(self, ids) -> bool:
         return _identity_ok(ids, self.ids, self.ids_copy)
