@@ -9,7 +9,9 @@ T tokens per source rank, the rows rank 0 would receive from N sources at that T
 uniform top-16, `max_tokens = T`). A program is one jit of `layers` layers, each with its own weights and its
 own routing (weights per layer >> L2, so no cache reuse); the median of `--repeats` runs over `layers`.
 
-Paths (`backend` column `<path>/J<J>/I<I>`): `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
+Paths (`backend` column `<path>/J<J>/I<I>`): `plan` (the plan and the kernel's work list alone: the part of
+every path that is not a GEMM), `kernel` (the project's grouped GEMM, `kernels/grouped_gemm.py`),
+`ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
 gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
@@ -36,7 +38,7 @@ GROUPS = {
     "cudnn": ({"XLA_FLAGS": "--xla_gpu_experimental_use_ragged_dot_fusion=true"}, {}),
     "pallas": ({}, {"jax_ragged_dot_use_gpu_pallas_triton_lowering": True}),
 }
-PATHS = {"ragged_dot-default": ("default", "ragged_dot"), "gather": ("default", "gather"),
+PATHS = {"plan": ("default", "plan"), "kernel": ("default", "kernel"), "ragged_dot-default": ("default", "ragged_dot"), "gather": ("default", "gather"),
          "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
@@ -67,14 +69,31 @@ def _time(fn, args, repeats):
     return _median(samples)
 
 
-def hbm_gbps(nbytes, repeats):
-    """Bytes read + written per second of a device copy (`a + 1` on bf16) of `nbytes`."""
+def hbm_gbps(nbytes, repeats, passes=10):
+    """The HBM bandwidth of this device, GB/s: the larger of a copy (in place, `a + 1` on uint32 in a loop of
+    `passes` over a donated buffer, so no allocation is timed; bytes read + written) and a read (`sum` of f32
+    rows; bytes read), each the median of `repeats` runs."""
     import jax
     import jax.numpy as jnp
+    from jax import lax
 
-    a = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-    sec = _time(jax.jit(lambda a: a + 1), (a,), repeats)
-    return 2 * nbytes / sec / 1e9
+    def timed(fn, a, moved, chain):
+        out = fn(a)  # compile, warm up
+        samples = []
+        for _ in range(repeats):
+            a = out if chain else a
+            jax.block_until_ready(a)
+            start = time.perf_counter()
+            out = jax.block_until_ready(fn(a))
+            samples.append(time.perf_counter() - start)
+        return moved / _median(samples) / 1e9
+
+    words = nbytes // 4
+    copy = jax.jit(lambda a: lax.fori_loop(0, passes, lambda i, a: a + 1, a), donate_argnums=0)
+    copy_bw = timed(copy, jnp.zeros((words,), jnp.uint32), 2 * nbytes * passes, chain=True)
+    rows = jnp.ones((passes, words // passes), jnp.float32)
+    read_bw = timed(jax.jit(lambda r: jnp.sum(r, axis=1)), rows, (words // passes) * passes * 4, chain=False)
+    return max(copy_bw, read_bw)
 
 
 def child(args):
@@ -129,7 +148,9 @@ def child(args):
                     if impl == "dense" and (rows * j * max(lat, 2 * inter) * 4 > args.dense_gb * 2**30):
                         continue
 
-                    def program(recvs, ws, impl=impl, t=t, n=n):
+                    def program(recvs, ws, impl=impl, t=t, n=n, j=j):
+                        if impl == "plan":
+                            return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
                         return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
 
                     fn = jax.jit(program)
@@ -191,7 +212,7 @@ def parent(args, argv):
         for r in rows:
             w.writerow([date, device, commit, r["backend"], r["ranks"], r["tokens"], r["metric"], f"{r['value']:.6g}"])
 
-    print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (copy, read + write)")
+    print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (the larger of a copy, read + write, and a read)")
     print("us per layer (ratio to the floor); floor = active experts x 3 L I x 2 B / HBM bandwidth")
     for j in args.local:
         for inter in args.intermediate:
@@ -248,7 +269,7 @@ def main(argv=None):
         args.local, args.intermediate, args.tokens = [16], [32], [1, 4]
         args.layers, args.repeats, args.hbm_bytes = 2, 1, 1 << 22
         if "--paths" not in argv:
-            args.paths = ["ragged_dot-default", "gather", "dense"]
+            args.paths = ["ragged_dot-default", "gather", "dense"]  # the kernel path needs a GPU
     if args.group:
         child(args)
         return 0

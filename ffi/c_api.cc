@@ -64,6 +64,10 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::combine_targets().traced);
 }
 
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedGemm(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_gemm_targets().traced);
+}
+
 extern "C" {
 
 // The message of the last failed call on this thread ("" if none).
@@ -104,6 +108,13 @@ EP_EXPORT int64_t ep_max_grid(int64_t instance, int ordinal, int kernel) {
   std::shared_ptr<const ep::Rank> r = ep::registered_rank(instance, ordinal);
   if (r == nullptr) return -1;
   return kernel == 0 ? r->dispatch.max_grid : r->combine.max_grid;
+}
+
+// Loads the kernel of op `op` that needs no rank (the grouped GEMM; `name` its cubin symbol) on CUDA device
+// `ordinal`, once per (op, ordinal), outside CUDA graph capture. Returns 0, or 1 with ep_last_error() set.
+EP_EXPORT int ep_register_kernel(const char* op, int ordinal, const void* cubin, size_t size, const char* name,
+                                 int block, int smem) {
+  return ep::register_kernel(op, ordinal, {cubin, size, name, block, smem});
 }
 
 // Number of registered (instance, device) pairs (for tests).

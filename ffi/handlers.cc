@@ -4,6 +4,7 @@
 // the build's -Werror=missing-field-initializers turns a parameter added to kernels/abi.py only into an error).
 #include "handlers.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -239,6 +240,91 @@ static_assert(visited_count<ep_abi::CombineParams>() == ep_abi::kCombineParamsCo
 static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
+// grouped_gemm(a, a_rows, w, w_second, work) -> out: the expert stage's GEMM (kernels/grouped_gemm.py); no rank.
+
+struct GroupedGemm {
+  static constexpr const char* kWhat = "grouped_gemm";
+  static constexpr int64_t kBlockK = 64, kBlockN = 64, kWorkWords = 4;  // kernels/grouped_gemm.py's settings
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()      // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations
+        .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
+        .template Arg<ffi::AnyBuffer>()          // w: bf16 [G, K, N] (the gate with two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w_second: bf16 [G, K, N] the up (read only if two_weights)
+        .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, 0)
+        .template Ret<ffi::AnyBuffer>()          // out: f32 [S, P, N or 2N] partials, or bf16 [P, N] with fuse_glu
+        .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
+        .template Attr<int64_t>("two_weights")   // 1: gate and up (w, w_second) in one launch
+        .template Attr<int64_t>("fuse_glu")      // 1: out = bf16(silu(gate) * up) (two_weights, one split)
+        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows, ffi::AnyBuffer w,
+                            ffi::AnyBuffer w_second, ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t indexed, int64_t two_weights, int64_t fuse_glu, int64_t k_per_split) {
+    l.kernel = find_kernel(kWhat, ordinal);
+    if (l.kernel == nullptr) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
+                                         "device ordinal " + std::to_string(ordinal) +
+                                         " (jax_latent_ep.runtime.ffi.load_grouped_gemm)");
+    }
+    auto ad = a.dimensions(), rd = a_rows.dimensions(), wd = w.dimensions(), kd = work.dimensions();
+    auto od = out->dimensions();
+    if (ad.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || od.size() != (fuse_glu ? 2u : 3u)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: expected a [R, K], a_rows [P], w [G, K, N], "
+                                         "work [W, 4], out [S, P, N] (or [P, N] with fuse_glu)");
+    }
+    const int64_t R = ad[0], K = ad[1], P = rd[0], G = wd[0], N = wd[2], W = kd[0], S = fuse_glu ? 1 : od[0];
+    const int64_t n_out = fuse_glu ? N : (two_weights ? 2 * N : N);
+    if (K % kBlockK || N % kBlockN || k_per_split <= 0 || k_per_split % kBlockK || S * k_per_split < K ||
+        (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep grouped_gemm: K=" + std::to_string(K) + ", N=" + std::to_string(N) + " must be multiples of "
+          "64, S=" + std::to_string(S) + " splits of k_per_split=" + std::to_string(k_per_split) +
+          " (a multiple of 64) must cover K with none empty, fuse_glu needs two weights and one split, and "
+          "without a_rows a has one row per pair");
+    }
+    ffi::Error out_ok = fuse_glu ? expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})
+                                 : expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, n_out});
+    if (ffi::Error e = first_error({expect(kWhat, "a", a, ffi::DataType::BF16, {R, K}),
+                                    expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
+                                    expect(kWhat, "w", w, ffi::DataType::BF16, {G, K, N}),
+                                    expect(kWhat, "w_second", w_second, ffi::DataType::BF16, {G, K, N}),
+                                    expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}), out_ok});
+        e.failure()) {
+      return e;
+    }
+    const int64_t tiles = two_weights ? N / (kBlockN / 2) : N / kBlockN;
+    // Persistent: at most the CTAs resident at once, each striding over the S * W * tiles tasks.
+    const int64_t tasks = S * W * tiles;
+    if (tasks < 1 || tasks > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: " + std::to_string(tasks) + " tasks");
+    }
+    l.grid = static_cast<unsigned>(std::min(tasks, l.kernel->max_grid));
+    l.params = make_params(ep_abi::GroupedGemmParams{
+        .a = address(a.untyped_data()),
+        .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},
+        .w = address(w.untyped_data()),
+        .w_second = two_weights ? address(w_second.untyped_data()) : int64_t{0},
+        .work = address(work.untyped_data()),
+        .out = address(out->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_rows = static_cast<int32_t>(P),
+        .num_work = static_cast<int32_t>(W),
+        .k_per_split = static_cast<int32_t>(k_per_split),
+        .fuse_glu = fuse_glu ? 1 : 0,
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedGemmParams>() == ep_abi::kGroupedGemmParamsCount,
+              "ep_abi.h: visit_params(GroupedGemmParams) must pass every parameter once");
+
+// ---------------------------------------------------------------------------------------------------------
 // The three stages of an op, over the arguments its `prepare` takes after the Launch (the ones `bind` binds).
 
 template <typename Op, typename Prepare = decltype(&Op::prepare)>
@@ -312,5 +398,6 @@ Targets targets() {
 
 Targets dispatch_targets() { return targets<Dispatch>(); }
 Targets combine_targets() { return targets<Combine>(); }
+Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
 
 }  // namespace jax_latent_ep

@@ -14,5 +14,6 @@ struct Targets {
 
 Targets dispatch_targets();
 Targets combine_targets();
+Targets grouped_gemm_targets();
 
 }  // namespace jax_latent_ep

@@ -25,6 +25,8 @@ std::map<std::tuple<int, size_t, size_t>, CUmodule> g_modules;
 // Copies of the cubin images, one per distinct image, never freed: the record stage hands XLA the image's
 // address, and XLA loads and caches the kernel by (name, address) for the life of its command buffers.
 std::set<std::string> g_images;
+// (op, ordinal) -> a kernel registered without a rank; never erased, so the pointers stay valid.
+std::map<std::pair<std::string, int>, std::unique_ptr<Kernel>> g_kernels;
 thread_local std::string g_last_error;
 
 // Loads `k.data` (a cubin) into `ordinal`'s primary context once and resolves `k.name`. Caller holds g_mutex.
@@ -137,6 +139,27 @@ std::shared_ptr<const Rank> registered_rank(int64_t instance, int ordinal) {
 int registered_count() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return static_cast<int>(g_ranks.size());
+}
+
+int register_kernel(const std::string& op, int ordinal, const KernelImage& image) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto key = std::make_pair(op, ordinal);
+  if (g_kernels.count(key)) return 0;
+  auto k = std::make_unique<Kernel>();
+  if (load_kernel(ordinal, image, k.get())) return 1;
+  g_kernels[key] = std::move(k);
+  return 0;
+}
+
+const Kernel* find_kernel(const std::string& op, int32_t ordinal) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (auto it = g_kernels.find({op, ordinal}); it != g_kernels.end()) return it->second.get();
+  const Driver& d = driver();
+  CUdevice dev;
+  if (d.error.empty() && d.cuCtxGetDevice(&dev) == kCudaSuccess) {
+    if (auto it = g_kernels.find({op, static_cast<int>(dev)}); it != g_kernels.end()) return it->second.get();
+  }
+  return nullptr;
 }
 
 std::shared_ptr<const Rank> find_rank(int64_t instance, int32_t ordinal) {

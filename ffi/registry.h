@@ -69,4 +69,10 @@ int registered_count();
 // The returned pointer keeps the registration alive even if it is unregistered meanwhile.
 std::shared_ptr<const Rank> find_rank(int64_t instance, int32_t ordinal);
 
+// Loads the kernel of op `op` (kernels/abi.py's name) that needs no rank (the grouped GEMM) on device `ordinal`,
+// once per (op, ordinal): kept for the life of the process. Returns 0, or 1 with last_error().
+int register_kernel(const std::string& op, int ordinal, const KernelImage& image);
+// The kernel of `op` registered on the handler's device (XLA's ordinal, else the current context's), or null.
+const Kernel* find_kernel(const std::string& op, int32_t ordinal);
+
 }  // namespace jax_latent_ep

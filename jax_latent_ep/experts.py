@@ -198,8 +198,92 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down):
     return y[pl.row, jnp.minimum(pl.expert, pl.num_local_experts - 1)]
 
 
+#: Rows of one work item of the grouped GEMM kernel (`kernels/grouped_gemm.py` BLOCK_M) and its other tile sizes.
+KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = 64, 64, 64
+#: CTAs the kernel path aims for at least per launch (two per SM of an H200), reached by splitting the contraction.
+KERNEL_MIN_CTAS = 264
+
+
+def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
+    """int32 `[W, 4]` work list of the grouped GEMM kernel: `(local expert, first pair, pairs <= block_m, 0)` for
+    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, 0)` (nothing to do).
+    `W = min(J, C) + C // block_m`, a static bound: a group of `s > 0` pairs takes `ceil(s / block_m) <= 1 +
+    (s - 1) // block_m` items."""
+    gs = pl.group_sizes
+    j, cap = pl.num_local_experts, pl.capacity
+    num_work = min(j, cap) + cap // block_m
+    chunks = (gs + block_m - 1) // block_m
+    incl = jnp.cumsum(chunks)
+    offsets = jnp.cumsum(gs) - gs
+    w = jnp.arange(num_work, dtype=jnp.int32)
+    # compare_all: one fused comparison (the default method is a loop, a device-host round trip per step on GPUs)
+    g = jnp.minimum(jnp.searchsorted(incl, w, side="right", method="compare_all"), j - 1).astype(jnp.int32)
+    m = w - (incl[g] - chunks[g])
+    rows = jnp.where(w < incl[-1], jnp.clip(gs[g] - m * block_m, 0, block_m), 0)
+    return jnp.stack([g, offsets[g] + m * block_m, rows, jnp.zeros_like(g)], axis=1).astype(jnp.int32)
+
+
+def _kernel_splits(num_work: int, n_out: int, k: int) -> tuple[int, int]:
+    """(splits, k_per_split) of one kernel launch: split the contraction until about `KERNEL_MIN_CTAS` CTAs
+    (counting one per local expert that can be active) have work, keeping >= 4 pipeline steps per split."""
+    steps = k // KERNEL_BLOCK_K
+    ctas = num_work * (n_out // KERNEL_BLOCK_N)
+    splits = max(1, min(-(-KERNEL_MIN_CTAS // max(ctas, 1)), steps // 4))
+    per = -(-steps // splits)
+    return -(-steps // per), per * KERNEL_BLOCK_K
+
+
+def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
+    """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
+    `[C, 2N]`, gate and up interleaved by 32 columns, with `w_second`), its split partials summed in split order.
+    Pairs outside every work item hold garbage (nothing reads them)."""
+    from jax_latent_ep.runtime import ffi
+
+    k, n = w.shape[1], w.shape[2]
+    if k % KERNEL_BLOCK_K or n % KERNEL_BLOCK_N:
+        raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of 64, got a "
+                         f"[{k}, {n}] weight")
+    splits, per = _kernel_splits(num_active, n * (2 if w_second is not None else 1), k)
+    if fuse_glu:
+        return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
+                                     k_per_split=k)
+    parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
+                                  k_per_split=per)
+    total = parts[0]
+    for s in range(1, splits):  # a fixed order
+        total = total + parts[s]
+    return total
+
+
+def _kernel(pl: Plan, xb, w_gate, w_up, w_down):
+    """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
+    that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
+    then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert)."""
+    from jax_latent_ep.runtime import ffi
+
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        raise ValueError("experts.swiglu(impl='kernel') runs on NVIDIA GPUs (sm_90a / sm_100a); this process has "
+                         "none: use impl='ragged_dot'")
+    ffi.load_grouped_gemm(gpus)
+    work = work_items(pl)
+    active = min(pl.num_local_experts, pl.capacity)
+    inter = w_down.shape[1]
+    if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
+        h = _glu(_kernel_gemm(xb, pl.row, True, w_gate, None, work, active), None, inter)
+    elif _kernel_splits(active, 2 * inter, w_gate.shape[1])[0] == 1:
+        h = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
+    else:
+        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // 32, 2, 32)
+        h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
+    return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
+
+
 #: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down) -> FP32 per-pair outputs [C, L].
-IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense}
+IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
+                                        "kernel": _kernel}
+#: The implementations that run on NVIDIA GPUs only.
+GPU_ONLY = frozenset({"kernel"})
 
 
 def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
@@ -225,12 +309,14 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot")
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down)  # [C, L] f32
-    yw = jnp.concatenate([y * pl.weight[:, None], jnp.zeros((1, y.shape[1]), jnp.float32)])  # row C: zero
-    yw = jnp.where(jnp.arange(yw.shape[0])[:, None] < pl.count, yw, 0.0)  # unused pairs may hold garbage
+    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down)  # [C, L] f32; unused pairs may hold garbage
+    # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
+    valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
+    safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
+    coef = pl.weight[safe]
     acc = jnp.zeros(xb.shape, jnp.float32)
     for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
-        acc = acc + yw[pl.row_pairs[:, m]]
+        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
     return acc.astype(jnp.bfloat16)
 
 

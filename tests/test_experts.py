@@ -15,13 +15,14 @@ from jax_latent_ep import experts
 from jax_latent_ep.received import Received
 from jax_latent_ep.testing.experts import random_received, reference_swiglu
 
-IMPLS = sorted(experts.IMPLEMENTATIONS)
-# (N, rank, live tokens per source, max_tokens, L, E, K, I)
+# The GPU-only implementations run where a GPU is (the `gpu` marker skips them elsewhere, with the reason).
+IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i for i in sorted(experts.IMPLEMENTATIONS)]
+# (N, rank, live tokens per source, max_tokens, L, E, K, I); L and I multiples of 64 (the kernel's tiles)
 CASES = [
-    (1, 0, [5], 5, 64, 16, 4, 32),  # N = 1: the empty rows carry expert 0 (weight 0), never planned
+    (1, 0, [5], 5, 64, 16, 4, 64),  # N = 1: the empty rows carry expert 0 (weight 0), never planned
     (2, 1, [7, 0], 9, 128, 32, 6, 64),  # one source sends nothing; S = 16 > max_tokens
-    (4, 2, [3, 8, 1, 5], 8, 64, 16, 8, 32),  # J = 4 < K: capacity N * T * J
-    (8, 0, [2, 2, 0, 1, 3, 2, 1, 2], 3, 96, 64, 8, 32),
+    (4, 2, [3, 8, 1, 5], 8, 64, 16, 8, 64),  # J = 4 < K: capacity N * T * J
+    (8, 0, [2, 2, 0, 1, 3, 2, 1, 2], 3, 128, 64, 8, 64),
 ]
 
 

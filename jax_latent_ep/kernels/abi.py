@@ -129,7 +129,32 @@ COMBINE = Kernel("combine", "ep_combine", (
     Param("apply_norm", "i32", False, "1: RMSNorm the routed latent, 0: return it"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE)}
+#: The expert stage's grouped GEMM (`kernels/grouped_gemm.py`): for the rows of each work item (pairs of one group),
+#: `a[rows] @ w[group]` (FP32 accumulation) as per-split FP32 partials, or with `fuse_glu` the SwiGLU of gate (`w`)
+#: and up (`w_second`) rounded to BF16. No peers, no status record.
+GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
+    _address("a", "bf16 [R, num_k]: the activations (rows of `a_rows`, or the pairs themselves)"),
+    _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
+    _address("w", "bf16 [G, num_k, num_n]: each group's weights (the gate with `w_second`)"),
+    _address("w_second", "bf16 [G, num_k, num_n]: the up weights, or 0"),
+    _address("work", "int32 [num_work, 4]: (group, first pair, pairs <= 64, 0) per work item; pairs 0: none"),
+    _address("out", "without fuse_glu f32 [num_splits, P, num_n] (one weight) or [num_splits, P, 2 num_n] (gate and "
+             "up interleaved by 32 columns); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
+             "(output)"),
+    Param("num_k", "i32", False, "contraction length, a multiple of 64"),
+    Param("num_n", "i32", False, "columns of one weight, a multiple of 64"),
+    Param("num_rows", "i32", False, "P, pairs (rows of each split of `out`)"),
+    Param("num_work", "i32", False, "work items"),
+    Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64"),
+    Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
+))
+
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM)}
+
+
+def c_name(op: str) -> str:
+    """The C name stem of an op: "grouped_gemm" -> "GroupedGemm"."""
+    return "".join(w.capitalize() for w in op.split("_"))
 
 
 def check_signature(op: str, names: list[str], ctypes: list[str]) -> None:
@@ -252,14 +277,14 @@ def header() -> str:
         lines.append(f"    {{{e.code}, {e.layer_offset}u, {_c_message(e.message)}, {flags}}},")
     lines += ["};", f"constexpr ErrorMessage kUnknownError = {{0, 0u, {_c_message(UNKNOWN_ERROR)}, true, true, true}};", ""]
     for kernel in KERNELS.values():
-        struct = kernel.op.capitalize() + "Params"
+        struct = c_name(kernel.op) + "Params"
         lines.append(f"// Parameters of `{kernel.symbol}`, in order.")
         lines.append(f"struct {struct} {{")
         for p in kernel.params:
             lines.append(f"  {CTYPES[p.ctype]} {p.name};  // {'address: ' if p.address else ''}{p.meaning}")
         lines.append("};")
         lines.append(f"constexpr int k{struct}Count = {len(kernel.params)};")
-        lines.append(f"constexpr const char* k{kernel.op.capitalize()}Symbol = \"{kernel.symbol}\";")
+        lines.append(f"constexpr const char* k{c_name(kernel.op)}Symbol = \"{kernel.symbol}\";")
         lines.append("// Calls visit(value, is_address) for every parameter of `p`, in order.")
         lines.append("template <class Visit>")
         lines.append(f"constexpr void visit_params(const {struct}& p, Visit&& visit) {{")

@@ -367,3 +367,118 @@ def lo_f32(word):
 def hi_f32(word):
     """The BF16 in bits 16-31 of `word`, widened (exactly) to FP32."""
     return f32_from_bits(Uint32(word) & Uint32(0xFFFF0000))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared memory, asynchronous copies and warp-level tensor-core MMA (the grouped GEMM). Shared addresses are the
+# 32-bit `.shared` window offsets that `SmemAllocator` pointers give with `toint()`.
+
+
+@dsl_user_op
+def cp_async_16(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
+    """Always issues one `cp.async.cg.shared.global` of 16 bytes from `gmem` (16-byte aligned) to `smem`: the
+    first `src_bytes` (0 or 16) are read, the rest zero-filled. Completes only at `cp_async_wait`; bypasses L1."""
+    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip), _u32(src_bytes, loc, ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", loc, ip)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    """Always issues `cp.async.commit_group`: this thread's copies since the last commit form one group."""
+    _asm(None, [], "cp.async.commit_group;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Always issues `cp.async.wait_group pending`: returns once at most `pending` of this thread's committed
+    groups are still in flight (their bytes are then in shared memory, visible to this thread; other threads
+    see them after a barrier)."""
+    _asm(None, [], f"cp.async.wait_group {int(pending)};", "~{memory}", loc, ip)
+
+
+def _ldmatrix(smem, trans: bool, loc, ip):
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_u32(smem, loc, ip)],
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+        "=r,=r,=r,=r,r",
+        loc,
+        ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ldmatrix_x4(smem, *, loc=None, ip=None):
+    """Warp-wide `ldmatrix.x4` (all lanes, converged): lanes 8q..8q+7 give the 16-byte rows of 8x8 b16 matrix q;
+    returns this lane's word of each matrix (row lane/4, columns 2(lane%4), +1)."""
+    return _ldmatrix(smem, False, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(smem, *, loc=None, ip=None):
+    """`ldmatrix_x4` transposed: this lane's word of matrix q holds rows 2(lane%4), +1 of column lane/4."""
+    return _ldmatrix(smem, True, loc, ip)
+
+
+@dsl_user_op
+def mma_bf16_16816(acc, a, b, *, loc=None, ip=None):
+    """Warp-wide `mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32`: `acc` (4 FP32) += A (4 words: ldmatrix_x4 of a
+    row-major 16x16 tile) x B (2 words: the k 0-7 and 8-15 halves of a 16x8 tile); FP32 accumulation in the
+    tensor core's order. Returns the 4 new accumulators (rows lane/4 and +8, columns 2(lane%4), +1)."""
+    operands = [_u32(w, loc, ip) for w in a] + [_u32(w, loc, ip) for w in b] + [_f32(c, loc, ip) for c in acc]
+    struct = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        operands,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        loc,
+        ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def store_v2_f32(addr, x, y, *, loc=None, ip=None) -> None:
+    """Always issues one weak 8-byte `st.global.v2.f32` of `(x, y)` (addr 8-byte aligned)."""
+    _asm(None, [_i64(addr, loc, ip), _f32(x, loc, ip), _f32(y, loc, ip)], "st.global.v2.f32 [$0], {$1, $2};",
+         "l,f,f", loc, ip)
+
+
+@dsl_user_op
+def griddepcontrol_wait(*, loc=None, ip=None) -> None:
+    """Always issues `griddepcontrol.wait`: returns once the grids this one depends on (programmatic dependent
+    launch) have completed and their memory is visible; a no-op without such a launch."""
+    _asm(None, [], "griddepcontrol.wait;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def store_shared_v2_f32(smem, x, y, *, loc=None, ip=None) -> None:
+    """Always issues one `st.shared.v2.f32` of `(x, y)` at shared address `smem` (8-byte aligned)."""
+    _asm(None, [_u32(smem, loc, ip), _f32(x, loc, ip), _f32(y, loc, ip)], "st.shared.v2.f32 [$0], {$1, $2};",
+         "r,f,f", loc, ip)
+
+
+@dsl_user_op
+def load_shared_v2_f32(smem, *, loc=None, ip=None):
+    """Always issues one `ld.shared.v2.f32` at shared address `smem` (8-byte aligned); returns two `Float32`."""
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * 2), [_u32(smem, loc, ip)],
+                  "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", loc, ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def silu_mul(gate, up, *, loc=None, ip=None) -> Float32:
+    """`gate / (1 + exp(-gate)) * up` in FP32 (`ex2.approx` and IEEE `div.rn`: within a few FP32 ulps of
+    XLA's `silu(gate) * up`, far below the BF16 rounding that follows)."""
+    code = ("{ .reg .f32 e, d; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 d, e, 0f3F800000; "
+            "div.rn.f32 e, $1, d; mul.f32 $0, e, $2; }")
+    return Float32(_asm(T.f32(), [_f32(gate, loc, ip), _f32(up, loc, ip)], code, "=f,f,f", loc, ip))
+
+
+@dsl_user_op
+def store_b32_bf16x2(addr, lo, hi, *, loc=None, ip=None) -> None:
+    """Rounds `lo`, `hi` once (nearest even) to BF16 and issues one weak 4-byte `st.global.b32` of the pair."""
+    code = "{ .reg .b32 w; cvt.rn.bf16x2.f32 w, $2, $1; st.global.b32 [$0], w; }"
+    _asm(None, [_i64(addr, loc, ip), _f32(lo, loc, ip), _f32(hi, loc, ip)], code, "l,f,f", loc, ip)

@@ -35,7 +35,9 @@ ARCHS = ("sm_90a", "sm_100a")
 DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 2, 4, 8)}
 #: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
 SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
-           "kernels/combine.py", "layout.py", "shapes.py")
+           "kernels/combine.py", "kernels/grouped_gemm.py", "layout.py", "shapes.py")
+#: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any".
+SHAPE_FREE = ("grouped_gemm",)
 MANIFEST_VERSION = 1
 
 
@@ -60,7 +62,7 @@ def default_variants(archs=ARCHS):
         for shape, all_ranks in DEFAULT_RANKS.items()
         for ranks in all_ranks
         for kernel in KERNELS
-    ]
+    ] + [(kernel, "any", 0, arch) for arch in archs for kernel in SHAPE_FREE]
 
 
 def _parse_only(items):
@@ -73,12 +75,14 @@ def _parse_only(items):
         if shape not in SHAPES:
             raise SystemExit(f"--only {item}: unknown shape {shape!r} (known: {', '.join(SHAPES)})")
         wanted.append((shape, int(ranks) if ranks else None))
-    return lambda shape, ranks: any(s == shape and (r is None or r == ranks) for s, r in wanted)
+    return lambda shape, ranks: shape == "any" or any(s == shape and (r is None or r == ranks) for s, r in wanted)
 
 
 def _compile_one(job):
     """Worker: compiles one default-build variant (a named shape), writes its cubin, returns its manifest entry."""
     kernel, shape_name, ranks, arch, out_dir = job
+    if kernel in SHAPE_FREE:
+        return compile_shape_free(kernel, arch, out_dir)
     shape = SHAPES[shape_name] if isinstance(shape_name, str) else LatentMoEShape(*shape_name)
     name = shape_label(shape)
     return compile_variant(kernel, shape, ranks, arch, out_dir, f"cubins/{cubin_name(kernel, name, ranks, arch)}", name)
@@ -126,6 +130,30 @@ def compile_variant(kernel: str, shape: LatentMoEShape, ranks: int, arch: str, o
         "arch": arch,
         "source_sha256": source_sha256(),
         "cutlass_dsl_version": metadata.version("nvidia-cutlass-dsl"),
+        "compile_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
+    """Compiles a shape-free kernel ("grouped_gemm") for `arch` into `out_dir/cubins/<kernel>_<arch>.cubin`; returns
+    its manifest entry (shape "any", ranks 0). Imports cutlass."""
+    started = time.perf_counter()
+    from importlib import metadata
+
+    from jax_latent_ep.kernels import grouped_gemm as module
+
+    name, cubin = module.compile_grouped_gemm(arch)
+    file = f"cubins/{kernel}_{arch}.cubin"
+    path = pathlib.Path(out_dir) / file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, path)
+    return {
+        "kernel": kernel, "name": name, "file": file, "sha256": hashlib.sha256(cubin).hexdigest(),
+        "params": [list(p) for p in abi.KERNELS[kernel].signature()], "block": module.THREADS,
+        "smem": module.smem_bytes(), "shape": {"name": "any"}, "ranks": 0, "arch": arch,
+        "source_sha256": source_sha256(), "cutlass_dsl_version": metadata.version("nvidia-cutlass-dsl"),
         "compile_s": round(time.perf_counter() - started, 3),
     }
 

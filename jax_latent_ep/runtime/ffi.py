@@ -83,6 +83,17 @@ def library() -> ctypes.CDLL:
     lib.ep_max_grid.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.ep_registered_count.restype = ctypes.c_int
     lib.ep_registered_count.argtypes = []
+    if hasattr(lib, "ep_register_kernel"):  # absent from libraries built before the grouped GEMM
+        lib.ep_register_kernel.restype = ctypes.c_int
+        lib.ep_register_kernel.argtypes = [
+            ctypes.c_char_p,  # op (kernels/abi.py)
+            ctypes.c_int,  # ordinal
+            ctypes.c_char_p,  # cubin
+            ctypes.c_size_t,
+            ctypes.c_char_p,  # kernel name
+            ctypes.c_int,  # block
+            ctypes.c_int,  # smem
+        ]
     if hasattr(lib, "ep_register_record_targets"):  # absent from libraries built before the record targets
         lib.ep_register_record_targets.restype = ctypes.c_int
         lib.ep_register_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
@@ -318,7 +329,7 @@ def dispatch_call(x, ids, weights, *, instance: int, rows: int, grid: int, num_s
     target, extra = _target("dispatch")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
     x, ids, weights = _opaque(x, ids, weights)
-    return call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid), call=_call_id(), **extra)
+    return _opaque(*call(x, ids, weights, instance=np.int64(instance), grid=np.int64(grid), call=_call_id(), **extra))
 
 
 #: Numbers the calls traced in this process (the `call` attribute).
@@ -337,12 +348,13 @@ def _call_id() -> np.int64:
 
 
 def _opaque(*operands):
-    """The operands behind an optimization barrier (no copy, no kernel): XLA's dynamic-slice fusion pass must
-    not see `slice -> custom-call` through them. It wraps such a custom call into a fusion of its own and, when
-    the call has side effects, keeps the original too: the kernel then ran twice per call (measured with jaxlib
-    0.11.2 on H200 whenever the ids / weights of a layer were slices of a larger array; the kernels' sequence
-    guard reports it as "dispatch called twice"). The calls have no side effects now; the barrier stays, so
-    that no pass rewrites how their operands are addressed."""
+    """The operands (or results) behind an optimization barrier (no copy, no kernel): XLA's dynamic-slice fusion
+    pass must see neither `slice -> custom-call` nor `custom-call -> dynamic-update-slice` through them. It wraps
+    such a custom call into a fusion of its own and may keep the original too: the kernel then runs twice per
+    call (measured with jaxlib 0.11.2 on H200: ids / weights of a layer sliced from a larger array, "dispatch
+    called twice"; and under `jax.grad` of a `lax.scan` over layers, a combine whose result is also stacked into
+    the scan's residuals, "combine called without its dispatch"). So both calls take their operands and give
+    their results through it."""
     return jax.lax.optimization_barrier(operands)
 
 
@@ -352,5 +364,67 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
     target, extra = _target("combine")
     call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
     out, ids, norm_weight = _opaque(out, ids, norm_weight)
-    return call(out, ids, norm_weight, instance=np.int64(instance), grid=np.int64(grid),
-                eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0), call=_call_id(), **extra)
+    return _opaque(call(out, ids, norm_weight, instance=np.int64(instance), grid=np.int64(grid),
+                        eps=np.float32(eps), apply_norm=np.int64(1 if apply_norm else 0), call=_call_id(),
+                        **extra))[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The grouped GEMM of the expert stage (`kernels/grouped_gemm.py`): one kernel for every shape, no rank.
+
+GROUPED_GEMM_TARGET = "jax_latent_ep_grouped_gemm"
+_gemm_devices: set[int] = set()
+
+
+def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
+    """The installed cubin of a shape-independent `kernel` ("grouped_gemm") for `arch`.
+
+    Raises:
+      LookupError: the manifest has none (an artifact directory built before it: rebuild it).
+    """
+    directory, manifest = artifacts.manifest()
+    for v in _variants(manifest):
+        if _field(v, "kernel") == kernel and _field(v, "arch") == arch:
+            return _image(kernel, v, directory)
+    raise LookupError(f"no compiled {kernel} kernel for {arch} in {directory}/manifest.json (rebuild the "
+                      "artifacts: python -m jax_latent_ep.runtime.build)")
+
+
+def load_grouped_gemm(devices) -> None:
+    """Registers the grouped GEMM's target and loads its cubin on each CUDA device of `devices` (once per device,
+    outside CUDA graph capture: call it where the program is traced)."""
+    from jax_latent_ep.backends.nvlink import gpu_arch
+
+    with _lock:
+        lib = library()
+        if not hasattr(lib, "ep_register_kernel"):
+            raise LookupError("this FFI library predates the grouped GEMM (rebuild it)")
+        if not _gemm_devices:
+            jax.ffi.register_ffi_target(GROUPED_GEMM_TARGET, jax.ffi.pycapsule(lib.EpGroupedGemm), platform="CUDA")
+        for device in devices:
+            if device.id in _gemm_devices:
+                continue
+            image = find_standalone_kernel("grouped_gemm", gpu_arch(device))
+            ordinal = int(getattr(device, "local_hardware_id", device.id))
+            if lib.ep_register_kernel(b"grouped_gemm", ordinal, image.cubin, len(image.cubin), image.name.encode(),
+                                      image.block, image.smem):
+                raise RuntimeError(f"jax_latent_ep: loading the grouped GEMM on {device} failed: "
+                                   f"{lib.ep_last_error().decode()}")
+            _gemm_devices.add(device.id)
+
+
+def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
+                      k_per_split: int):
+    """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
+    FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by 32 columns, with `w_second`), or
+    with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only when `indexed`."""
+    two = w_second is not None
+    n = w.shape[2]
+    p = a_rows.shape[0]
+    if fuse_glu:
+        out_type = jax.ShapeDtypeStruct((p, n), jnp.bfloat16)
+    else:
+        out_type = jax.ShapeDtypeStruct((splits, p, n * (2 if two else 1)), jnp.float32)
+    call = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out_type, has_side_effect=False)
+    return call(a, a_rows, w, w if w_second is None else w_second, work, indexed=np.int64(indexed),
+                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split))

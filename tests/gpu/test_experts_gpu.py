@@ -53,3 +53,27 @@ def test_pallas_triton_lowering():
     if "No module named 'jax._src.lax.pallas_lowerings'" in proc.stdout + proc.stderr:
         pytest.skip("this jax has no Pallas-Triton lowering of ragged_dot (jax._src.lax.pallas_lowerings)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernel_hot_experts_and_split_contraction(fused):
+    """The grouped GEMM kernel where groups pass 64 pairs (several work items per expert), the contraction is split
+    (L = 2048 over few CTAs), and gate / up come fused: against ragged_dot on the same plan."""
+    rng = np.random.default_rng(7 + fused)
+    lat, e, k, t, inter = 2048, 4, 2, 200, 128
+    recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
+                           pad_tokens=0.05, duplicates=0.2)
+    w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    if fused:
+        ws = (w(e, lat, 2 * inter), None, w(e, inter, lat))
+    else:
+        ws = (w(e, lat, inter), w(e, lat, inter), w(e, inter, lat))
+    recv = jax.tree.map(jnp.asarray, recv)
+    pl = experts.plan(recv, 0, e)
+    assert int(np.max(np.asarray(pl.group_sizes))) > experts.KERNEL_BLOCK_M
+    assert experts._kernel_splits(min(e, pl.capacity), 2 * inter, lat)[0] > 1
+    run = lambda impl: np.asarray(jax.jit(lambda r, p, a, c: experts.swiglu(r, p, a, ws[1], c, impl=impl))(  # noqa: E731
+        recv, pl, ws[0], ws[2]), np.float32)
+    got, want = run("kernel"), run("ragged_dot")
+    assert np.any(want != 0)
+    _close(got, want)

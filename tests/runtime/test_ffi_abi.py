@@ -192,7 +192,7 @@ def test_parameter_on_one_side_only_fails_the_build(ffi_include, tmp_path, monke
         assert proc.returncode != 0, f"{name}: handlers.cc compiled against an ABI that differs from it"
         errors = [line for line in proc.stderr.splitlines() if "error" in line]
         for op, want in words.items():
-            struct = op.capitalize() + "Params"
+            struct = abi.c_name(op) + "Params"
             found = any(struct in e and all(w in e for w in want) for e in errors)
             assert found, f"{name}, {op}:\n" + "\n".join(errors)
     assert abi.KERNELS["dispatch"] is abi.DISPATCH and abi.KERNELS["combine"] is abi.COMBINE  # restored
@@ -222,8 +222,8 @@ def _probe_program() -> str:
         args = ", ".join(str(v) for v in record)
         out.append(f'std::printf("describe %s\\n", jax_latent_ep::describe_error({args}).c_str());')
     for kernel in abi.KERNELS.values():
-        struct = kernel.op.capitalize() + "Params"
-        symbol = kernel.op.capitalize() + "Symbol"
+        struct = abi.c_name(kernel.op) + "Params"
+        symbol = abi.c_name(kernel.op) + "Symbol"
         out.append(f'std::printf("params {kernel.op} %d %s\\n", k{struct}Count, k{symbol});')
         for p in kernel.params:
             t = f"decltype({struct}::{p.name})"

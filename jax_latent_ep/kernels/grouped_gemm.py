@@ -1,0 +1,323 @@
+"""EpGroupedGemm: the expert stage's grouped GEMM at decode sizes, `out = a @ w[group]` per work item, streaming each
+group's weights from HBM once.
+
+Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
+
+Parameters: `kernels.abi.GROUPED_GEMM`. One CTA computes one `(split, work item, column tile)`: the work item's
+rows (at most `BLOCK_M` pairs of one group, listed by the caller) times a `num_k / num_splits x BLOCK_N` slice of the
+group's weights (of `w`, or of `w_second` for the column tiles past `num_n`, so gate and up run in one launch).
+The grid is 1-D and persistent (at most the CTAs that fit on the device at once): CTA `c` takes tasks `c, c + grid,
+...` of `(item * splits + split) * column_tiles + tile` (consecutive tasks read neighbouring columns of the same
+weight rows); the work list holds its items first, so a CTA stops at its first empty item.
+
+Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
+every row of its work item; the rows and the weights go through a `STAGES`-deep `cp.async` ring in shared memory
+(swizzled 128-byte rows: the `ldmatrix` reads of 8 rows hit 8 different bank groups), and each warp multiplies its
+16 columns by up to four 16-row tiles with `mma.sync.m16n8k16` (BF16 in, FP32 accumulators), skipping row tiles
+past the work item's rows.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.primitives import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    griddepcontrol_wait,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    load_b32,
+    load_shared_v2_f32,
+    mma_bf16_16816,
+    silu_mul,
+    store_b32_bf16x2,
+    store_shared_v2_f32,
+    store_v2_f32,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings
+
+#: Rows (pairs) of one work item: four 16-row MMA tiles.
+BLOCK_M = 64
+#: Columns of one CTA: 16 per warp.
+BLOCK_N = 64
+#: Contraction step of one pipeline stage; `num_k` and `k_per_split` are multiples of it.
+BLOCK_K = 64
+#: Stages of the shared-memory ring (STAGES - 1 loads in flight while one stage is multiplied).
+STAGES = 4
+THREADS = 128
+WARPS = THREADS // 32
+#: Bytes of one shared row: 64 BF16 (a row of the `a` tile holds BLOCK_K, of the weight tile BLOCK_N).
+ROW_BYTES = 128
+A_STAGE_BYTES = BLOCK_M * ROW_BYTES
+W_STAGE_BYTES = BLOCK_K * ROW_BYTES
+SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
+#: Words of a work item: (group, first row, rows, 0).
+WORK_WORDS = 4
+
+assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS
+
+
+def smem_bytes() -> int:
+    """Dynamic shared memory bytes the launcher passes."""
+    return SMEM_BYTES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch / host signature (`abi.GROUPED_GEMM`): this host function exists only to compile the kernel; the C++ FFI
+# launches the cubin with its own grid.
+
+
+class GroupedGemm:
+    """The grouped GEMM kernel (every size a run-time parameter); `compile_grouped_gemm` builds it."""
+
+    @cute.jit
+    def launch(
+        self,
+        a: Int64,
+        a_rows: Int64,
+        w: Int64,
+        w_second: Int64,
+        work: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_rows: Int32,
+        num_work: Int32,
+        k_per_split: Int32,
+        fuse_glu: Int32,
+    ):
+        self.kernel(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, num_work, k_per_split, fuse_glu).launch(
+            # The FFI handler sets the grid: min(tasks, resident CTAs).
+            grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1,
+        )
+
+    # -----------------------------------------------------------------------------------------------------
+    # Device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        a: Int64,
+        a_rows: Int64,
+        w: Int64,
+        w_second: Int64,
+        work: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_rows: Int32,
+        num_work: Int32,
+        k_per_split: Int32,
+        fuse_glu: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        lane = tid % 32
+        warp = tid // 32
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 128)
+        smem_a = Uint32(ring.iterator.toint())
+        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
+
+        # ---- Which (split, item, column tile) this CTA computes. With two weights a tile is 32 gate columns
+        # (warps 0, 1) and the same 32 up columns (warps 2, 3); with one, 64 columns.
+        two = w_second != Int64(0)
+        tile_cols = BLOCK_N
+        if two:
+            tile_cols = BLOCK_N // 2
+        column_tiles = num_n // tile_cols
+        splits = (num_k + k_per_split - 1) // k_per_split
+        tasks = num_work * splits * column_tiles
+        grid, _, _ = cute.arch.grid_dim()
+        griddepcontrol_wait()  # the work list and `a` come from the previous kernels
+        # Persistent: the CTAs stride over the tasks `(item * splits + split) * column_tiles + tile`; the work list
+        # holds its items first, so the first empty item ends this CTA's share.
+        task = cta
+        while task < tasks:
+            tile = task % column_tiles
+            rest = task // column_tiles
+            split = rest % splits
+            item = rest // splits
+            group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
+            first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+            rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
+            task = task + Int32(grid)
+            if rows == 0:
+                task = tasks
+            else:
+                self.task(a, a_rows, w, w_second, out, num_k, num_n, num_rows, k_per_split, fuse_glu, two,
+                          tile_cols, column_tiles, tile, split, group, first, rows, smem_a, smem_w, tid, warp, lane)
+
+    @cute.jit
+    def task(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, out: Int64, num_k: Int32, num_n: Int32,
+             num_rows: Int32, k_per_split: Int32, fuse_glu: Int32, two, tile_cols: Int32, column_tiles: Int32,
+             tile: Int32, split: Int32, group: Int32, first: Int32, rows: Int32, smem_a: Uint32, smem_w: Uint32,
+             tid: Int32, warp: Int32, lane: Int32):
+        """One task: the `rows` pairs from `first` of `group` times column tile `tile` over contraction split
+        `split`, from the ring's refill to the epilogue's stores."""
+        cute.arch.sync_threads()  # the previous task's reads of the ring are done
+        k_begin = split * k_per_split
+        k_end = k_begin + k_per_split
+        if k_end > num_k:
+            k_end = num_k
+        steps = (k_end - k_begin) // BLOCK_K
+        rows_padded = (rows + 15) // 16 * 16
+        # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i.
+        chunk = tid % 8
+        weights = w
+        column = tile * BLOCK_N + chunk * 8
+        if two:
+            column = tile * tile_cols + (chunk % 4) * 8
+            if chunk >= 4:
+                weights = w_second
+        w_col = weights + Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(column) * 2
+        # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
+        # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
+        a_src, a_size, a_live = [], [], []
+        for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
+            r = tid // 8 + i * (THREADS // 8)
+            row = first
+            size = Uint32(0)
+            if r < rows:
+                row = first + r
+                size = Uint32(16)
+                if a_rows != Int64(0):
+                    row = Int32(load_b32(a_rows + Int64(first + r) * 4))
+            a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+            a_size.append(size)
+            a_live.append(r < rows_padded)
+        acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
+        acc.fill(0.0)
+
+        # ---- Prologue: stages 0 .. STAGES - 2 in flight.
+        for s in cutlass.range_constexpr(STAGES - 1):
+            if s < steps:
+                self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K, Int32(s),
+                                num_n, tid, chunk)
+            cp_async_commit()
+
+        # ---- Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
+        for kt in range(steps):
+            cp_async_wait(STAGES - 2)
+            cute.arch.sync_threads()
+            nxt = kt + (STAGES - 1)
+            if nxt < steps:
+                self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
+                                nxt % STAGES, num_n, tid, chunk)
+            cp_async_commit()
+            self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
+
+        if fuse_glu != 0:
+            # ---- Epilogue, SwiGLU: the up warps hand their accumulators to the gate warps through shared
+            # memory (the same lane layout: equal offsets hold the same row and column), which store
+            # bf16(silu(gate) * up).
+            cp_async_wait(0)
+            cute.arch.sync_threads()  # every warp is done with the ring
+            if warp >= 2:
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                    if mt * 16 < rows:
+                        for nt in cutlass.range_constexpr(2):
+                            c = (warp - 2) * 16 + nt * 8 + 2 * (lane % 4)
+                            r = mt * 16 + lane // 4
+                            i = (mt * 2 + nt) * 4
+                            store_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4), acc[i], acc[i + 1])
+                            store_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4), acc[i + 2], acc[i + 3])
+            cute.arch.sync_threads()
+            if warp < 2:
+                base = out + Int64(first) * Int64(num_n) * 2
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                    if mt * 16 < rows:
+                        for nt in cutlass.range_constexpr(2):
+                            c = warp * 16 + nt * 8 + 2 * (lane % 4)
+                            r = mt * 16 + lane // 4
+                            i = (mt * 2 + nt) * 4
+                            col = Int64(tile * tile_cols + c)
+                            u = load_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4))
+                            if r < rows:
+                                store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
+                                                 silu_mul(acc[i], u[0]), silu_mul(acc[i + 1], u[1]))
+                            u = load_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4))
+                            if r + 8 < rows:
+                                store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
+                                                 silu_mul(acc[i + 2], u[0]), silu_mul(acc[i + 3], u[1]))
+        else:
+            # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out`.
+            out_n = column_tiles * BLOCK_N
+            base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
+            for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                if mt * 16 < rows:
+                    for nt in cutlass.range_constexpr(2):
+                        col = Int64(tile * BLOCK_N + warp * 16 + nt * 8 + 2 * (lane % 4))
+                        r = mt * 16 + lane // 4
+                        i = (mt * 2 + nt) * 4
+                        if r < rows:
+                            store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
+                        if r + 8 < rows:
+                            store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2],
+                                         acc[i + 3])
+
+    @cute.jit
+    def load_stage(self, w_col: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
+                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
+        """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
+        its chunk of weight rows `k0 + tid / 8 + 16 i` and of the work item's `a` rows (`a_src`; zero-filled past
+        the item's pairs, not copied past their 16-row tile)."""
+        a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
+        w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
+        for i in cutlass.range_constexpr(BLOCK_K // (THREADS // 8)):
+            r = tid // 8 + i * (THREADS // 8)
+            src = w_col + Int64(k0 + r) * Int64(num_n) * 2
+            cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), src, Uint32(16))
+        for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
+            r = tid // 8 + i * (THREADS // 8)
+            if a_live[i]:
+                cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
+                            a_size[i])
+
+    @cute.jit
+    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, slot: Int32, rows: Int32, warp: Int32, lane: Int32):
+        """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage (BLOCK_K / 16 MMA steps), row tiles
+        past `rows` skipped (warp-uniform)."""
+        a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
+        w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
+        q = lane // 8
+        i8 = lane % 8
+        for kk in cutlass.range_constexpr(BLOCK_K // 16):
+            # B: matrices (k 0-7 | 8-15) x (columns 0-7 | 8-15) of this warp's 16 columns, transposed.
+            k_row = kk * 16 + (q % 2) * 8 + i8
+            w_chunk = warp * 2 + q // 2
+            b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((w_chunk ^ (k_row % 8)) * 16)))
+            for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                if mt * 16 < rows:
+                    a_row = mt * 16 + (q % 2) * 8 + i8
+                    a_chunk = kk * 2 + q // 2
+                    frag = ldmatrix_x4(a_slot + Uint32(a_row * ROW_BYTES + ((a_chunk ^ (a_row % 8)) * 16)))
+                    for nt in cutlass.range_constexpr(2):
+                        i = (mt * 2 + nt) * 4
+                        c = mma_bf16_16816((acc[i], acc[i + 1], acc[i + 2], acc[i + 3]), frag,
+                                           (b[2 * nt], b[2 * nt + 1]))
+                        for j in cutlass.range_constexpr(4):
+                            acc[i + j] = c[j]
+
+
+#: The cubin's one kernel symbol.
+GroupedGemm.kernel.set_name_prefix(abi.GROUPED_GEMM.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile
+
+
+def compile_grouped_gemm(arch: str = "sm_90a"):
+    """Compiles the grouped GEMM for `arch`; returns `(symbol, cubin bytes)`."""
+    return compile_cubin(abi.GROUPED_GEMM, GroupedGemm(), arch)
