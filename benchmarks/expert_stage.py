@@ -179,7 +179,11 @@ def parent(args, argv):
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
         cmd = [sys.executable, os.path.abspath(__file__), "--child", group] + argv
         start = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+        except subprocess.TimeoutExpired as exc:  # keep what it measured before the bound
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            proc = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {args.child_timeout} s")
         for line in proc.stdout.splitlines():
             if line.startswith("ROW "):
                 rows.append(json.loads(line[4:]))
