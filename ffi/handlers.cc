@@ -4,7 +4,6 @@
 // the build's -Werror=missing-field-initializers turns a parameter added to kernels/abi.py only into an error).
 #include "handlers.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -298,12 +297,11 @@ struct GroupedGemm {
       return e;
     }
     const int64_t tiles = two_weights ? N / (kBlockN / 2) : N / kBlockN;
-    // Persistent: at most the CTAs resident at once, each striding over the S * W * tiles tasks.
-    const int64_t tasks = S * W * tiles;
-    if (tasks < 1 || tasks > (int64_t{1} << 31) - 1) {
-      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: " + std::to_string(tasks) + " tasks");
+    const int64_t grid = S * W * tiles;
+    if (grid < 1 || grid > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: grid of " + std::to_string(grid) + " CTAs");
     }
-    l.grid = static_cast<unsigned>(std::min(tasks, l.kernel->max_grid));
+    l.grid = static_cast<unsigned>(grid);
     l.params = make_params(ep_abi::GroupedGemmParams{
         .a = address(a.untyped_data()),
         .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},

@@ -161,3 +161,42 @@ def test_no_expert_id_is_never_local():
     for rank in range(8):
         pl = experts.plan(jax.tree.map(jnp.asarray, recv), rank, 8)
         assert int(pl.count) == (1 if rank == 0 else 0)
+
+
+def test_work_items_cover_every_pair_once():
+    """The kernel's work list: chunks of <= 64 pairs of one expert, in expert order, covering every used pair once,
+    then empty items; within its static bound."""
+    rng = np.random.default_rng(3)
+    for experts_, topk, t in ((4, 2, 200), (64, 8, 9), (16, 4, 1)):
+        recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=64, experts=experts_, topk=topk,
+                               pad_tokens=0.1, duplicates=0.2)
+        pl = experts.plan(jax.tree.map(jnp.asarray, recv), 0, experts_)
+        work = np.asarray(experts.work_items(pl))
+        gs, count = np.asarray(pl.group_sizes), int(pl.count)
+        assert work.shape == (min(experts_, pl.capacity) + pl.capacity // experts.KERNEL_BLOCK_M, 4)
+        live = work[:, 2] > 0
+        assert np.all(live[: live.sum()]), "an empty item before a live one"
+        offsets = np.concatenate([[0], np.cumsum(gs)])
+        covered = np.zeros(count, int)
+        for g, first, rows, zero in work[live]:
+            assert zero == 0 and 1 <= rows <= experts.KERNEL_BLOCK_M
+            assert offsets[g] <= first and first + rows <= offsets[g + 1]
+            covered[first : first + rows] += 1
+        assert np.all(covered == 1)
+        assert np.all(np.diff(work[live, 0]) >= 0)
+
+
+def test_kernel_splits():
+    """Few CTAs of work: the contraction splits (>= 4 steps each, covering it exactly); enough: one split."""
+    for work, n_out, k in ((16, 1024, 3584), (4, 256, 2048), (896, 4096, 3584), (16, 3584, 512)):
+        splits, per = experts._kernel_splits(work, n_out, k)
+        assert per % 64 == 0 and (splits - 1) * per < k <= splits * per
+        assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < experts.KERNEL_MIN_CTAS)
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="checks the CPU refusal")
+def test_kernel_impl_needs_a_gpu():
+    case = CASES[0]
+    recv, weights = _case("cpu-refusal", *case)
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
+        _run(recv, weights, case[1], case[3], case[0], "kernel")

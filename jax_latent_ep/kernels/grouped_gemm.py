@@ -6,9 +6,8 @@ Reading order: settings, the host-side launch signature, the device code, compil
 Parameters: `kernels.abi.GROUPED_GEMM`. One CTA computes one `(split, work item, column tile)`: the work item's
 rows (at most `BLOCK_M` pairs of one group, listed by the caller) times a `num_k / num_splits x BLOCK_N` slice of the
 group's weights (of `w`, or of `w_second` for the column tiles past `num_n`, so gate and up run in one launch).
-The grid is 1-D and persistent (at most the CTAs that fit on the device at once): CTA `c` takes tasks `c, c + grid,
-...` of `(item * splits + split) * column_tiles + tile` (consecutive tasks read neighbouring columns of the same
-weight rows); the work list holds its items first, so a CTA stops at its first empty item.
+The grid is 1-D: `cta = (split * num_work + item) * column_tiles + tile` (consecutive CTAs read neighbouring
+columns of the same weight rows). A work item with 0 rows exits at once.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
 every row of its work item; the rows and the weights go through a `STAGES`-deep `cp.async` ring in shared memory
@@ -95,7 +94,7 @@ class GroupedGemm:
         fuse_glu: Int32,
     ):
         self.kernel(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, num_work, k_per_split, fuse_glu).launch(
-            # The FFI handler sets the grid: min(tasks, resident CTAs).
+            # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1,
         )
 
@@ -136,135 +135,114 @@ class GroupedGemm:
         if two:
             tile_cols = BLOCK_N // 2
         column_tiles = num_n // tile_cols
-        splits = (num_k + k_per_split - 1) // k_per_split
-        tasks = num_work * splits * column_tiles
-        grid, _, _ = cute.arch.grid_dim()
+        tile = cta % column_tiles
+        rest = cta // column_tiles
+        item = rest % num_work
+        split = rest // num_work
         griddepcontrol_wait()  # the work list and `a` come from the previous kernels
-        # Persistent: the CTAs stride over the tasks `(item * splits + split) * column_tiles + tile`; the work list
-        # holds its items first, so the first empty item ends this CTA's share.
-        task = cta
-        while task < tasks:
-            tile = task % column_tiles
-            rest = task // column_tiles
-            split = rest % splits
-            item = rest // splits
-            group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
-            first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
-            rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
-            task = task + Int32(grid)
-            if rows == 0:
-                task = tasks
+        group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
+        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
+        if rows > 0:
+            k_begin = split * k_per_split
+            k_end = k_begin + k_per_split
+            if k_end > num_k:
+                k_end = num_k
+            steps = (k_end - k_begin) // BLOCK_K
+            rows_padded = (rows + 15) // 16 * 16
+            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i.
+            chunk = tid % 8
+            weights = w
+            column = tile * BLOCK_N + chunk * 8
+            if two:
+                column = tile * tile_cols + (chunk % 4) * 8
+                if chunk >= 4:
+                    weights = w_second
+            w_col = weights + Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(column) * 2
+            # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
+            # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
+            a_src, a_size, a_live = [], [], []
+            for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
+                r = tid // 8 + i * (THREADS // 8)
+                row = first
+                size = Uint32(0)
+                if r < rows:
+                    row = first + r
+                    size = Uint32(16)
+                    if a_rows != Int64(0):
+                        row = Int32(load_b32(a_rows + Int64(first + r) * 4))
+                a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+                a_size.append(size)
+                a_live.append(r < rows_padded)
+            acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
+            acc.fill(0.0)
+
+            # ---- Prologue: stages 0 .. STAGES - 2 in flight.
+            for s in cutlass.range_constexpr(STAGES - 1):
+                if s < steps:
+                    self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K, Int32(s),
+                                    num_n, tid, chunk)
+                cp_async_commit()
+
+            # ---- Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
+            for kt in range(steps):
+                cp_async_wait(STAGES - 2)
+                cute.arch.sync_threads()
+                nxt = kt + (STAGES - 1)
+                if nxt < steps:
+                    self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
+                                    nxt % STAGES, num_n, tid, chunk)
+                cp_async_commit()
+                self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
+
+            if fuse_glu != 0:
+                # ---- Epilogue, SwiGLU: the up warps hand their accumulators to the gate warps through shared
+                # memory (the same lane layout: equal offsets hold the same row and column), which store
+                # bf16(silu(gate) * up).
+                cp_async_wait(0)
+                cute.arch.sync_threads()  # every warp is done with the ring
+                if warp >= 2:
+                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                        if mt * 16 < rows:
+                            for nt in cutlass.range_constexpr(2):
+                                c = (warp - 2) * 16 + nt * 8 + 2 * (lane % 4)
+                                r = mt * 16 + lane // 4
+                                i = (mt * 2 + nt) * 4
+                                store_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4), acc[i], acc[i + 1])
+                                store_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4), acc[i + 2], acc[i + 3])
+                cute.arch.sync_threads()
+                if warp < 2:
+                    base = out + Int64(first) * Int64(num_n) * 2
+                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                        if mt * 16 < rows:
+                            for nt in cutlass.range_constexpr(2):
+                                c = warp * 16 + nt * 8 + 2 * (lane % 4)
+                                r = mt * 16 + lane // 4
+                                i = (mt * 2 + nt) * 4
+                                col = Int64(tile * tile_cols + c)
+                                u = load_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4))
+                                if r < rows:
+                                    store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
+                                                     silu_mul(acc[i], u[0]), silu_mul(acc[i + 1], u[1]))
+                                u = load_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4))
+                                if r + 8 < rows:
+                                    store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
+                                                     silu_mul(acc[i + 2], u[0]), silu_mul(acc[i + 3], u[1]))
             else:
-                self.task(a, a_rows, w, w_second, out, num_k, num_n, num_rows, k_per_split, fuse_glu, two,
-                          tile_cols, column_tiles, tile, split, group, first, rows, smem_a, smem_w, tid, warp, lane)
-
-    @cute.jit
-    def task(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, out: Int64, num_k: Int32, num_n: Int32,
-             num_rows: Int32, k_per_split: Int32, fuse_glu: Int32, two, tile_cols: Int32, column_tiles: Int32,
-             tile: Int32, split: Int32, group: Int32, first: Int32, rows: Int32, smem_a: Uint32, smem_w: Uint32,
-             tid: Int32, warp: Int32, lane: Int32):
-        """One task: the `rows` pairs from `first` of `group` times column tile `tile` over contraction split
-        `split`, from the ring's refill to the epilogue's stores."""
-        cute.arch.sync_threads()  # the previous task's reads of the ring are done
-        k_begin = split * k_per_split
-        k_end = k_begin + k_per_split
-        if k_end > num_k:
-            k_end = num_k
-        steps = (k_end - k_begin) // BLOCK_K
-        rows_padded = (rows + 15) // 16 * 16
-        # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i.
-        chunk = tid % 8
-        weights = w
-        column = tile * BLOCK_N + chunk * 8
-        if two:
-            column = tile * tile_cols + (chunk % 4) * 8
-            if chunk >= 4:
-                weights = w_second
-        w_col = weights + Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(column) * 2
-        # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
-        # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
-        a_src, a_size, a_live = [], [], []
-        for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
-            r = tid // 8 + i * (THREADS // 8)
-            row = first
-            size = Uint32(0)
-            if r < rows:
-                row = first + r
-                size = Uint32(16)
-                if a_rows != Int64(0):
-                    row = Int32(load_b32(a_rows + Int64(first + r) * 4))
-            a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
-            a_size.append(size)
-            a_live.append(r < rows_padded)
-        acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
-        acc.fill(0.0)
-
-        # ---- Prologue: stages 0 .. STAGES - 2 in flight.
-        for s in cutlass.range_constexpr(STAGES - 1):
-            if s < steps:
-                self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K, Int32(s),
-                                num_n, tid, chunk)
-            cp_async_commit()
-
-        # ---- Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
-        for kt in range(steps):
-            cp_async_wait(STAGES - 2)
-            cute.arch.sync_threads()
-            nxt = kt + (STAGES - 1)
-            if nxt < steps:
-                self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
-                                nxt % STAGES, num_n, tid, chunk)
-            cp_async_commit()
-            self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
-
-        if fuse_glu != 0:
-            # ---- Epilogue, SwiGLU: the up warps hand their accumulators to the gate warps through shared
-            # memory (the same lane layout: equal offsets hold the same row and column), which store
-            # bf16(silu(gate) * up).
-            cp_async_wait(0)
-            cute.arch.sync_threads()  # every warp is done with the ring
-            if warp >= 2:
+                # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out`.
+                out_n = column_tiles * BLOCK_N
+                base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for nt in cutlass.range_constexpr(2):
-                            c = (warp - 2) * 16 + nt * 8 + 2 * (lane % 4)
+                            col = Int64(tile * BLOCK_N + warp * 16 + nt * 8 + 2 * (lane % 4))
                             r = mt * 16 + lane // 4
                             i = (mt * 2 + nt) * 4
-                            store_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4), acc[i], acc[i + 1])
-                            store_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4), acc[i + 2], acc[i + 3])
-            cute.arch.sync_threads()
-            if warp < 2:
-                base = out + Int64(first) * Int64(num_n) * 2
-                for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                    if mt * 16 < rows:
-                        for nt in cutlass.range_constexpr(2):
-                            c = warp * 16 + nt * 8 + 2 * (lane % 4)
-                            r = mt * 16 + lane // 4
-                            i = (mt * 2 + nt) * 4
-                            col = Int64(tile * tile_cols + c)
-                            u = load_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4))
                             if r < rows:
-                                store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
-                                                 silu_mul(acc[i], u[0]), silu_mul(acc[i + 1], u[1]))
-                            u = load_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4))
+                                store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
                             if r + 8 < rows:
-                                store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
-                                                 silu_mul(acc[i + 2], u[0]), silu_mul(acc[i + 3], u[1]))
-        else:
-            # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out`.
-            out_n = column_tiles * BLOCK_N
-            base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
-            for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                if mt * 16 < rows:
-                    for nt in cutlass.range_constexpr(2):
-                        col = Int64(tile * BLOCK_N + warp * 16 + nt * 8 + 2 * (lane % 4))
-                        r = mt * 16 + lane // 4
-                        i = (mt * 2 + nt) * 4
-                        if r < rows:
-                            store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
-                        if r + 8 < rows:
-                            store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2],
-                                         acc[i + 3])
+                                store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2],
+                                             acc[i + 3])
 
     @cute.jit
     def load_stage(self, w_col: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,

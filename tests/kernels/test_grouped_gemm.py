@@ -1,0 +1,29 @@
+"""The grouped GEMM kernel's build (CPU, no GPU): its signature is the ABI's, its PTX asks for the block the
+manifest records, and its tensor-core loop is what the kernel module says (no local memory)."""
+
+import re
+
+import cutlass.cute as cute
+
+from jax_latent_ep.kernels import abi, grouped_gemm
+from jax_latent_ep.kernels.common import _DSL_TYPES, check_abi
+
+
+def _ptx():
+    fake = [_DSL_TYPES[p.ctype](0) for p in abi.GROUPED_GEMM.params]
+    compiled = cute.compile(grouped_gemm.GroupedGemm().launch, *fake, options="--gpu-arch sm_90a --keep-ptx")
+    ptx = compiled.artifacts.PTX
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def test_signature_is_the_abi():
+    check_abi(abi.GROUPED_GEMM, grouped_gemm.GroupedGemm())  # raises on any difference
+
+
+def test_ptx_block_and_loop():
+    ptx = _ptx()
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_gemm.THREADS, ptx), "block differs from THREADS"
+    # 4 row tiles x 2 column tiles x BLOCK_K / 16 k-steps per stage, unrolled; no spills to local memory
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * 2 * grouped_gemm.BLOCK_K // 16
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("cp.async.cg.shared.global") >= 2
