@@ -19,7 +19,8 @@ Ids must lie in `[0, E)`, or be -1 (`NO_EXPERT`: a padded token or an unused slo
 `check_ids=True` (a debugging flag; it works under vmap, grad, scan and remat) every dispatch and combine checks
 them: each rank finds its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a
 device-host round trip) raises `BadIdError` (a ValueError) on every rank at the same point, which JAX surfaces
-as one `JaxRuntimeError` carrying its message (not logged per rank) naming the
+as one `JaxRuntimeError` carrying its message (not logged per rank; `ep.checked(step)` raises the `BadIdError`
+itself, once) naming the
 first bad id, its token, its rank and the call that first received it (combine's check runs after its
 dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
 it nothing is
@@ -41,6 +42,7 @@ gives the raw records).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -92,6 +94,10 @@ class _QuietBadIds(logging.Filter):
 logging.getLogger("jax._src.callback").addFilter(_QuietBadIds())
 
 
+#: The last `BadIdError` a host check raised in this process (`ExpertParallel.checked` re-raises it as itself).
+_last_bad_id: list[BadIdError] = []
+
+
 def _check_ids_host(table, experts, where):
     """Raises `BadIdError` (on every rank alike) if any rank's `[count, t, k, id]` row of `table` counts a bad
     id; `table` is `[N, 4]`, or `[..., N, 4]` under `jax.vmap` (the first bad batch element is named)."""
@@ -103,10 +109,12 @@ def _check_ids_host(table, experts, where):
             rank = int(np.flatnonzero(rows[:, 0])[0])
             _, t, k, value = (int(v) for v in rows[rank])
             batch = f" (batch element {b} of {len(flat)})" if len(flat) > 1 else ""
-            raise BadIdError(
+            error = BadIdError(
                 f"ExpertParallel.{where}: ids[{t}, {k}] = {value} on rank {rank} is outside [0, {experts}) and not "
                 f"{NO_EXPERT} (no expert){batch} ({total} bad id(s) on all ranks)"
             )
+            _last_bad_id[:] = [error]
+            raise error
     return np.zeros(table.shape[:-2], np.int32)
 
 
@@ -222,6 +230,8 @@ class ExpertParallel:
         self._dispatches = weakref.WeakKeyDictionary()
         # A weak reference to the result of the last combine traced into each JAX trace (`_after_combine`).
         self._combines = weakref.WeakKeyDictionary()
+        # Whether any dispatch was traced with this instance (a combine first in its trace needs one somewhere).
+        self._dispatch_traced = False
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -461,7 +471,7 @@ class ExpertParallel:
         pairs; the NVLink kernels fail a second dispatch or combine at run time, error 3 / 4, and lose the CUDA
         context), and a combine takes the `T` of its dispatch (its `ids` are the dispatch's; the NVLink combine
         reduces and sends by its own `T`). The first call of a trace may be either (a layer may be split over two
-        traced functions). Keyed by the JAX trace of the first traced argument; outside tracing nothing is
+        traced functions), but a combine only once a dispatch was traced with this instance. Keyed by the JAX trace of the first traced argument; outside tracing nothing is
         checked."""
         trace = next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
         if trace is None:
@@ -480,6 +490,11 @@ class ExpertParallel:
                 "ExpertParallel.dispatch: called again in this traced function before the combine of the previous "
                 "dispatch; each layer is one dispatch followed by its combine"
             )
+        if where == "combine" and last is None and not self._dispatch_traced:
+            raise ValueError(
+                f"ExpertParallel.combine: {sequence.WITHOUT_DISPATCH}: no dispatch has been traced with this "
+                "ExpertParallel (a layer split over two traced functions traces its dispatch's function first)"
+            )
         if last == where == "combine":
             raise ValueError(
                 "ExpertParallel.combine: called again in this traced function without a dispatch since the last "
@@ -487,12 +502,43 @@ class ExpertParallel:
                 "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
             )
         self._last_call[trace] = (where, tokens)
+        if where == "dispatch":
+            self._dispatch_traced = True
 
     def _check_open(self):
         if self._closed:
             raise ValueError("ExpertParallel is closed")
 
     # -- run-time errors ------------------------------------------------------------------------------
+
+    @staticmethod
+    def checked(fn):
+        """`fn` (e.g. a jitted step) wrapped for debugging with `check_ids=True`: calls it, waits for its results,
+        and turns a failed id check into the one `BadIdError` itself (naming the id, its token, rank and call),
+        instead of the `JaxRuntimeError` that carries its text; it also consumes the copy of the failure JAX keeps
+        for `jax.effects_barrier()` and interpreter exit. Other errors pass unchanged.
+
+            step = ep.checked(jax.jit(step))
+            try: step(params, batch)
+            except BadIdError as e: ...
+        """
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return jax.block_until_ready(fn(*args, **kwargs))
+            except jax.errors.JaxRuntimeError as failure:
+                error = _last_bad_id[0] if _last_bad_id else None
+                if error is None or str(error) not in str(failure):
+                    raise
+                _last_bad_id.clear()
+                try:  # the failed callback is also kept in JAX's runtime tokens
+                    jax.effects_barrier()
+                except jax.errors.JaxRuntimeError:
+                    pass
+                raise error from None
+
+        return wrapper
 
     def status(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
         """The kernels' error records of the ranks this process drives: `{(group, rank): (code, rank, peer,

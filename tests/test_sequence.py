@@ -48,6 +48,20 @@ def test_combine_whose_out_does_not_derive_from_its_dispatch_is_refused():
     run(ep, uses_weights_only, x, ids, w)
 
 
+def test_combine_with_no_dispatch_traced_is_refused():
+    """A combine traced before any dispatch of its instance (the kernels' error 4) is refused on every backend; once
+    a dispatch was traced, a combine may start a trace (a layer split over two traced functions)."""
+    ep = _ep()
+    x, ids, w = good_inputs()
+    out = jnp.zeros((N * ep.rows, SHAPE.latent), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ExpertParallel.combine: combine called without its dispatch: no dispatch "
+                                         r"has been traced with this ExpertParallel"):
+        run(ep, lambda o, i: ep.combine(o, i), out, ids)
+    recv = run(ep, lambda x, i, w: ep.dispatch(x, i, w), x, ids, w)
+    assert recv is not None
+    run(ep, lambda o, i: ep.combine(o, i), out, ids)  # accepted now
+
+
 def test_combine_with_other_ids_is_refused():
     ep = _ep()
     x, ids, w = good_inputs()
@@ -167,6 +181,24 @@ def test_minus_one_is_no_expert_for_check_ids():
         jax.effects_barrier()
     except Exception:
         pass
+
+
+def test_checked_raises_one_bad_id_error(capfd):
+    """`ep.checked(step)`: the failed check is the BadIdError itself, raised once; nothing is left for
+    jax.effects_barrier(), nothing logged; a good call after it runs."""
+    x, ids, w = good_inputs()
+    ep = _ep(check_ids=True)
+    step = ep.checked(lambda x, i, w: run(ep, _layer(ep), x, i, w))
+    good = step(x, ids, w)
+    bad = ids.copy()
+    bad[5, 1] = 1000
+    with pytest.raises(BadIdError, match=r"ExpertParallel.dispatch: ids\[2, 1\] = 1000 on rank 1 ") as info:
+        step(x, bad, w)
+    assert type(info.value) is BadIdError and info.value.__cause__ is None
+    jax.effects_barrier()  # raises nothing: the copy was consumed
+    np.testing.assert_array_equal(step(x, ids, w), good)
+    err = capfd.readouterr().err
+    assert "BadIdError" not in err and "pure_callback failed" not in err, err
 
 
 def test_bad_id_is_not_logged_per_rank(capfd):
