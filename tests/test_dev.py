@@ -1,5 +1,6 @@
 """`./dev detect`: the CUDA extra `./dev setup` installs, from a stand-in `nvidia-smi` put first on PATH (12.x and
-13.x drivers, an old one, a failing one), without one (the CPU case), and the `JAX_LATENT_EP_CUDA` override."""
+13.x drivers, an old one, a failing one), without one (the CPU case), and the `JAX_LATENT_EP_CUDA` override; and
+`JAX_LATENT_EP_PYTHON`, an interpreter used as it is."""
 
 from __future__ import annotations
 
@@ -82,3 +83,26 @@ def test_override_wins_over_the_driver(tmp_path, value, first):
 def test_bad_override_is_refused(tmp_path):
     rc, out, err = _detect([], JAX_LATENT_EP_CUDA="rocm")
     assert rc == 2 and out == "" and "JAX_LATENT_EP_CUDA=rocm: expected cpu, cuda12, cuda13 or auto" in err
+
+
+def test_python_override_runs_as_is(tmp_path):
+    """`JAX_LATENT_EP_PYTHON`: demo / test run with that interpreter and the source tree on PYTHONPATH, with no
+    venv made and nothing installed (a machine with JAX preinstalled and no package index)."""
+    import sys
+
+    venv = tmp_path / "no-venv"
+    env = {**os.environ, "JAX_LATENT_EP_PYTHON": sys.executable, "JAX_LATENT_EP_VENV": str(venv)}
+    done = subprocess.run(["bash", str(REPO / "dev"), "test", "-c", "/dev/null", "--co", "-q", "-p", "no:cacheprovider",
+                           str(REPO / "tests" / "test_dev.py")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "test_python_override_runs_as_is" in done.stdout
+    assert not venv.exists(), "a venv was made"
+
+
+def test_python_override_without_jax_is_refused(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "dev"), "demo"], env={**os.environ, "JAX_LATENT_EP_PYTHON": str(fake)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"JAX_LATENT_EP_PYTHON={fake} cannot import jax" in done.stderr, done.stderr
