@@ -101,8 +101,6 @@ def compile_variant(kernel: str, shape: LatentMoEShape, ranks: int, arch: str, o
     """Compiles `kernel` ("dispatch" / "combine") of `(shape, ranks)` for `arch` into `out_dir/file` (written
     atomically) and returns its manifest entry. Imports cutlass."""
     started = time.perf_counter()
-    from importlib import metadata
-
     if kernel == "dispatch":
         from jax_latent_ep.kernels import dispatch as module
 
@@ -111,6 +109,16 @@ def compile_variant(kernel: str, shape: LatentMoEShape, ranks: int, arch: str, o
         from jax_latent_ep.kernels import combine as module
 
         name, cubin = module.compile_combine(shape, ranks, arch)
+    shape_entry = {"name": shape_name or shape_label(shape), "latent": shape.latent, "experts": shape.experts,
+                   "topk": shape.topk}
+    return _entry(kernel, name, cubin, out_dir, file, shape.latent // 16, module.smem_bytes(shape), shape_entry,
+                  ranks, arch, started)
+
+
+def _entry(kernel, name, cubin, out_dir, file, block, smem, shape_entry, ranks, arch, started) -> dict:
+    """Writes `cubin` to `out_dir/file` atomically and returns its manifest entry."""
+    from importlib import metadata
+
     path = pathlib.Path(out_dir) / file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -122,10 +130,9 @@ def compile_variant(kernel: str, shape: LatentMoEShape, ranks: int, arch: str, o
         "file": file,
         "sha256": hashlib.sha256(cubin).hexdigest(),
         "params": [list(p) for p in abi.KERNELS[kernel].signature()],
-        "block": shape.latent // 16,
-        "smem": module.smem_bytes(shape),
-        "shape": {"name": shape_name or shape_label(shape), "latent": shape.latent, "experts": shape.experts,
-                  "topk": shape.topk},
+        "block": block,
+        "smem": smem,
+        "shape": shape_entry,
         "ranks": ranks,
         "arch": arch,
         "source_sha256": source_sha256(),
@@ -138,24 +145,11 @@ def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
     """Compiles a shape-free kernel ("grouped_gemm") for `arch` into `out_dir/cubins/<kernel>_<arch>.cubin`; returns
     its manifest entry (shape "any", ranks 0). Imports cutlass."""
     started = time.perf_counter()
-    from importlib import metadata
-
     from jax_latent_ep.kernels import grouped_gemm as module
 
     name, cubin = module.compile_grouped_gemm(arch)
-    file = f"cubins/{kernel}_{arch}.cubin"
-    path = pathlib.Path(out_dir) / file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, path)
-    return {
-        "kernel": kernel, "name": name, "file": file, "sha256": hashlib.sha256(cubin).hexdigest(),
-        "params": [list(p) for p in abi.KERNELS[kernel].signature()], "block": module.THREADS,
-        "smem": module.smem_bytes(), "shape": {"name": "any"}, "ranks": 0, "arch": arch,
-        "source_sha256": source_sha256(), "cutlass_dsl_version": metadata.version("nvidia-cutlass-dsl"),
-        "compile_s": round(time.perf_counter() - started, 3),
-    }
+    return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", module.THREADS, module.smem_bytes(),
+                  {"name": "any"}, 0, arch, started)
 
 
 def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None):
