@@ -4,8 +4,11 @@ group's weights from HBM once.
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
 Parameters: `kernels.abi.GROUPED_GEMM`. One CTA computes one `(split, work item, column tile)`: the work item's
-rows (at most `BLOCK_M` pairs of one group, listed by the caller) times a `num_k / num_splits x BLOCK_N` slice of the
-group's weights (of `w`, or of `w_second` for the column tiles past `num_n`, so gate and up run in one launch).
+rows (at most `BLOCK_M` pairs of one group, listed by the caller; each read through `a_rows` when it is given) times
+a `k_per_split x BLOCK_N` slice of the group's weights: 64 columns of `w`, or with `w_second` (gate and up in one
+launch) 32 columns of `w` for warps 0-1 and the same 32 of `w_second` for warps 2-3. It stores FP32 partials, or
+with `fuse_glu` (one split) `bf16(silu(gate) * up)`, handing the up accumulators to the gate warps through shared
+memory.
 The grid is 1-D: `cta = (split * num_work + item) * column_tiles + tile` (consecutive CTAs read neighbouring
 columns of the same weight rows). A work item with 0 rows exits at once.
 
