@@ -200,8 +200,9 @@ plt.tight_layout(); plt.show()
 
 w = lambda *s: (rng.standard_normal(s) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)
 wg, wu, wd = w(J, L, I), w(J, L, I), w(J, I, L)
+on_gpu = any(d.platform == "gpu" for d in jax.devices())  # the kernel implementation runs on NVIDIA GPUs only
 got = {impl: np.asarray(experts.swiglu(recv_j, pl, wg, wu, wd, impl=impl), np.float32)
-       for impl in experts.IMPLEMENTATIONS}
+       for impl in experts.IMPLEMENTATIONS if on_gpu or impl not in experts.GPU_ONLY}
 # the dense formulation: every local expert on every row, weighted by its summed routing weight
 from jax_latent_ep import moe
 xf = np.asarray(experts.activations(recv_j), np.float32)
@@ -246,6 +247,8 @@ def main():
     nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src)
                 for kind, src in CELLS]
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explore.ipynb")
+    for i, cell in enumerate(nb.cells):  # stable ids: a rebuild changes only the cells whose text changed
+        cell.id = f"cell-{i:02d}"
     nbformat.write(nb, path)
     print("wrote", path)
 

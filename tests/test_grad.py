@@ -162,6 +162,10 @@ def test_check_grads_combine_and_rms_norm():
             return ep.combine(o, jax.lax.dynamic_slice_in_dim(i, r * t, t), w).astype(jnp.float32)
 
         f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P("ep"))
+        # A combine is traced only once its instance traced a dispatch (the split-layer rule): trace one, run none.
+        x0, i0, w0 = _put(mesh, _api_case(n, t, seed=1)[:3], ("ep", "ep", "ep"))
+        jax.eval_shape(jax.shard_map(lambda x, i, w: ep.dispatch(x, i, w).src, mesh=mesh,
+                                     in_specs=(P("ep"),) * 3, out_specs=P("ep")), x0, i0, w0)
         out = jnp.asarray(rng.standard_normal((n * ep.rows, SHAPE.latent)), jnp.float32)  # N*S rows a rank
         norm = jnp.asarray(1 + 0.1 * rng.standard_normal(SHAPE.latent), jnp.float32)
         g = jax.jit(lambda o, w: f(o.astype(jnp.bfloat16), ids, w.astype(jnp.bfloat16)))
