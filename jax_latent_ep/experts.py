@@ -25,7 +25,8 @@ accumulation order is the implementation's (XLA's or the kernel's), hence a stat
 Implementations (`IMPLEMENTATIONS`, a small registry; each maps the plan and the bf16 activations to the
 per-pair FP32 outputs `y [C, L]`): "ragged_dot" (`jax.lax.ragged_dot` over the sorted pairs; how XLA lowers it
 is the backend's: see benchmarks/expert_stage.py), "gather" (each pair gathers its expert's weights: only
-for small `C`), "dense" (every local expert on every row, then the pairs picked: the checker).
+for small `C`), "dense" (every local expert on every row, then the pairs picked: the checker), "kernel" (the
+project's grouped GEMM, `kernels/grouped_gemm.py`, NVIDIA GPUs only: `GPU_ONLY`; docs/experts.md).
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
         (gate first) when `w_up` is None.
       w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`).
       w_down: bf16 `[J, I, L]` down projection.
-      impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense").
+      impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense", or on NVIDIA GPUs "kernel", which needs
+        `L` and `I` multiples of 64 and has no VJP).
 
     Returns:
       bf16 `[N*S, L]`: `out[row] = bf16(sum_m weight_m * down(bf16(silu(gate) * up)))` over the row's local
