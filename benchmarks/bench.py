@@ -660,6 +660,21 @@ def check_commands(out, commit, gpus):
     return steps
 
 
+def expert_commands(out, commit, gpus):
+    """The `experts` steps (one GPU): the expert stage's tests on the GPU, `expert_stage.py` over every path, point and
+    shape (its CSV beside `out`, `<out>.expert_stage.csv`), and the Kimi K3 layer end to end with the kernel
+    implementation (`<out>.k3_layer.csv`)."""
+    base = os.path.splitext(out)[0]
+    return [
+        ("expert stage tests", [sys.executable, "-m", "pytest", "-q", "tests/test_experts.py",
+                                "tests/gpu/test_experts_gpu.py"], {}, 600),
+        ("expert stage, every path", [sys.executable, os.path.join(HERE, "expert_stage.py"), "--layers", "4",
+                                      "--weights-gb", "60", "--out", f"{base}.expert_stage.csv"], {}, 1800),
+        ("K3 layer, kernel", [sys.executable, os.path.join(HERE, "k3_layer.py"), "--impl", "kernel",
+                              "--out", f"{base}.k3_layer.csv"], {}, 900),
+    ]
+
+
 def profile_commands(gpus):
     """The `profile` steps: the profiler's kernel timeline of the jitted NVLink layer at T = 1 (`lib/timeline.py`),
     N = 1 and, with two GPUs, N = 2 (one process)."""
@@ -685,6 +700,8 @@ SUITES = {
                   [], check_commands),
     "profile": ("where a jitted layer's time goes: the profiler's kernel timeline at T = 1, N = 1 and 2",
                 [], lambda out, commit, gpus: profile_commands(gpus)),
+    "experts": ("the expert stage on one GPU: its GPU tests, every path against the HBM floor (expert_stage.py), the "
+                "Kimi K3 layer end to end with impl='kernel' (k3_layer.py)", [], expert_commands),
 }
 
 

@@ -194,6 +194,15 @@ def test_readme_suite_writes_the_backends_of_latest_csv():
     assert got == want
 
 
+def test_experts_suite_steps():
+    """The experts suite: the expert stage's GPU tests, then the two benchmarks, their CSVs beside `out`."""
+    steps = bench.SUITES["experts"][2]("/tmp/run.csv", "abc1234", 1)
+    assert [name for name, *_ in steps] == ["expert stage tests", "expert stage, every path", "K3 layer, kernel"]
+    assert steps[0][1][-2:] == ["tests/test_experts.py", "tests/gpu/test_experts_gpu.py"]
+    assert steps[1][1][-2:] == ["--out", "/tmp/run.expert_stage.csv"] and steps[1][1][1].endswith("expert_stage.py")
+    assert steps[2][1][-4:] == ["--impl", "kernel", "--out", "/tmp/run.k3_layer.csv"]
+
+
 def test_suite_options_and_command_line():
     quick = bench.suite_passes("quick", _run_args())
     assert len(quick) == 1 and quick[0].tokens == [1, 8, 128] and "floor" not in quick[0].stages
