@@ -243,7 +243,8 @@ static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelPar
 
 struct GroupedGemm {
   static constexpr const char* kWhat = "grouped_gemm";
-  static constexpr int64_t kBlockK = 64, kBlockN = 64, kWorkWords = 4;  // kernels/grouped_gemm.py's settings
+  static constexpr int64_t kBlockK = ep_abi::kGemmBlockK, kBlockN = ep_abi::kGemmBlockN;
+  static constexpr int64_t kWorkWords = ep_abi::kGemmWorkWords;
 
   template <typename Binding>
   static auto bind(Binding binding) {

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_latent_ep.kernels import abi
 from jax_latent_ep.numerics import mxfp8_dequantize
 from jax_latent_ep.received import Received
 
@@ -199,8 +200,8 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down):
     return y[pl.row, jnp.minimum(pl.expert, pl.num_local_experts - 1)]
 
 
-#: Rows of one work item of the grouped GEMM kernel (`kernels/grouped_gemm.py` BLOCK_M) and its other tile sizes.
-KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = 64, 64, 64
+#: Rows of one work item of the grouped GEMM kernel and its other tile sizes (`kernels/abi.py`).
+KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = abi.GEMM_BLOCK_M, abi.GEMM_BLOCK_K, abi.GEMM_BLOCK_N
 #: CTAs the kernel path aims for at least per launch (two per SM of an H200), reached by splitting the contraction.
 KERNEL_MIN_CTAS = 264
 
@@ -244,10 +245,10 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     if k % KERNEL_BLOCK_K or n % KERNEL_BLOCK_N:
         raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of 64, got a "
                          f"[{k}, {n}] weight")
-    splits, per = _kernel_splits(num_active, n * (2 if w_second is not None else 1), k)
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
                                      k_per_split=k)
+    splits, per = _kernel_splits(num_active, n * (2 if w_second is not None else 1), k)
     parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
                                   k_per_split=per)
     total = parts[0]

@@ -35,6 +35,12 @@ ROW_BLOCK = 8
 MX_BLOCK = 32
 #: The source word of an empty receive row (int32 -1).
 EMPTY_SOURCE = -1
+#: The grouped GEMM's tiles: pairs of one work item, columns of one CTA (gate and up: 32 each), contraction step
+#: (`num_k`, `num_n` and `k_per_split` are multiples of the last two), and int32 words of one work item.
+GEMM_BLOCK_M = 64
+GEMM_BLOCK_N = 64
+GEMM_BLOCK_K = 64
+GEMM_WORK_WORDS = 4
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -253,6 +259,10 @@ def header() -> str:
         f"constexpr int kMaxTokensExclusive = {NUM_MAX_TOKENS_EXCLUSIVE};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int kMxBlock = {MX_BLOCK};",
+        f"constexpr int kGemmBlockM = {GEMM_BLOCK_M};",
+        f"constexpr int kGemmBlockN = {GEMM_BLOCK_N};",
+        f"constexpr int kGemmBlockK = {GEMM_BLOCK_K};",
+        f"constexpr int kGemmWorkWords = {GEMM_WORK_WORDS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",
@@ -311,7 +321,8 @@ def markdown() -> str:
     out += [f"| {e.code} | `ERROR_{e.name}` | {e.message} |" for e in ERRORS]
     out += ["", f"Status record: int32 `{{{', '.join(STATUS_FIELDS)}}}`, `code` written last.", "",
             f"Limits: N <= {NUM_MAX_RANKS}, K <= {NUM_MAX_TOPK}, T < 2^{TOKEN_BITS}, receive rows per source a "
-            f"multiple of {ROW_BLOCK}, L a multiple of {MX_BLOCK}."]
+            f"multiple of {ROW_BLOCK}, L a multiple of {MX_BLOCK}; grouped GEMM tiles {GEMM_BLOCK_M} pairs x "
+            f"{GEMM_BLOCK_N} columns x {GEMM_BLOCK_K}, {GEMM_WORK_WORDS} words a work item."]
     return "\n".join(out) + "\n"
 
 

@@ -47,11 +47,11 @@ from jax_latent_ep.kernels.primitives import (
 # Settings
 
 #: Rows (pairs) of one work item: four 16-row MMA tiles.
-BLOCK_M = 64
+BLOCK_M = abi.GEMM_BLOCK_M
 #: Columns of one CTA: 16 per warp.
-BLOCK_N = 64
+BLOCK_N = abi.GEMM_BLOCK_N
 #: Contraction step of one pipeline stage; `num_k` and `k_per_split` are multiples of it.
-BLOCK_K = 64
+BLOCK_K = abi.GEMM_BLOCK_K
 #: Stages of the shared-memory ring (STAGES - 1 loads in flight while one stage is multiplied).
 STAGES = 4
 THREADS = 128
@@ -62,9 +62,9 @@ A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: Words of a work item: (group, first row, rows, 0).
-WORK_WORDS = 4
+WORK_WORDS = abi.GEMM_WORK_WORDS
 
-assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS
+assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 
 
 def smem_bytes() -> int:

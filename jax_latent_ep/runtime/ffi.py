@@ -373,7 +373,8 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 # The grouped GEMM of the expert stage (`kernels/grouped_gemm.py`): one kernel for every shape, no rank.
 
 GROUPED_GEMM_TARGET = "jax_latent_ep_grouped_gemm"
-_gemm_devices: set[int] = set()
+#: The devices the grouped GEMM is loaded on (None: its target is registered).
+_gemm_devices: set[int | None] = set()
 
 
 def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
@@ -399,8 +400,9 @@ def load_grouped_gemm(devices) -> None:
         lib = library()
         if not hasattr(lib, "ep_register_kernel"):
             raise LookupError("this FFI library predates the grouped GEMM (rebuild it)")
-        if not _gemm_devices:
+        if None not in _gemm_devices:  # the target once per process, even if a device's load failed before
             jax.ffi.register_ffi_target(GROUPED_GEMM_TARGET, jax.ffi.pycapsule(lib.EpGroupedGemm), platform="CUDA")
+            _gemm_devices.add(None)
         for device in devices:
             if device.id in _gemm_devices:
                 continue

@@ -211,6 +211,7 @@ def _probe_program() -> str:
         '#include "status.h"', "using namespace ep_abi;", "int main() {",
         ('std::printf("limits %d %d %d %d %d %d\\n", kMaxRanks, kMaxTopk, kTokenBits, kMaxTokensExclusive, '
          "kRowBlock, kMxBlock);"),
+        'std::printf("gemm %d %d %d %d\\n", kGemmBlockM, kGemmBlockN, kGemmBlockK, kGemmWorkWords);',
         'std::printf("status %d %d %d %d %d\\n", kStatusCode, kStatusRank, kStatusPeer, kStatusLayer, kStatusWords);',
         "for (int n = 1; n <= 70; ++n) std::printf(\"stride %d %d\\n\", n, stride(n));",
         'std::printf("stride %d %d\\n", kMaxTokensExclusive - 1, stride(kMaxTokensExclusive - 1));',
@@ -256,6 +257,8 @@ def test_header_says_what_abi_py_says(tmp_path):
 
     assert said["limits"] == [" ".join(map(str, (abi.NUM_MAX_RANKS, abi.NUM_MAX_TOPK, abi.TOKEN_BITS,
                                                    abi.NUM_MAX_TOKENS_EXCLUSIVE, abi.ROW_BLOCK, abi.MX_BLOCK)))]
+    assert said["gemm"] == [" ".join(map(str, (abi.GEMM_BLOCK_M, abi.GEMM_BLOCK_N, abi.GEMM_BLOCK_K,
+                                                 abi.GEMM_WORK_WORDS)))]
     assert said["status"] == [" ".join(map(str, (abi.STATUS_CODE, abi.STATUS_RANK, abi.STATUS_PEER,
                                                    abi.STATUS_LAYER, abi.STATUS_WORDS)))]
     assert abi.STATUS_FIELDS == ("code", "rank", "peer", "layer")
