@@ -9,8 +9,10 @@ T tokens per source rank, the rows rank 0 would receive from N sources at that T
 uniform top-16, `max_tokens = T`). A program is one jit of `layers` layers, each with its own weights and its
 own routing (weights per layer >> L2, so no cache reuse); the median of `--repeats` runs over `layers`.
 
-Paths (`backend` column `<path>/J<J>/I<I>`): `plan` (the plan and the kernel's work list alone: the part of
-every path that is not a GEMM), `kernel` (the project's grouped GEMM, `kernels/grouped_gemm.py`),
+Paths (`backend` column `<path>/J<J>/I<I>`): `plan` (the XLA plan and the kernel's work list alone: the part of
+every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel, `kernels/expert_plan.py`), `kernel`
+(the plan kernel and the project's grouped GEMM, `kernels/grouped_gemm.py`), `kernel-xla-plan` (the grouped GEMM
+on the XLA plan),
 `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
@@ -38,8 +40,9 @@ GROUPS = {
     "cudnn": ({"XLA_FLAGS": "--xla_gpu_experimental_use_ragged_dot_fusion=true"}, {}),
     "pallas": ({}, {"jax_ragged_dot_use_gpu_pallas_triton_lowering": True}),
 }
-PATHS = {"plan": ("default", "plan"), "kernel": ("default", "kernel"), "ragged_dot-default": ("default", "ragged_dot"), "gather": ("default", "gather"),
-         "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
+PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
+         "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
+         "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 
@@ -151,6 +154,11 @@ def child(args):
                     def program(recvs, ws, impl=impl, t=t, n=n, j=j):
                         if impl == "plan":
                             return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
+                        if impl == "plan-kernel":
+                            return [experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel").work for r in recvs]
+                        if impl == "kernel-xla-plan":
+                            return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n, plan_impl="xla")
+                                    for r, w in zip(recvs, ws)]
                         return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
 
                     fn = jax.jit(program)

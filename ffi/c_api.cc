@@ -67,6 +67,9 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpCombine(XLA_FFI_CallFrame* call_frame) {
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedGemm(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_gemm_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpExpertPlan(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::expert_plan_targets().traced);
+}
 
 extern "C" {
 

@@ -269,7 +269,7 @@ struct GroupedGemm {
     if (l.kernel == nullptr) {
       return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
                                          "device ordinal " + std::to_string(ordinal) +
-                                         " (jax_latent_ep.runtime.ffi.load_grouped_gemm)");
+                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
     }
     auto ad = a.dimensions(), rd = a_rows.dimensions(), wd = w.dimensions(), kd = work.dimensions();
     auto od = out->dimensions();
@@ -322,6 +322,105 @@ struct GroupedGemm {
 };
 static_assert(visited_count<ep_abi::GroupedGemmParams>() == ep_abi::kGroupedGemmParamsCount,
               "ep_abi.h: visit_params(GroupedGemmParams) must pass every parameter once");
+
+// ---------------------------------------------------------------------------------------------------------
+// expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
+// scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
+
+struct ExpertPlan {
+  static constexpr const char* kWhat = "expert_plan";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()         // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()             // ids: int32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // weights: f32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // src: int32 [R], -1 in empty rows
+        .template Arg<ffi::AnyBuffer>()             // rank: int32 [1]
+        .template Ret<ffi::AnyBuffer>()             // pair_row: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_expert: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_weight: f32 [C]
+        .template Ret<ffi::AnyBuffer>()             // group_sizes: int32 [J]
+        .template Ret<ffi::AnyBuffer>()             // count: int32 [1]
+        .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
+        .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
+        .template Ret<ffi::AnyBuffer>()             // scratch: int32 [4, C]
+        .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
+        .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer src,
+                            ffi::AnyBuffer rank, ffi::Result<ffi::AnyBuffer> pair_row,
+                            ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
+                            ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
+                            ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
+    l.kernel = find_kernel(kWhat, ordinal);
+    if (l.kernel == nullptr) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
+                                         "device ordinal " + std::to_string(ordinal) +
+                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
+    }
+    auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
+    auto rd = row_pairs->dimensions(), wd = work->dimensions();
+    if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: expected ids [R, K], pair_row [C], "
+                                         "group_sizes [J], row_pairs [R, M], work [W, 4]");
+    }
+    const int64_t R = id[0], K = id[1], C = pd[0], J = gd[0], W = wd[0], M = K < J ? K : J;
+    if (K < 1 || K > ep_abi::kMaxTopk || J < 1 || J > ep_abi::kPlanMaxExperts || C < 1 || W < 1 ||
+        rows_per_source < 1 || R % rows_per_source || max_tokens < 1 || max_tokens > rows_per_source ||
+        R > (int64_t{1} << 30) || C > (int64_t{1} << 28) || W > (int64_t{1} << 28)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_plan: K=" + std::to_string(K) + " must be in [1, " + std::to_string(ep_abi::kMaxTopk) +
+          "], J=" + std::to_string(J) + " in [1, " + std::to_string(ep_abi::kPlanMaxExperts) + "], R=" +
+          std::to_string(R) + " whole source blocks of S=" + std::to_string(rows_per_source) + " rows, max_tokens=" +
+          std::to_string(max_tokens) + " in [1, S], C=" + std::to_string(C) + " and W=" + std::to_string(W) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "ids", ids, ffi::DataType::S32, {R, K}),
+                                    expect(kWhat, "weights", weights, ffi::DataType::F32, {R, K}),
+                                    expect(kWhat, "src", src, ffi::DataType::S32, {R}),
+                                    expect(kWhat, "rank", rank, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "pair_row", *pair_row, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_expert", *pair_expert, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_weight", *pair_weight, ffi::DataType::F32, {C}),
+                                    expect(kWhat, "group_sizes", *group_sizes, ffi::DataType::S32, {J}),
+                                    expect(kWhat, "count", *count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "row_pairs", *row_pairs, ffi::DataType::S32, {R, M}),
+                                    expect(kWhat, "work", *work, ffi::DataType::S32, {W, ep_abi::kGemmWorkWords}),
+                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {4, C})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = 1;
+    l.params = make_params(ep_abi::ExpertPlanParams{
+        .ids = address(ids.untyped_data()),
+        .weights = address(weights.untyped_data()),
+        .src = address(src.untyped_data()),
+        .rank = address(rank.untyped_data()),
+        .pair_row = address(pair_row->untyped_data()),
+        .pair_expert = address(pair_expert->untyped_data()),
+        .pair_weight = address(pair_weight->untyped_data()),
+        .group_sizes = address(group_sizes->untyped_data()),
+        .count = address(count->untyped_data()),
+        .row_pairs = address(row_pairs->untyped_data()),
+        .work = address(work->untyped_data()),
+        .scratch = address(scratch->untyped_data()),
+        .num_rows = static_cast<int32_t>(R),
+        .topk = static_cast<int32_t>(K),
+        .num_local_experts = static_cast<int32_t>(J),
+        .rows_per_source = static_cast<int32_t>(rows_per_source),
+        .max_tokens = static_cast<int32_t>(max_tokens),
+        .capacity = static_cast<int32_t>(C),
+        .num_work = static_cast<int32_t>(W),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::ExpertPlanParams>() == ep_abi::kExpertPlanParamsCount,
+              "ep_abi.h: visit_params(ExpertPlanParams) must pass every parameter once");
+static_assert(ep_abi::kExpertPlanParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
 // The three stages of an op, over the arguments its `prepare` takes after the Launch (the ones `bind` binds).
@@ -398,5 +497,6 @@ Targets targets() {
 Targets dispatch_targets() { return targets<Dispatch>(); }
 Targets combine_targets() { return targets<Combine>(); }
 Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
+Targets expert_plan_targets() { return targets<ExpertPlan>(); }
 
 }  // namespace jax_latent_ep

@@ -15,5 +15,6 @@ struct Targets {
 Targets dispatch_targets();
 Targets combine_targets();
 Targets grouped_gemm_targets();
+Targets expert_plan_targets();
 
 }  // namespace jax_latent_ep

@@ -12,7 +12,8 @@ defaults to `S`, giving the `N * S * min(K, J)` bound), and a row is never plann
 duplicate ids of a token that name the same local expert make one pair whose weight is their FP32 sum in
 ascending slot order. An id is local when `id // J == rank`; so `-1` (the documented "no expert" id of a
 padded token or an unused slot) and every other id outside this rank's range are not. Rows with `src == -1`
-get no pair whatever their ids (with N = 1 the empty rows carry expert 0 with weight 0).
+get no pair whatever their ids (with N = 1 the empty rows carry expert 0 with weight 0). The plan is built by XLA
+ops anywhere, or on NVIDIA GPUs by one kernel (`PLAN_IMPLEMENTATIONS`; the same words, bit for bit).
 
 Numerics (docs/experts.md): activations are the dequantized MXFP8 rows rounded to bf16 (exact: an MXFP8 value
 has 4 significant bits); `gate = x @ w_gate[e]`, `up = x @ w_up[e]` bf16 x bf16 with FP32 accumulation;
@@ -59,6 +60,8 @@ class Plan(NamedTuple):
       count: int32 `[]`, pairs used (`sum(group_sizes)`); pairs `count ... C - 1` are unused.
       row_pairs: int32 `[R, M]`, the way back: the pair of the row's `m`-th local expert in ascending order of
         its first slot, or `C` where the row has fewer (points at a zero row).
+      work: int32 `[W, 4]`, the grouped GEMM kernel's work list (`work_items`) when the plan kernel built the
+        plan, else None (the kernel implementation then derives it).
     """
 
     row: jax.Array
@@ -67,6 +70,7 @@ class Plan(NamedTuple):
     group_sizes: jax.Array
     count: jax.Array
     row_pairs: jax.Array
+    work: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -82,7 +86,13 @@ def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> 
     return ranks * max_tokens * min(topk, num_local_experts)
 
 
-def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None) -> Plan:
+#: How a plan is built: "xla" (XLA ops, every platform) or "kernel" (the plan kernel, `kernels/expert_plan.py`, one
+#: launch on NVIDIA GPUs: the same words, and the work list with them).
+PLAN_IMPLEMENTATIONS = ("xla", "kernel")
+
+
+def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None,
+         impl: str = "xla") -> Plan:
     """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
 
     Args:
@@ -93,9 +103,11 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
         empty by the contract and are not planned); default `S`, i.e. every row.
       ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
         `max_tokens` is given, else 1 (one block of all rows).
+      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, for `J <= 4096` and `K <= 32`
+        (`kernels/abi.py` NUM_MAX_PLAN_EXPERTS, NUM_MAX_TOPK).
 
     Returns:
-      A `Plan` of capacity `N * max_tokens * min(K, J)`.
+      A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
     """
     from jax_latent_ep.layout import stride
 
@@ -113,6 +125,10 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
         raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
     m = min(k, j)
     cap = capacity(ranks, mt, k, j)
+    if impl not in PLAN_IMPLEMENTATIONS:
+        raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
+    if impl == "kernel":
+        return _plan_kernel(recv, rank, j, s_rows, mt, cap)
     ids, w = recv.ids, recv.weights.astype(jnp.float32)
     rank = jnp.asarray(rank, jnp.int32)
 
@@ -145,6 +161,32 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     row_pairs = jnp.take_along_axis(pos, slots, axis=1)
     row_pairs = jnp.where(jnp.take_along_axis(first, slots, axis=1), row_pairs, cap)
     return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
+
+
+def _gpus(what: str):
+    """This process's NVIDIA GPUs, or a ValueError naming `what` and its XLA alternative."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        raise ValueError(f"{what} runs on NVIDIA GPUs (sm_90a / sm_100a); this process has none: use the XLA "
+                         "implementation (plan impl='xla', swiglu impl='ragged_dot')")
+    return gpus
+
+
+def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
+    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
+    from jax_latent_ep.runtime import ffi
+
+    k = recv.ids.shape[1]
+    if j > abi.NUM_MAX_PLAN_EXPERTS or k > abi.NUM_MAX_TOPK:
+        raise ValueError(f"experts.plan(impl='kernel') takes J <= {abi.NUM_MAX_PLAN_EXPERTS} local experts and K <= "
+                         f"{abi.NUM_MAX_TOPK} ids, got J={j}, K={k}: use impl='xla'")
+    ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
+    num_work = min(j, cap) + cap // KERNEL_BLOCK_M
+    rank = jnp.asarray(rank, jnp.int32).reshape(1)
+    row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
+        recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
+    return Plan(row, expert, weight, sizes, count[0], row_pairs, work)
 
 
 def activations(recv: Received):
@@ -263,12 +305,8 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down):
     then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert)."""
     from jax_latent_ep.runtime import ffi
 
-    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if not gpus:
-        raise ValueError("experts.swiglu(impl='kernel') runs on NVIDIA GPUs (sm_90a / sm_100a); this process has "
-                         "none: use impl='ragged_dot'")
-    ffi.load_grouped_gemm(gpus)
-    work = work_items(pl)
+    ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
+    work = pl.work if pl.work is not None else work_items(pl)
     active = min(pl.num_local_experts, pl.capacity)
     inter = w_down.shape[1]
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
@@ -343,7 +381,11 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl)
 
 
-def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None):
-    """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=...), ...)` with `J = w_down.shape[0]`."""
-    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks)
+def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
+                 plan_impl: str | None = None):
+    """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"`, else "xla"."""
+    if plan_impl is None:
+        plan_impl = "kernel" if impl == "kernel" else "xla"
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)

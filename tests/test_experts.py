@@ -91,6 +91,50 @@ def test_plan(case):
         assert [int(pl.expert[p]) for p in refs] == firsts and all(pl.row[p] == r for p in refs)
 
 
+# Plan-kernel cases besides CASES: (N, rank, live tokens, max_tokens, E, K, local_bias); Kimi K3 at N = 1, 2, 8
+# with T = 128, and a hot expert (groups of several 64-pair work items; the in-group order over many rows).
+PLAN_KERNEL_CASES = [(n, r, t, mt, e, k, 0.4) for n, r, t, mt, _, e, k, _ in CASES] + [
+    (1, 0, [128], 128, 896, 16, None),
+    (2, 1, [128, 77], 128, 896, 16, None),
+    (8, 5, [128, 1, 0, 64, 128, 3, 128, 100], 128, 896, 16, None),
+    (2, 0, [300, 257], 300, 8, 4, 0.9),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PLAN_KERNEL_CASES, ids=lambda c: f"N{c[0]}-E{c[4]}-T{c[3]}")
+def test_plan_kernel_is_the_xla_plan(case):
+    """The plan kernel's words are the XLA plan's, bit for bit (pairs, weights, group sizes, count, the way back)
+    and its work list is `work_items` of the XLA plan."""
+    n, rank, tokens, mt, e, k, bias = case
+    rng = np.random.default_rng(zlib.crc32(f"plan-kernel/{case}".encode()))
+    recv = random_received(rng, ranks=n, rank=rank, tokens=tokens, max_tokens=mt, latent=64, experts=e, topk=k,
+                           pad_tokens=0.15, pad_slots=0.2, duplicates=0.3, local_bias=bias)
+    recv = jax.tree.map(jnp.asarray, recv)
+    j = e // n
+    build = lambda impl: jax.jit(lambda r, rk: experts.plan(r, rk, j, max_tokens=mt, ranks=n, impl=impl))(  # noqa: E731
+        recv, jnp.int32(rank))
+    got, want = build("kernel"), build("xla")
+    assert int(want.count) > 0
+    for name in ("row", "expert", "weight", "group_sizes", "count", "row_pairs"):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got.work), np.asarray(jax.jit(experts.work_items)(want)))
+
+
+def test_plan_kernel_refusals():
+    recv, _ = _case("plan-refusal", *CASES[0])
+    recv = jax.tree.map(jnp.asarray, recv)
+    with pytest.raises(ValueError, match="impl='fast' must be one of"):
+        experts.plan(recv, 0, 16, impl="fast")
+    with pytest.raises(ValueError, match="J <= 4096 local experts and K <= 32 ids, got J=8192"):
+        experts.plan(recv, 0, 8192, impl="kernel")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ValueError, match=r"experts.plan\(impl='kernel'\) runs on NVIDIA GPUs"):
+            experts.plan(recv, 0, 16, impl="kernel")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}" for c in CASES])
 def test_swiglu_against_numpy(impl, case):

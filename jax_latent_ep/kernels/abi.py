@@ -41,6 +41,10 @@ GEMM_BLOCK_M = 64
 GEMM_BLOCK_N = 64
 GEMM_BLOCK_K = 64
 GEMM_WORK_WORDS = 4
+#: Most local experts the expert plan kernel takes (its per-expert counters live in shared memory).
+NUM_MAX_PLAN_EXPERTS = 4096
+#: Threads of the expert plan kernel's one CTA.
+PLAN_THREADS = 1024
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -155,7 +159,32 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM)}
+#: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
+#: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
+#: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J).
+EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
+    _address("ids", "int32 [R, K]: the receive rows' expert ids"),
+    _address("weights", "f32 [R, K]: their routing weights"),
+    _address("src", "int32 [R]: the receive rows' source words, -1 in empty rows"),
+    _address("rank", "int32 [1]: this rank (an id is local when id // J == rank)"),
+    _address("pair_row", "int32 [C]: the receive row of each pair, 0 in unused pairs (output)"),
+    _address("pair_expert", "int32 [C]: the local expert of each pair, J in unused pairs (output)"),
+    _address("pair_weight", "f32 [C]: the pair's routing weight, 0 in unused pairs (output)"),
+    _address("group_sizes", "int32 [J]: pairs per local expert (output)"),
+    _address("count", "int32 [1]: pairs used (output)"),
+    _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or C (output)"),
+    _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
+    _address("scratch", "int32 [4, C]: the pairs before their order within a group is fixed (output, unused)"),
+    Param("num_rows", "i32", False, "R, receive rows"),
+    Param("topk", "i32", False, "K, ids per row, <= 32"),
+    Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS"),
+    Param("rows_per_source", "i32", False, "S, rows of one source block"),
+    Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
+    Param("capacity", "i32", False, "C, pairs"),
+    Param("num_work", "i32", False, "work items"),
+))
+
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, EXPERT_PLAN)}
 
 
 def c_name(op: str) -> str:
@@ -263,6 +292,8 @@ def header() -> str:
         f"constexpr int kGemmBlockN = {GEMM_BLOCK_N};",
         f"constexpr int kGemmBlockK = {GEMM_BLOCK_K};",
         f"constexpr int kGemmWorkWords = {GEMM_WORK_WORDS};",
+        f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
+        f"constexpr int kPlanThreads = {PLAN_THREADS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -278,6 +278,33 @@ def shfl_idx_u64(value, lane, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def shfl_up(value, offset: int, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `shfl.sync.up.b32` over the full warp: the value of lane `lane - offset` (lanes below
+    `offset` get their own)."""
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], f"shfl.sync.up.b32 $0, $1, {offset}, 0x0, 0xffffffff;",
+                       "=r,r", loc, ip))
+
+
+@dsl_user_op
+def ballot(predicate, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `vote.sync.ballot.b32` over the full warp: bit l set where lane l's `predicate` != 0."""
+    code = "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }"
+    return Uint32(_asm(T.i32(), [_u32(predicate, loc, ip)], code, "=r,r", loc, ip))
+
+
+@dsl_user_op
+def match_any(value, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `match.any.sync.b32` over the full warp: the lanes whose `value` equals this lane's."""
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "match.any.sync.b32 $0, $1, 0xffffffff;", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def popc(value, *, loc=None, ip=None) -> Uint32:
+    """`popc.b32`: the set bits of `value`."""
+    return Uint32(_asm(T.i32(), [_u32(value, loc, ip)], "popc.b32 $0, $1;", "=r,r", loc, ip))
+
+
+@dsl_user_op
 def shfl_bfly_f32(value, offset: int, *, loc=None, ip=None) -> Float32:
     """Always issues one `shfl.sync.bfly.b32` of an FP32 value (bits unchanged)."""
     return Float32(
@@ -482,3 +509,23 @@ def store_b32_bf16x2(addr, lo, hi, *, loc=None, ip=None) -> None:
     """Rounds `lo`, `hi` once (nearest even) to BF16 and issues one weak 4-byte `st.global.b32` of the pair."""
     code = "{ .reg .b32 w; cvt.rn.bf16x2.f32 w, $2, $1; st.global.b32 [$0], w; }"
     _asm(None, [_i64(addr, loc, ip), _f32(lo, loc, ip), _f32(hi, loc, ip)], code, "l,f,f", loc, ip)
+
+
+@dsl_user_op
+def load_shared_b32(smem, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `ld.shared.b32` at shared address `smem`."""
+    return Uint32(_asm(T.i32(), [_u32(smem, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def store_shared_b32(smem, value, *, loc=None, ip=None) -> None:
+    """Always issues one `st.shared.b32` of `value` at shared address `smem`."""
+    _asm(None, [_u32(smem, loc, ip), _u32(value, loc, ip)], "st.shared.b32 [$0], $1;", "r,r", loc, ip)
+
+
+@dsl_user_op
+def atomic_add_shared(smem, value, *, loc=None, ip=None) -> Uint32:
+    """`atom.shared.add.u32`: adds `value` to the word at shared address `smem`; returns the word before (the
+    order among concurrent adds is unspecified)."""
+    return Uint32(_asm(T.i32(), [_u32(smem, loc, ip), _u32(value, loc, ip)], "atom.shared.add.u32 $0, [$1], $2;",
+                       "=r,r,r", loc, ip))

@@ -35,9 +35,9 @@ ARCHS = ("sm_90a", "sm_100a")
 DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 2, 4, 8)}
 #: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
 SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
-           "kernels/combine.py", "kernels/grouped_gemm.py", "layout.py", "shapes.py")
+           "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "layout.py", "shapes.py")
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any".
-SHAPE_FREE = ("grouped_gemm",)
+SHAPE_FREE = ("grouped_gemm", "expert_plan")
 MANIFEST_VERSION = 1
 
 
@@ -142,12 +142,13 @@ def _entry(kernel, name, cubin, out_dir, file, block, smem, shape_entry, ranks, 
 
 
 def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
-    """Compiles a shape-free kernel ("grouped_gemm") for `arch` into `out_dir/cubins/<kernel>_<arch>.cubin`; returns
-    its manifest entry (shape "any", ranks 0). Imports cutlass."""
-    started = time.perf_counter()
-    from jax_latent_ep.kernels import grouped_gemm as module
+    """Compiles a shape-free kernel (one of `SHAPE_FREE`) for `arch` into `out_dir/cubins/<kernel>_<arch>.cubin`;
+    returns its manifest entry (shape "any", ranks 0). Imports cutlass."""
+    import importlib
 
-    name, cubin = module.compile_grouped_gemm(arch)
+    started = time.perf_counter()
+    module = importlib.import_module(f"jax_latent_ep.kernels.{kernel}")
+    name, cubin = getattr(module, f"compile_{kernel}")(arch)
     return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", module.THREADS, module.smem_bytes(),
                   {"name": "any"}, 0, arch, started)
 

@@ -370,15 +370,20 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The grouped GEMM of the expert stage (`kernels/grouped_gemm.py`): one kernel for every shape, no rank.
+# The expert stage's kernels (`kernels/grouped_gemm.py`, `kernels/expert_plan.py`): one cubin each for every shape,
+# no rank.
 
-GROUPED_GEMM_TARGET = "jax_latent_ep_grouped_gemm"
-#: The devices the grouped GEMM is loaded on (None: its target is registered).
-_gemm_devices: set[int | None] = set()
+#: op -> (FFI target name, exported handler symbol).
+EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
+                  "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan")}
+GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
+EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
+#: The devices the expert kernels are loaded on (None: their targets are registered).
+_expert_devices: set[int | None] = set()
 
 
 def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
-    """The installed cubin of a shape-independent `kernel` ("grouped_gemm") for `arch`.
+    """The installed cubin of a shape-independent `kernel` ("grouped_gemm", "expert_plan") for `arch`.
 
     Raises:
       LookupError: the manifest has none (an artifact directory built before it: rebuild it).
@@ -391,28 +396,44 @@ def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
                       "artifacts: python -m jax_latent_ep.runtime.build)")
 
 
-def load_grouped_gemm(devices) -> None:
-    """Registers the grouped GEMM's target and loads its cubin on each CUDA device of `devices` (once per device,
-    outside CUDA graph capture: call it where the program is traced)."""
+def load_expert_kernels(devices) -> None:
+    """Registers the expert stage's targets and loads its cubins on each CUDA device of `devices` (once per
+    device, outside CUDA graph capture: call it where the program is traced)."""
     from jax_latent_ep.backends.nvlink import gpu_arch
 
     with _lock:
         lib = library()
-        if not hasattr(lib, "ep_register_kernel"):
-            raise LookupError("this FFI library predates the grouped GEMM (rebuild it)")
-        if None not in _gemm_devices:  # the target once per process, even if a device's load failed before
-            jax.ffi.register_ffi_target(GROUPED_GEMM_TARGET, jax.ffi.pycapsule(lib.EpGroupedGemm), platform="CUDA")
-            _gemm_devices.add(None)
+        if not all(hasattr(lib, symbol) for _, symbol in EXPERT_TARGETS.values()):
+            raise LookupError("this FFI library predates the expert stage's kernels (rebuild it)")
+        if None not in _expert_devices:  # the targets once per process, even if a device's load failed before
+            for target, symbol in EXPERT_TARGETS.values():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+            _expert_devices.add(None)
         for device in devices:
-            if device.id in _gemm_devices:
+            if device.id in _expert_devices:
                 continue
-            image = find_standalone_kernel("grouped_gemm", gpu_arch(device))
             ordinal = int(getattr(device, "local_hardware_id", device.id))
-            if lib.ep_register_kernel(b"grouped_gemm", ordinal, image.cubin, len(image.cubin), image.name.encode(),
-                                      image.block, image.smem):
-                raise RuntimeError(f"jax_latent_ep: loading the grouped GEMM on {device} failed: "
-                                   f"{lib.ep_last_error().decode()}")
-            _gemm_devices.add(device.id)
+            for op in EXPERT_TARGETS:
+                image = find_standalone_kernel(op, gpu_arch(device))
+                if lib.ep_register_kernel(op.encode(), ordinal, image.cubin, len(image.cubin), image.name.encode(),
+                                          image.block, image.smem):
+                    raise RuntimeError(f"jax_latent_ep: loading the {op} kernel on {device} failed: "
+                                       f"{lib.ep_last_error().decode()}")
+            _expert_devices.add(device.id)
+
+
+def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_experts: int, num_work: int,
+                     rows_per_source: int, max_tokens: int):
+    """The expert plan custom call (`kernels/abi.py` EXPERT_PLAN, whose table says what each operand holds):
+    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`."""
+    rows, k = ids.shape
+    m = min(k, num_local_experts)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    out_types = (i32(capacity), i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.float32),
+                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(4, capacity))
+    call = jax.ffi.ffi_call(EXPERT_PLAN_TARGET, out_types, has_side_effect=False)
+    return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
+                max_tokens=np.int64(max_tokens))[:7]
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,

@@ -1,4 +1,5 @@
-"""Multi-process JAX launcher for tests: P CPU processes joined by `jax.distributed` (gloo collectives).
+"""Multi-process JAX launcher for tests: P CPU processes joined by `jax.distributed` (gloo collectives), or P
+processes of one CUDA device each (`run(..., gpus=[...])`).
 
     from jax_latent_ep.testing.launcher import launch
     launch("/path/to/module.py:worker", processes=4, timeout=120, args={"seed": 1})
@@ -29,11 +30,12 @@ _BOOTSTRAP = r"""
 import importlib.util, json, os, sys
 target, coordinator, nproc, pid, args = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 import jax
-jax.config.update("jax_platforms", "cpu")
-try:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-except Exception as e:  # older or newer jax: gloo is the default where the option is gone
-    print(f"launcher: jax_cpu_collectives_implementation not set ({e})", flush=True)
+if os.environ.get("JAX_LATENT_EP_LAUNCH_PLATFORM", "cpu") == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception as e:  # older or newer jax: gloo is the default where the option is gone
+        print(f"launcher: jax_cpu_collectives_implementation not set ({e})", flush=True)
 from jax_latent_ep.runtime import liveness
 liveness.initialize(coordinator, nproc, pid, timeout_s=int(os.environ.get("JAX_LATENT_EP_LIVENESS_S", "60")),
                     initialization_timeout=60)
@@ -90,16 +92,22 @@ def _report(headline, procs, logs) -> str:
     return "\n".join(parts)
 
 
-def _start(target, processes, args, devices_per_process, env, liveness_s):
+def _start(target, processes, args, devices_per_process, env, liveness_s, gpus=None):
     import json
 
     coordinator = f"127.0.0.1:{free_port()}"
     base_env = dict(os.environ)
     base_env.update(env or {})
-    flags = [f for f in base_env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-    base_env["XLA_FLAGS"] = " ".join(flags)
-    base_env["JAX_PLATFORMS"] = "cpu"
+    if gpus is None:
+        flags = [f for f in base_env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        base_env["XLA_FLAGS"] = " ".join(flags)
+        base_env["JAX_PLATFORMS"] = "cpu"
+        base_env["JAX_LATENT_EP_LAUNCH_PLATFORM"] = "cpu"
+    else:  # one CUDA device per process (several processes may share one GPU: CUDA IPC works within a device)
+        base_env["JAX_PLATFORMS"] = "cuda"
+        base_env["JAX_LATENT_EP_LAUNCH_PLATFORM"] = "cuda"
+        base_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     base_env["JAX_LATENT_EP_LIVENESS_S"] = str(int(liveness_s))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
@@ -108,11 +116,12 @@ def _start(target, processes, args, devices_per_process, env, liveness_s):
     for pid in range(processes):
         path = os.path.join(logdir, f"rank{pid}.log")
         logs.append(path)
+        proc_env = base_env if gpus is None else {**base_env, "CUDA_VISIBLE_DEVICES": str(gpus[pid % len(gpus)])}
         with open(path, "w") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, "-u", "-c", _BOOTSTRAP, target, coordinator, str(processes), str(pid),
                  json.dumps(args or {})],
-                stdout=log, stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
+                stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True))
     return procs, logs
 
 
@@ -122,13 +131,16 @@ def _read(path) -> str:
 
 
 def run(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
-        devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60):
+        devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60, gpus=None):
     """Like `launch`, but waits for every process to end by itself (killing those left after `timeout`).
+
+    `gpus`: None for CPU processes; else CUDA device indices, process `i` seeing only `gpus[i % len(gpus)]`
+    (`[0]`: every process on GPU 0).
 
     Returns `[(exit status, log, time.time() at which its exit was seen), ...]` per rank; a process killed at
     the timeout has status None.
     """
-    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s)
+    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s, gpus)
     ended = [None] * processes
     codes = [None] * processes
     try:

@@ -83,14 +83,15 @@ def test_manifest_fields(built):
     assert manifest["source_sha256"] == build.source_sha256()
     keys = {(e["kernel"], e["shape"]["name"], e["ranks"], e["arch"]) for e in manifest["entries"]}
     assert keys == {(k, s, n, "sm_90a") for k in ("dispatch", "combine") for s, n in (("kimi_k3", 2), ("deepseek_v3", 8))} | {
-        ("grouped_gemm", "any", 0, "sm_90a")}
+        (k, "any", 0, "sm_90a") for k in build.SHAPE_FREE}
     for e in manifest["entries"]:
-        if e["kernel"] == "grouped_gemm":  # one cubin for every shape
-            from jax_latent_ep.kernels import grouped_gemm
+        if e["kernel"] in build.SHAPE_FREE:  # one cubin for every shape
+            import importlib
 
-            assert e["name"] == "ep_grouped_gemm_0" and e["file"] == "cubins/grouped_gemm_sm_90a.cubin"
-            assert [tuple(p) for p in e["params"]] == list(abi.GROUPED_GEMM.signature())
-            assert (e["block"], e["smem"]) == (grouped_gemm.THREADS, grouped_gemm.smem_bytes())
+            module = importlib.import_module(f"jax_latent_ep.kernels.{e['kernel']}")
+            assert e["name"] == f"ep_{e['kernel']}_0" and e["file"] == f"cubins/{e['kernel']}_sm_90a.cubin"
+            assert [tuple(p) for p in e["params"]] == list(abi.KERNELS[e["kernel"]].signature())
+            assert (e["block"], e["smem"]) == (module.THREADS, module.smem_bytes())
             assert hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() == e["sha256"]
             continue
         module = dispatch if e["kernel"] == "dispatch" else combine

@@ -14,7 +14,7 @@ SMALL = dict(latent=64, experts=8, topk=2)
 BOUND_S = 10
 
 
-def worker_dies(process_id, num_processes, when):
+def worker_dies(process_id, num_processes, when, backend="xla", shape=SMALL):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -30,9 +30,9 @@ def worker_dies(process_id, num_processes, when):
 
     if process_id == 1 and when == "before_first_collective":
         die()
-    shape = LatentMoEShape(**SMALL)
+    shape = LatentMoEShape(**shape)
     mesh = jax.make_mesh((num_processes,), ("ep",), devices=jax.devices())
-    ep = ExpertParallel(mesh, "ep", max_tokens=4, shape=shape, backend="xla")
+    ep = ExpertParallel(mesh, "ep", max_tokens=4, shape=shape, backend=backend)
 
     def layer(x, ids, w):
         recv = ep.dispatch(x, ids, w)
@@ -41,7 +41,9 @@ def worker_dies(process_id, num_processes, when):
 
     f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
     put = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, P("ep")), a, (2 * a.shape[0], *a.shape[1:]))
-    args = (put(np.ones((4, 64), jnp.bfloat16)), put(np.tile(np.int32([[0, 5]]), (4, 1))), put(np.ones((4, 2), np.float32)))
+    ids = np.arange(shape.topk, dtype=np.int32) * (shape.experts // shape.topk) + 1  # distinct, on both ranks
+    args = (put(np.ones((4, shape.latent), jnp.bfloat16)), put(np.tile(ids[None], (4, 1))),
+            put(np.ones((4, shape.topk), np.float32)))
     f(*args).block_until_ready()
     print("warm-up layer done", flush=True)
     if process_id == 1:
@@ -55,12 +57,19 @@ def worker_dies(process_id, num_processes, when):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("when", ["before_first_collective", "after_warmup", "sigkill"])
 def test_dead_process_ends_the_job(when):
+    check_dead_process(when, dict(when=when), gpus=None)
+
+
+def check_dead_process(when, args, gpus):
+    """Runs `worker_dies` in two processes (`gpus`: see `launcher.run`) and checks how process 0 ended."""
     from jax_latent_ep.testing.launcher import run
 
     start = time.monotonic()
     (code0, log0, end0), (code1, log1, end1) = run(
-        f"{__file__}:worker_dies", 2, timeout=BOUND_S + 40, liveness_s=BOUND_S, args=dict(when=when))
-    death = float(re.search(r"DEATH ([0-9.]+)", log1).group(1))
+        f"{__file__}:worker_dies", 2, timeout=BOUND_S + 40, liveness_s=BOUND_S, args=args, gpus=gpus)
+    found = re.search(r"DEATH ([0-9.]+)", log1)
+    assert found, f"process 1 did not reach its death:\n{log1}\n---- process 0:\n{log0}"
+    death = float(found.group(1))
     assert code0 not in (None, 0), f"process 0 did not end by itself (status {code0}):\n{log0}"
     took = end0 - death
     print(f"{when}: process 0 ended {took:.1f} s after process 1 died (status {code0})")

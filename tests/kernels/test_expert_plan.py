@@ -1,0 +1,34 @@
+"""The expert plan kernel's build (CPU, no GPU): its signature is the ABI's, its PTX asks for the one CTA of
+`THREADS` the manifest records, uses the warp collectives the kernel module describes, and keeps to registers and
+shared memory (no local memory). Its words against the XLA plan: tests/gpu/test_experts_gpu.py."""
+
+import re
+
+import cutlass.cute as cute
+
+from jax_latent_ep.kernels import abi, expert_plan
+from jax_latent_ep.kernels.common import _DSL_TYPES, check_abi
+
+
+def _ptx():
+    fake = [_DSL_TYPES[p.ctype](0) for p in abi.EXPERT_PLAN.params]
+    compiled = cute.compile(expert_plan.ExpertPlan().launch, *fake, options="--gpu-arch sm_90a --keep-ptx")
+    ptx = compiled.artifacts.PTX
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def test_signature_is_the_abi():
+    check_abi(abi.EXPERT_PLAN, expert_plan.ExpertPlan())  # raises on any difference
+
+
+def test_ptx_block_and_collectives():
+    ptx = _ptx()
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % expert_plan.THREADS, ptx), "block differs from THREADS"
+    assert expert_plan.THREADS == abi.PLAN_THREADS and expert_plan.SMEM_BYTES <= 227 * 1024
+    # Phases 1 and 3 find a row's pairs with match.any and a ballot (the compiler may copy a loop body); phase 2
+    # scans with shfl.up (5 steps for each of two sums, in the warps and then over the warp totals).
+    assert ptx.count("match.any.sync.b32") >= 2 and ptx.count("vote.sync.ballot.b32") >= 2
+    assert ptx.count("shfl.sync.up.b32") == 2 * 2 * 5
+    assert ptx.count("atom.shared.add.u32") >= 2
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 5
