@@ -87,6 +87,11 @@ def report_failure(exc: BaseException | str) -> str:
         text = f"process {pid} failed: {type(exc).__name__}: {exc}{at}"
     else:
         text = f"process {pid} failed: {exc}"
+    # A trapped NVLink kernel reaches JAX as a bare "launch failure": its error record names the peer it waited for.
+    symmetric = sys.modules.get("jax_latent_ep.runtime.symmetric")
+    records = symmetric.kernel_errors() if symmetric is not None else []
+    if records:
+        text += "; the NVLink kernels recorded: " + "; ".join(records)
     if client is not None:
         cause = _others(client, pid, wait_s=1.0 if "peer" in text.lower() else 0.0)
         if cause:

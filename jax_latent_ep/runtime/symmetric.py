@@ -483,6 +483,23 @@ class SymmetricBuffers:
                 return tuple(int(v) for v in (ctypes.c_int32 * 4).from_address(lr.status_host))
         raise KeyError(f"rank {rank} is not driven by this process")
 
+    def kernel_errors(self) -> list[str]:
+        """What each nonzero error record of this process's ranks says, with the process of the peer it names
+        (e.g. "dispatch on rank 0 timed out waiting for rank 1 at layer 3 (error code 1); rank 1 is process 1")."""
+        from jax_latent_ep.kernels.abi import describe_error
+
+        out = []
+        for lr in self.local:
+            if self._closed:
+                break
+            record = tuple(int(v) for v in (ctypes.c_int32 * 4).from_address(lr.status_host))
+            if record[0]:
+                peer = record[2]
+                owner = (f"; rank {peer} is process {self.devices[peer].process_index}"
+                         if 0 <= peer < len(self.devices) else "")
+                out.append(describe_error(record) + owner)
+        return out
+
     def close(self):
         """Frees everything (idempotent, thread-safe). Only once no kernel uses the buffers on any rank."""
         with self._close_lock:
@@ -535,3 +552,10 @@ class SymmetricBuffers:
             f"local ranks={[lr.rank for lr in self.local]}, bytes={self.layout.bytes}, "
             f"multiprocess={self.multiprocess})"
         )
+
+
+def kernel_errors() -> list[str]:
+    """`SymmetricBuffers.kernel_errors` of every live group of this process (what its trapped kernels recorded)."""
+    with _live_lock:
+        live = list(_live)
+    return [text for b in live for text in b.kernel_errors()]
