@@ -72,6 +72,30 @@ def _time(fn, args, repeats):
     return _median(samples)
 
 
+def device_us(fn, args):
+    """Microseconds the GPU spends in kernels during one call of `fn` (the sum of the kernel events of a profiler
+    trace): the program without its host-side dispatch and synchronization."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    trace_dir = tempfile.mkdtemp(prefix="expert_stage_trace_")
+    try:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(fn(*args))
+        finally:
+            jax.profiler.stop_trace()
+        path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+        planes = sorted((p for p in jax.profiler.ProfileData.from_file(path).planes if p.name.startswith("/device:GPU:")),
+                        key=lambda p: p.name)
+        return sum(e.duration_ns for line in planes[0].lines for e in line.events) / 1e3
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+
 def hbm_gbps(nbytes, repeats, passes=10):
     """The HBM bandwidth of this device, GB/s: the larger of a copy (in place, `a + 1` on uint32 in a loop of
     `passes` over a donated buffer, so no allocation is timed; bytes read + written) and a read (`sum` of f32
@@ -172,6 +196,9 @@ def child(args):
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
                             value=float("cudnn" in hlo.lower()))
                     out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
+                    if args.device_time and dev.platform == "gpu":
+                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
+                            value=device_us(fn, (recvs, ws)) / layers)
             del ws
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)
 
@@ -202,7 +229,13 @@ def parent(args, argv):
         if proc.returncode:
             notes.append(f"FAIL group {group} (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
         print(f"# group {group}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        _write(args, rows, device)  # what the groups so far measured, should a later one not come back
+    return report(args, rows, device, notes)
 
+
+def _derived(args, rows):
+    """The rows plus the floors (`floor/...` `us`) and each time's ratio to its floor."""
+    rows = list(rows)
     hbm = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
     lat = args.latent
     for r in list(rows):
@@ -212,17 +245,31 @@ def parent(args, argv):
     floors = {(r["backend"].split("/", 1)[1], r["tokens"]): r["value"] for r in rows
               if r["backend"].startswith("floor/") and r["metric"] == "us"}
     for r in list(rows):
-        if r["metric"] == "us_per_layer":
+        if r["metric"] in ("us_per_layer", "device_us_per_layer"):
             f = floors.get((r["backend"].split("/", 1)[1], r["tokens"]))
             if f:
-                rows.append(dict(r, metric="ratio", value=r["value"] / f))
+                rows.append(dict(r, metric="ratio" if r["metric"] == "us_per_layer" else "device_ratio",
+                                 value=r["value"] / f))
+    return rows, hbm, floors
 
+
+def _write(args, rows, device):
+    """Writes `rows` with their floors and ratios to `args.out`; returns them."""
+    rows = _derived(args, rows)[0]
     date, commit = datetime.date.today().isoformat(), _commit()
     with open(args.out, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(COLUMNS)
         for r in rows:
             w.writerow([date, device, commit, r["backend"], r["ranks"], r["tokens"], r["metric"], f"{r['value']:.6g}"])
+    return rows
+
+
+def report(args, rows, device, notes):
+    """Writes the CSV and prints the table."""
+    _, hbm, floors = _derived(args, rows)
+    rows = _write(args, rows, device)
+    date, commit = datetime.date.today().isoformat(), _commit()
 
     print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (the larger of a copy, read + write, and a read)")
     print("us per layer (ratio to the floor); floor = active experts x 3 L I x 2 B / HBM bandwidth")
@@ -235,17 +282,18 @@ def parent(args, argv):
             print(f"  {'active experts':20s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
             print(f"  {'floor':20s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
             for path in args.paths:
-                us = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"{path}/{name}" and r["metric"] == "us_per_layer"}
-                if not us:
-                    continue
-                cells = []
-                for t in args.tokens:
-                    if t in us:
-                        f = floors.get((name, t))
-                        cells.append(f"{us[t]:10.1f} ({us[t] / f:4.1f}x)" if f else f"{us[t]:18.1f}")
-                    else:
-                        cells.append(f"{'-':>18s}")
-                print(f"  {path:20s}" + "".join(f"{c:>18s}" for c in cells))
+                for metric, label in (("us_per_layer", path), ("device_us_per_layer", f"{path} (device)")):
+                    us = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"{path}/{name}" and r["metric"] == metric}
+                    if not us:
+                        continue
+                    cells = []
+                    for t in args.tokens:
+                        if t in us:
+                            f = floors.get((name, t))
+                            cells.append(f"{us[t]:10.1f} ({us[t] / f:4.1f}x)" if f else f"{us[t]:18.1f}")
+                        else:
+                            cells.append(f"{'-':>18s}")
+                    print(f"  {label:20s}" + "".join(f"{c:>18s}" for c in cells))
             cud = [r for r in rows if r["backend"].endswith(name) and r["metric"] == "cudnn_in_hlo"]
             for r in cud:
                 print(f"  {r['backend'].split('/')[0]}: cuDNN custom call in the optimized HLO: {bool(r['value'])}")
@@ -274,6 +322,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hbm-bytes", type=int, default=2 << 30)
     p.add_argument("--child-timeout", type=int, default=400)
+    p.add_argument("--device-time", action="store_true",
+                   help="also the GPU's kernel time per layer (a profiler trace of one call): `device_us_per_layer`")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

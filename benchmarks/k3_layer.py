@@ -19,7 +19,9 @@ Timed (each a jitted program of `layers` layers with their own weights, the medi
 layer): `layer` (everything), `experts` (the expert stage alone on the layer's received rows), `comm` (dispatch
 + combine with the dequantized rows as the expert output); `rest` = layer - experts - comm (router, projections,
 the plan's share is in `experts`). CSV rows `date,device,commit,backend,ranks,tokens,metric,value` with backend
-`k3_layer/<case>/<backend>/I<I>` and metrics `layer_us`, `experts_us`, `comm_us`, `rest_us`.
+`k3_layer/<case>/<backend>/I<I>` and metrics `layer_us`, `experts_us`, `comm_us`, `rest_us` (and with
+`--device-time` the same as the GPU's kernel time, `*_device_us`: the wall times of a one-layer program carry its
+host-side dispatch and synchronization).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-from expert_stage import _time  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _time, device_us  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def run_case(case, j, backend, shape, args, t, params):
@@ -96,8 +98,14 @@ def run_case(case, j, backend, shape, args, t, params):
         layer_us = 1e6 * _time(full_fn, (params, h), args.repeats) / layers
         experts_us = 1e6 * _time(experts_fn, (recvs, params), args.repeats) / layers
         comm_us = 1e6 * _time(comm_fn, (params, xs, idss, ws), args.repeats) / layers
-        return ep.backend, {"layer_us": layer_us, "experts_us": experts_us, "comm_us": comm_us,
-                            "rest_us": layer_us - experts_us - comm_us}
+        res = {"layer_us": layer_us, "experts_us": experts_us, "comm_us": comm_us,
+               "rest_us": layer_us - experts_us - comm_us}
+        if args.device_time and dev.platform == "gpu":  # the GPU's kernel time: no host dispatch or sync in it
+            res["layer_device_us"] = device_us(full_fn, (params, h)) / layers
+            res["experts_device_us"] = device_us(experts_fn, (recvs, params)) / layers
+            res["comm_device_us"] = device_us(comm_fn, (params, xs, idss, ws)) / layers
+            res["rest_device_us"] = res["layer_device_us"] - res["experts_device_us"] - res["comm_device_us"]
+        return ep.backend, res
 
 
 def make_params(shape, j, args, layers):
@@ -124,6 +132,8 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--impl", default="ragged_dot")
+    p.add_argument("--device-time", action="store_true",
+                   help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
     p.add_argument("--cases", nargs="+", default=["N1", "J448"], choices=["N1", "J448"])
     p.add_argument("--layers", type=int, default=3)
@@ -170,9 +180,12 @@ def main(argv=None):
             name = f"k3_layer/{case}/{used}/I{args.intermediate}"
             for m, v in res.items():
                 rows.append((name, 1 if case == "N1" else 2, t, m, v))
-            print(f"{case:5s} {used:6s} T={t:4d}: layer {res['layer_us']:9.1f} us = comm {res['comm_us']:8.1f} + "
-                  f"experts {res['experts_us']:9.1f} + rest {res['rest_us']:8.1f}  ({layers} layer(s) per program)",
-                  flush=True)
+            for kind in ("", "_device"):
+                if f"layer{kind}_us" in res:
+                    print(f"{case:5s} {used:6s} T={t:4d} {'device' if kind else 'wall':6s}: layer "
+                          f"{res[f'layer{kind}_us']:9.1f} us = comm "
+                          f"{res[f'comm{kind}_us']:8.1f} + experts {res[f'experts{kind}_us']:9.1f} + rest "
+                          f"{res[f'rest{kind}_us']:8.1f}  ({layers} layer(s) per program)", flush=True)
         del params
     date = datetime.date.today().isoformat()
     with open(args.out, "w", newline="") as fh:

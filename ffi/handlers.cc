@@ -345,7 +345,7 @@ struct ExpertPlan {
         .template Ret<ffi::AnyBuffer>()             // count: int32 [1]
         .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
         .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
-        .template Ret<ffi::AnyBuffer>()             // scratch: int32 [4, C]
+        .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
         .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
         .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
   }
@@ -370,11 +370,13 @@ struct ExpertPlan {
     }
     const int64_t R = id[0], K = id[1], C = pd[0], J = gd[0], W = wd[0], M = K < J ? K : J;
     if (K < 1 || K > ep_abi::kMaxTopk || J < 1 || J > ep_abi::kPlanMaxExperts || C < 1 || W < 1 ||
+        J * ((R + 31) / 32) > ep_abi::kPlanBitmapWords ||
         rows_per_source < 1 || R % rows_per_source || max_tokens < 1 || max_tokens > rows_per_source ||
         R > (int64_t{1} << 30) || C > (int64_t{1} << 28) || W > (int64_t{1} << 28)) {
       return ffi::Error::InvalidArgument(
           "jax_latent_ep expert_plan: K=" + std::to_string(K) + " must be in [1, " + std::to_string(ep_abi::kMaxTopk) +
-          "], J=" + std::to_string(J) + " in [1, " + std::to_string(ep_abi::kPlanMaxExperts) + "], R=" +
+          "], J=" + std::to_string(J) + " in [1, " + std::to_string(ep_abi::kPlanMaxExperts) + "] with J * ceil(R / 32) "
+          "<= " + std::to_string(ep_abi::kPlanBitmapWords) + ", R=" +
           std::to_string(R) + " whole source blocks of S=" + std::to_string(rows_per_source) + " rows, max_tokens=" +
           std::to_string(max_tokens) + " in [1, S], C=" + std::to_string(C) + " and W=" + std::to_string(W) + " >= 1");
     }
@@ -389,7 +391,7 @@ struct ExpertPlan {
                                     expect(kWhat, "count", *count, ffi::DataType::S32, {1}),
                                     expect(kWhat, "row_pairs", *row_pairs, ffi::DataType::S32, {R, M}),
                                     expect(kWhat, "work", *work, ffi::DataType::S32, {W, ep_abi::kGemmWorkWords}),
-                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {4, C})});
+                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {3, R * K})});
         e.failure()) {
       return e;
     }

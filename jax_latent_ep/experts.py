@@ -103,8 +103,7 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
         empty by the contract and are not planned); default `S`, i.e. every row.
       ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
         `max_tokens` is given, else 1 (one block of all rows).
-      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, for `J <= 4096` and `K <= 32`
-        (`kernels/abi.py` NUM_MAX_PLAN_EXPERTS, NUM_MAX_TOPK).
+      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, where `plan_kernel_fits`.
 
     Returns:
       A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
@@ -172,14 +171,23 @@ def _gpus(what: str):
     return gpus
 
 
+def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
+    """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts:
+    `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK` and `J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS` (its
+    per-expert row bitmaps in shared memory; `kernels/abi.py`)."""
+    j = num_local_experts
+    return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
+
+
 def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
     """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
     from jax_latent_ep.runtime import ffi
 
-    k = recv.ids.shape[1]
-    if j > abi.NUM_MAX_PLAN_EXPERTS or k > abi.NUM_MAX_TOPK:
-        raise ValueError(f"experts.plan(impl='kernel') takes J <= {abi.NUM_MAX_PLAN_EXPERTS} local experts and K <= "
-                         f"{abi.NUM_MAX_TOPK} ids, got J={j}, K={k}: use impl='xla'")
+    rows, k = recv.ids.shape
+    if not plan_kernel_fits(rows, k, j):
+        raise ValueError(f"experts.plan(impl='kernel') takes J <= {abi.NUM_MAX_PLAN_EXPERTS} local experts, K <= "
+                         f"{abi.NUM_MAX_TOPK} ids and J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS}, got J={j}, "
+                         f"K={k}, R={rows}: use impl='xla'")
     ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
     num_work = min(j, cap) + cap // KERNEL_BLOCK_M
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
@@ -384,8 +392,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"`, else "xla"."""
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
+    (the same plan)."""
     if plan_impl is None:
-        plan_impl = "kernel" if impl == "kernel" else "xla"
+        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
+        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)

@@ -128,8 +128,11 @@ def test_plan_kernel_refusals():
     recv = jax.tree.map(jnp.asarray, recv)
     with pytest.raises(ValueError, match="impl='fast' must be one of"):
         experts.plan(recv, 0, 16, impl="fast")
-    with pytest.raises(ValueError, match="J <= 4096 local experts and K <= 32 ids, got J=8192"):
-        experts.plan(recv, 0, 8192, impl="kernel")
+    with pytest.raises(ValueError, match=r"J <= 2048 local experts, K <= 32 ids and J \* ceil\(R / 32\) <= 24576, "
+                       "got J=4096"):
+        experts.plan(recv, 0, 4096, impl="kernel")
+    assert experts.plan_kernel_fits(1024, 16, 112) and experts.plan_kernel_fits(128, 16, 896)
+    assert not experts.plan_kernel_fits(8192, 16, 896) and not experts.plan_kernel_fits(8, 33, 8)
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ValueError, match=r"experts.plan\(impl='kernel'\) runs on NVIDIA GPUs"):
             experts.plan(recv, 0, 16, impl="kernel")

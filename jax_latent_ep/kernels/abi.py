@@ -42,7 +42,9 @@ GEMM_BLOCK_N = 64
 GEMM_BLOCK_K = 64
 GEMM_WORK_WORDS = 4
 #: Most local experts the expert plan kernel takes (its per-expert counters live in shared memory).
-NUM_MAX_PLAN_EXPERTS = 4096
+NUM_MAX_PLAN_EXPERTS = 2048
+#: Words of the plan kernel's per-expert row bitmaps (`J * ceil(R / 32)` must not exceed it).
+NUM_PLAN_BITMAP_WORDS = 24576
 #: Threads of the expert plan kernel's one CTA.
 PLAN_THREADS = 1024
 
@@ -174,10 +176,11 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("count", "int32 [1]: pairs used (output)"),
     _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or C (output)"),
     _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
-    _address("scratch", "int32 [4, C]: the pairs before their order within a group is fixed (output, unused)"),
+    _address("scratch", "int32 [3, R*K]: each slot's local expert (or -1: no pair), rank in its row, weight (output, "
+             "unused)"),
     Param("num_rows", "i32", False, "R, receive rows"),
     Param("topk", "i32", False, "K, ids per row, <= 32"),
-    Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS"),
+    Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS, J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS"),
     Param("rows_per_source", "i32", False, "S, rows of one source block"),
     Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
     Param("capacity", "i32", False, "C, pairs"),
@@ -294,6 +297,7 @@ def header() -> str:
         f"constexpr int kGemmWorkWords = {GEMM_WORK_WORDS};",
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
+        f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -3,20 +3,20 @@
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; the per-expert counters live in shared memory
-(`NUM_MAX_EXPERTS` of them). Phases, each ending at a CTA barrier:
-  1. rows, one warp per receive row, lane k holding slot k: a slot is a pair when its id is local, its row live
-     and no earlier slot of the row names the same id (`match.any`); its weight is the FP32 sum, from 0 in
-     ascending slot order, of the row's weights of that id (as the XLA plan adds them, one `add.rn` a slot). The
-     pair's expert counter is incremented; the row's unused `row_pairs` entries get `C`.
+Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters and per-expert row bitmaps
+(`J * ceil(R / 32)` words) live in shared memory. Phases, each ending at a CTA barrier:
+  1. rows: a warp takes `32 / P` rows at a time (`P`, the power of two >= K, lanes per row; lane k of a row holds
+     slot k). A slot is a pair when its id is local, its row live and no earlier slot of the row names the same
+     id (`match.any`); its weight is the FP32 sum, from 0 in ascending slot order, of the row's weights of that
+     id (the XLA plan's adds: with no duplicate in the warp that is `0 + w`, else one `add.rn` a slot). A pair
+     adds one to its expert's count and sets its row's bit in the expert's bitmap; each slot leaves (expert or
+     -1, rank among its row's pairs, weight) in `scratch`; the row's unused `row_pairs` entries get `C`.
   2. scan: exclusive prefix sums of the pairs and of the 64-pair work items per expert (warp shuffles, then one
      warp over the warp totals); `group_sizes`, `count` and the work list are written from them.
-  3. rows again: each pair takes a slot of its expert's range (a shared atomic: any order) and leaves its row,
-     expert, first-slot rank and weight in `scratch`.
-  4. pairs: each pair's place in its expert's range is the number of the range's pairs with a lower row (a
-     row has one pair per expert, so the rows of a range are distinct): the XLA plan's order (expert, then row),
-     whatever order phase 3 took. Unused pairs get row 0, expert J, weight 0.
-Invariant at every barrier: shared counters hold only what the phases before wrote; outputs are written once.
+  3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
+     has one pair per expert): the XLA plan's order, expert then row. Unused pairs get row 0, expert J, weight 0.
+Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
+once.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
     add_rn,
     atomic_add_shared,
+    atomic_or_shared,
     ballot,
     bits_from_f32,
     f32_from_bits,
@@ -52,12 +53,14 @@ THREADS = abi.PLAN_THREADS
 WARPS = THREADS // 32
 #: Local experts the shared counters hold (`num_local_experts` must not exceed it).
 NUM_MAX_EXPERTS = abi.NUM_MAX_PLAN_EXPERTS
+#: Words of the per-expert row bitmaps.
+BITMAP_WORDS = abi.NUM_PLAN_BITMAP_WORDS
 #: Experts each thread scans in phase 2.
 EXPERTS_PER_THREAD = NUM_MAX_EXPERTS // THREADS
 #: Pairs of one work item.
 BLOCK_M = abi.GEMM_BLOCK_M
-#: Shared words: counts, cursors, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals.
-SMEM_WORDS = 4 * NUM_MAX_EXPERTS + 2 * 32
+#: Shared words: counts, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals, the bitmaps.
+SMEM_WORDS = 3 * NUM_MAX_EXPERTS + 2 * 32 + BITMAP_WORDS
 SMEM_BYTES = 4 * SMEM_WORDS
 
 assert NUM_MAX_EXPERTS % THREADS == 0 and abi.NUM_MAX_TOPK == 32 and abi.GEMM_WORK_WORDS == 4
@@ -137,39 +140,96 @@ class ExpertPlan:
         smem = cutlass.memory.SmemAllocator()
         words = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 16)
         s_count = Uint32(words.iterator.toint())
-        s_cursor = s_count + Uint32(4 * NUM_MAX_EXPERTS)
-        s_offset = s_cursor + Uint32(4 * NUM_MAX_EXPERTS)
+        s_offset = s_count + Uint32(4 * NUM_MAX_EXPERTS)
         s_chunk = s_offset + Uint32(4 * NUM_MAX_EXPERTS)
         s_warp = s_chunk + Uint32(4 * NUM_MAX_EXPERTS)  # [2, 32]: pairs, then work items, of each warp
+        s_bits = s_warp + Uint32(4 * 64)  # [J, ceil(R / 32)]: bit r % 32 of word r / 32: row r has a pair
         j = num_local_experts
         m_slots = topk
         if j < m_slots:
             m_slots = j
+        row_words = (num_rows + 31) // 32
+        entries = num_rows * topk
         zero = Uint32(0)
 
         for e in range(tid, NUM_MAX_EXPERTS, THREADS):
             store_shared_b32(s_count + Uint32(4 * e), zero)
-            store_shared_b32(s_cursor + Uint32(4 * e), zero)
+        for i in range(tid, j * row_words, THREADS):
+            store_shared_b32(s_bits + Uint32(4 * i), zero)
         griddepcontrol_wait()  # ids, weights, src and rank come from the previous kernels
         first_id = Int32(load_b32(rank)) * j
+        # Lanes per row: the power of two >= K; a warp takes 32 / lanes rows at a time.
+        lanes = Int32(1)
+        while lanes < topk:
+            lanes = lanes * 2
+        seg = lane // lanes
+        slot = lane - seg * lanes
+        row_slots = (Uint32(1) << Uint32(topk)) - Uint32(1)
+        if topk == 32:
+            row_slots = Uint32(0xFFFFFFFF)
+        row_slots = row_slots << Uint32(seg * lanes)
+        below = (Uint32(1) << Uint32(lane)) - Uint32(1)
+        rows_per_warp = 32 // lanes
         cute.arch.sync_threads()
 
-        # ---- Phase 1: count each expert's pairs; fill the rows' unused row_pairs entries.
-        for r in range(warp, num_rows, WARPS):
-            e, first, m, nfirst, coef = self.row_slot(ids, weights, src, r, lane, topk, first_id, j,
-                                                      rows_per_source, max_tokens)
-            if first:
-                atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
-            if lane >= nfirst and lane < m_slots:
-                store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(lane)) * 4, Uint32(capacity))
+        # ---- Phase 1: each slot of each row; count each expert's pairs and set their rows' bits.
+        for base in range(warp * rows_per_warp, num_rows, WARPS * rows_per_warp):
+            r = base + seg
+            holds = Int32(0)
+            if r < num_rows and slot < topk:
+                holds = Int32(1)
+            # Every load first (they are in flight together), then their uses.
+            src_word = Int32(-1)
+            slot_id = Int32(-1)
+            w_bits = Uint32(0)
+            if holds != 0:
+                at = (Int64(r) * Int64(topk) + Int64(slot)) * 4
+                src_word = Int32(load_b32(src + Int64(r) * 4))
+                slot_id = Int32(load_b32(ids + at))
+                w_bits = load_b32(weights + at)
+            same = match_any(slot_id) & row_slots
+            is_pair = Int32(0)
+            if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
+                if slot_id >= first_id and slot_id < first_id + j and (same & below) == zero:
+                    is_pair = Int32(1)
+            pairs = ballot(is_pair) & row_slots
+            repeats = Int32(0)
+            if holds != 0 and popc(same) > Uint32(1):
+                repeats = Int32(1)
+            # The weight, as the XLA plan adds it: 0 + w for an id named once (adding +0.0 after it changes
+            # nothing: the sum is never -0.0), else one add per slot in ascending order.
+            coef = add_rn(Float32(0.0), f32_from_bits(w_bits))
+            if ballot(repeats) != zero:  # warp-uniform
+                coef = Float32(0.0)
+                for k in range(topk):
+                    other = Int32(shfl_idx(slot_id, seg * lanes + k))
+                    w_k = f32_from_bits(shfl_idx(w_bits, seg * lanes + k))
+                    add = Float32(0.0)
+                    if other == slot_id:
+                        add = w_k
+                    coef = add_rn(coef, add)
+            e = slot_id - first_id
+            m = Int32(popc(pairs & below))
+            if holds != 0:
+                at = Int64(r) * Int64(topk) + Int64(slot)
+                expert_or_none = Int32(-1)
+                if is_pair != 0:
+                    expert_or_none = e
+                    atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
+                    atomic_or_shared(s_bits + Uint32(4 * (e * row_words + r // 32)), Uint32(1) << Uint32(r % 32))
+                store_b32(scratch + at * 4, Uint32(expert_or_none))
+                store_b32(scratch + (Int64(entries) + at) * 4, Uint32(m))
+                store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
+                if slot >= Int32(popc(pairs)) and slot < m_slots:
+                    store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(slot)) * 4, Uint32(capacity))
         cute.arch.sync_threads()
 
         # ---- Phase 2: exclusive prefix sums of pairs and work items per expert.
-        base = tid * EXPERTS_PER_THREAD
+        first_e = tid * EXPERTS_PER_THREAD
         mine_pairs = Int32(0)
         mine_items = Int32(0)
         for i in cutlass.range_constexpr(EXPERTS_PER_THREAD):
-            c = Int32(load_shared_b32(s_count + Uint32(4 * (base + i))))
+            c = Int32(load_shared_b32(s_count + Uint32(4 * (first_e + i))))
             mine_pairs = mine_pairs + c
             mine_items = mine_items + (c + (BLOCK_M - 1)) // BLOCK_M
         inc_pairs = mine_pairs
@@ -195,7 +255,7 @@ class ExpertPlan:
                 if lane >= (1 << sh):
                     w_pairs = w_pairs + up_pairs
                     w_items = w_items + up_items
-            # Exclusive in place (each lane reads and writes its own word); totals stay in lane 31.
+            # Exclusive in place (each lane reads and writes its own word).
             store_shared_b32(s_warp + Uint32(4 * lane), Uint32(w_pairs - v_pairs))
             store_shared_b32(s_warp + Uint32(4 * (32 + lane)), Uint32(w_items - v_items))
             if lane == 31:
@@ -204,9 +264,9 @@ class ExpertPlan:
         run_pairs = Int32(load_shared_b32(s_warp + Uint32(4 * warp))) + inc_pairs - mine_pairs
         run_items = Int32(load_shared_b32(s_warp + Uint32(4 * (32 + warp)))) + inc_items - mine_items
         for i in cutlass.range_constexpr(EXPERTS_PER_THREAD):
-            c = Int32(load_shared_b32(s_count + Uint32(4 * (base + i))))
-            store_shared_b32(s_offset + Uint32(4 * (base + i)), Uint32(run_pairs))
-            store_shared_b32(s_chunk + Uint32(4 * (base + i)), Uint32(run_items))
+            c = Int32(load_shared_b32(s_count + Uint32(4 * (first_e + i))))
+            store_shared_b32(s_offset + Uint32(4 * (first_e + i)), Uint32(run_pairs))
+            store_shared_b32(s_chunk + Uint32(4 * (first_e + i)), Uint32(run_items))
             run_pairs = run_pairs + c
             run_items = run_items + (c + (BLOCK_M - 1)) // BLOCK_M
         cute.arch.sync_threads()
@@ -236,76 +296,27 @@ class ExpertPlan:
             first_pair = last_offset + (item - last_items) * BLOCK_M
             store_v4(work + Int64(item) * 16, (Uint32(j - 1), Uint32(first_pair), zero, zero))
 
-        # ---- Phase 3: each pair takes a slot of its expert's range.
-        cap = Int64(capacity)
-        for r in range(warp, num_rows, WARPS):
-            e, first, m, nfirst, coef = self.row_slot(ids, weights, src, r, lane, topk, first_id, j,
-                                                      rows_per_source, max_tokens)
-            if first:
-                p = Int64(Int32(load_shared_b32(s_offset + Uint32(4 * e)))
-                          + Int32(atomic_add_shared(s_cursor + Uint32(4 * e), Uint32(1))))
-                store_b32(scratch + p * 4, Uint32(r))
-                store_b32(scratch + (cap + p) * 4, Uint32(e))
-                store_b32(scratch + (2 * cap + p) * 4, Uint32(m))
-                store_b32(scratch + (3 * cap + p) * 4, bits_from_f32(coef))
-        cute.arch.sync_threads()
-
-        # ---- Phase 4: every pair at its place (expert, then row); unused pairs empty.
-        for p in range(tid, capacity, THREADS):
-            if p < total_pairs:
-                q = Int64(p)
-                r = Int32(load_b32(scratch + q * 4))
-                e = Int32(load_b32(scratch + (cap + q) * 4))
-                m = Int32(load_b32(scratch + (2 * cap + q) * 4))
-                w_bits = load_b32(scratch + (3 * cap + q) * 4)
-                start = Int32(load_shared_b32(s_offset + Uint32(4 * e)))
-                size = Int32(load_shared_b32(s_count + Uint32(4 * e)))
-                place = start
-                for o in range(start, start + size):
-                    if Int32(load_b32(scratch + Int64(o) * 4)) < r:
-                        place = place + 1
+        # ---- Phase 3: every pair at its place (expert, then row); unused pairs empty.
+        for x in range(tid, entries, THREADS):
+            e = Int32(load_b32(scratch + Int64(x) * 4))
+            m = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
+            w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
+            if e >= 0:
+                r = x // topk
+                bits = s_bits + Uint32(4 * e * row_words)
+                place = Int32(load_shared_b32(s_offset + Uint32(4 * e)))
+                for wd in range(r // 32):
+                    place = place + Int32(popc(load_shared_b32(bits + Uint32(4 * wd))))
+                own = load_shared_b32(bits + Uint32(4 * (r // 32)))
+                place = place + Int32(popc(own & ((Uint32(1) << Uint32(r % 32)) - Uint32(1))))
                 store_b32(pair_row + Int64(place) * 4, Uint32(r))
                 store_b32(pair_expert + Int64(place) * 4, Uint32(e))
                 store_b32(pair_weight + Int64(place) * 4, w_bits)
                 store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(m)) * 4, Uint32(place))
-            else:
-                store_b32(pair_row + Int64(p) * 4, zero)
-                store_b32(pair_expert + Int64(p) * 4, Uint32(j))
-                store_b32(pair_weight + Int64(p) * 4, zero)
-
-    @cute.jit
-    def row_slot(self, ids: Int64, weights: Int64, src: Int64, r: Int32, lane: Int32, topk: Int32, first_id: Int32,
-                 j: Int32, rows_per_source: Int32, max_tokens: Int32):
-        """Warp-wide, lane k for slot k of row `r`: `(local expert, is the row's pair of it, its rank among the
-        row's pairs in slot order, the row's pairs, its weight)`; lanes >= K hold no slot."""
-        live = Int32(0)
-        if Int32(load_b32(src + Int64(r) * 4)) != Int32(-1) and r % rows_per_source < max_tokens:
-            live = Int32(1)
-        slot_id = Int32(-1)
-        w_bits = Uint32(0)
-        if lane < topk:
-            slot_id = Int32(load_b32(ids + (Int64(r) * Int64(topk) + Int64(lane)) * 4))
-            w_bits = load_b32(weights + (Int64(r) * Int64(topk) + Int64(lane)) * 4)
-        slots = (Uint32(1) << Uint32(topk)) - Uint32(1)
-        if topk == 32:
-            slots = Uint32(0xFFFFFFFF)
-        below = (Uint32(1) << Uint32(lane)) - Uint32(1)
-        same = match_any(slot_id) & slots
-        is_pair = Int32(0)
-        if lane < topk and live != 0 and slot_id >= first_id and slot_id < first_id + j:
-            if same & below == Uint32(0):
-                is_pair = Int32(1)
-        pairs = ballot(is_pair)
-        # The weight: FP32 from 0, one add per slot in ascending order (0 where the slot names another id).
-        coef = Float32(0.0)
-        for k in range(topk):
-            other = Int32(shfl_idx(slot_id, k))
-            w_k = f32_from_bits(shfl_idx(w_bits, k))
-            add = Float32(0.0)
-            if other == slot_id:
-                add = w_k
-            coef = add_rn(coef, add)
-        return slot_id - first_id, is_pair != 0, Int32(popc(pairs & below)), Int32(popc(pairs)), coef
+        for p in range(total_pairs + tid, capacity, THREADS):
+            store_b32(pair_row + Int64(p) * 4, zero)
+            store_b32(pair_expert + Int64(p) * 4, Uint32(j))
+            store_b32(pair_weight + Int64(p) * 4, zero)
 
 
 #: The cubin's one kernel symbol.

@@ -529,3 +529,10 @@ def atomic_add_shared(smem, value, *, loc=None, ip=None) -> Uint32:
     order among concurrent adds is unspecified)."""
     return Uint32(_asm(T.i32(), [_u32(smem, loc, ip), _u32(value, loc, ip)], "atom.shared.add.u32 $0, [$1], $2;",
                        "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def atomic_or_shared(smem, value, *, loc=None, ip=None) -> None:
+    """`atom.shared.or.b32`: ORs `value` into the word at shared address `smem` (result unused)."""
+    _asm(None, [_u32(smem, loc, ip), _u32(value, loc, ip)], "{ .reg .b32 t; atom.shared.or.b32 t, [$0], $1; }",
+         "r,r", loc, ip)

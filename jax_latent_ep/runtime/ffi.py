@@ -430,7 +430,7 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
     m = min(k, num_local_experts)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_types = (i32(capacity), i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.float32),
-                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(4, capacity))
+                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k))
     call = jax.ffi.ffi_call(EXPERT_PLAN_TARGET, out_types, has_side_effect=False)
     return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
                 max_tokens=np.int64(max_tokens))[:7]

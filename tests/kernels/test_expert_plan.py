@@ -25,10 +25,10 @@ def test_ptx_block_and_collectives():
     ptx = _ptx()
     assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % expert_plan.THREADS, ptx), "block differs from THREADS"
     assert expert_plan.THREADS == abi.PLAN_THREADS and expert_plan.SMEM_BYTES <= 227 * 1024
-    # Phases 1 and 3 find a row's pairs with match.any and a ballot (the compiler may copy a loop body); phase 2
-    # scans with shfl.up (5 steps for each of two sums, in the warps and then over the warp totals).
-    assert ptx.count("match.any.sync.b32") >= 2 and ptx.count("vote.sync.ballot.b32") >= 2
+    # Phase 1 finds a row's pairs with match.any and ballots; phase 2 scans with shfl.up (5 steps for each of two
+    # sums, in the warps and then over the warp totals); the bitmaps and counters are shared atomics.
+    assert ptx.count("match.any.sync.b32") >= 1 and ptx.count("vote.sync.ballot.b32") >= 2
     assert ptx.count("shfl.sync.up.b32") == 2 * 2 * 5
-    assert ptx.count("atom.shared.add.u32") >= 2
+    assert ptx.count("atom.shared.add.u32") >= 1 and ptx.count("atom.shared.or.b32") >= 1
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 5
+    assert ptx.count("bar.sync") + ptx.count("barrier.sync") >= 4
