@@ -668,10 +668,11 @@ def expert_commands(out, commit, gpus):
     return [
         ("expert stage tests", [sys.executable, "-m", "pytest", "-q", "tests/test_experts.py",
                                 "tests/gpu/test_experts_gpu.py"], {}, 600),
-        ("expert stage, every path", [sys.executable, os.path.join(HERE, "expert_stage.py"), "--layers", "4",
-                                      "--weights-gb", "60", "--out", f"{base}.expert_stage.csv"], {}, 1800),
-        ("K3 layer, kernel", [sys.executable, os.path.join(HERE, "k3_layer.py"), "--impl", "kernel",
-                              "--out", f"{base}.k3_layer.csv"], {}, 900),
+        ("expert stage, every path", [sys.executable, os.path.join(HERE, "expert_stage.py"), "--layers", "12",
+                                      "--weights-gb", "60", "--device-time", "--out", f"{base}.expert_stage.csv"],
+         {}, 2400),
+        ("K3 layer, kernel", [sys.executable, os.path.join(HERE, "k3_layer.py"), "--impl", "kernel", "--device-time",
+                              "--weights-gb", "60", "--out", f"{base}.k3_layer.csv"], {}, 900),
     ]
 
 

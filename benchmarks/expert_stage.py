@@ -48,6 +48,9 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
 
 
 def _commit():
+    """`GIT_COMMIT` if set (a copied tree's git may lag), else the checkout's short HEAD."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
@@ -137,6 +140,7 @@ def child(args):
     from jax_latent_ep.testing.experts import random_received
 
     dev = jax.devices()[0]
+    print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
     lat, e, k = args.latent, args.experts, args.topk
     if args.group == "default":
@@ -200,7 +204,6 @@ def child(args):
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
                             value=device_us(fn, (recvs, ws)) / layers)
             del ws
-    print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)
 
 
 def parent(args, argv):

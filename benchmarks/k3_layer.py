@@ -157,8 +157,9 @@ def main(argv=None):
     try:
         import subprocess
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+        commit = os.environ.get("GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10
+        ).stdout.strip() or "unknown"
     except Exception:
         commit = "unknown"
     rows = []

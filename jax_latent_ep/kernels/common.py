@@ -245,6 +245,29 @@ def compile_cubin(op: abi.Kernel, kernel, arch: str):
             envar.dump_dir = saved
 
 
+def kernel_ptx(op: abi.Kernel, kernel, arch: str = "sm_90a") -> str:
+    """The PTX of `kernel.launch` for `arch` (zero arguments of the ABI's types), for the build tests to read;
+    compiled in a private dump directory like `compile_cubin`, so nothing is left behind."""
+    import tempfile
+
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    fake = [_DSL_TYPES[p.ctype](0) for p in op.params]
+    envar = CuTeDSL._get_dsl().envar
+    saved = envar.dump_dir
+    with tempfile.TemporaryDirectory(prefix="jax_latent_ep_cute_") as scratch:
+        envar.dump_dir = scratch
+        try:
+            compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-ptx")
+            ptx = compiled.artifacts.PTX
+            if isinstance(ptx, str) and not ptx.lstrip().startswith("//"):  # a path into the dump directory
+                with open(ptx) as f:
+                    ptx = f.read()
+        finally:
+            envar.dump_dir = saved
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 def _read_cubin(compiled, arch):
     import os
 

@@ -1,20 +1,16 @@
 """The expert plan kernel's build (CPU, no GPU): its signature is the ABI's, its PTX asks for the one CTA of
 `THREADS` the manifest records, uses the warp collectives the kernel module describes, and keeps to registers and
-shared memory (no local memory). Its words against the XLA plan: tests/gpu/test_experts_gpu.py."""
+shared memory (no local memory). Its words against the XLA plan (GPU):
+tests/test_experts.py::test_plan_kernel_is_the_xla_plan."""
 
 import re
 
-import cutlass.cute as cute
-
 from jax_latent_ep.kernels import abi, expert_plan
-from jax_latent_ep.kernels.common import _DSL_TYPES, check_abi
+from jax_latent_ep.kernels.common import check_abi, kernel_ptx
 
 
 def _ptx():
-    fake = [_DSL_TYPES[p.ctype](0) for p in abi.EXPERT_PLAN.params]
-    compiled = cute.compile(expert_plan.ExpertPlan().launch, *fake, options="--gpu-arch sm_90a --keep-ptx")
-    ptx = compiled.artifacts.PTX
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    return kernel_ptx(abi.EXPERT_PLAN, expert_plan.ExpertPlan())
 
 
 def test_signature_is_the_abi():

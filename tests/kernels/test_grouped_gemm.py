@@ -3,17 +3,12 @@ manifest records, and its tensor-core loop is what the kernel module says (no lo
 
 import re
 
-import cutlass.cute as cute
-
 from jax_latent_ep.kernels import abi, grouped_gemm
-from jax_latent_ep.kernels.common import _DSL_TYPES, check_abi
+from jax_latent_ep.kernels.common import check_abi, kernel_ptx
 
 
 def _ptx():
-    fake = [_DSL_TYPES[p.ctype](0) for p in abi.GROUPED_GEMM.params]
-    compiled = cute.compile(grouped_gemm.GroupedGemm().launch, *fake, options="--gpu-arch sm_90a --keep-ptx")
-    ptx = compiled.artifacts.PTX
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    return kernel_ptx(abi.GROUPED_GEMM, grouped_gemm.GroupedGemm())
 
 
 def test_signature_is_the_abi():
