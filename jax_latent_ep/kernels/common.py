@@ -14,6 +14,7 @@ No JAX here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import cutlass
@@ -221,50 +222,47 @@ def check_abi(op: abi.Kernel, kernel) -> None:
                                                                for p in params])
 
 
+@contextlib.contextmanager
+def _private_dump_dir():
+    """Points the DSL's dump directory (default: the working directory) at a private temporary one for the block;
+    its files go with it."""
+    import tempfile
+
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    saved = envar.dump_dir
+    with tempfile.TemporaryDirectory(prefix="jax_latent_ep_cute_") as scratch:
+        envar.dump_dir = scratch
+        try:
+            yield
+        finally:
+            envar.dump_dir = saved
+
+
 def compile_cubin(op: abi.Kernel, kernel, arch: str):
     """`cute.compile(kernel.launch, ...)` for `arch`, after `check_abi`; returns `(symbol, cubin bytes)` of its one
     kernel (zero arguments of the ABI's types stand for the parameters).
 
-    The DSL dumps the cubin into its dump directory (default: the working directory, so compiling happens
-    inside a private temporary one) and hands back its bytes (or its path); nothing is left behind."""
-    import tempfile
-
-    # The dump directory defaults to the working directory: point it at a private one while compiling.
-    from cutlass.cutlass_dsl import CuTeDSL
-
+    The DSL dumps the cubin into its dump directory and hands back its bytes (or its path); compiling happens in a
+    private one (`_private_dump_dir`), so nothing is left behind."""
     check_abi(op, kernel)
     fake = [_DSL_TYPES[p.ctype](0) for p in op.params]
-    envar = CuTeDSL._get_dsl().envar
-    saved = envar.dump_dir
-    with tempfile.TemporaryDirectory(prefix="jax_latent_ep_cute_") as scratch:
-        envar.dump_dir = scratch
-        try:
-            compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-cubin")
-            return _read_cubin(compiled, arch)
-        finally:
-            envar.dump_dir = saved
+    with _private_dump_dir():
+        compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-cubin")
+        return _read_cubin(compiled, arch)
 
 
 def kernel_ptx(op: abi.Kernel, kernel, arch: str = "sm_90a") -> str:
     """The PTX of `kernel.launch` for `arch` (zero arguments of the ABI's types), for the build tests to read;
-    compiled in a private dump directory like `compile_cubin`, so nothing is left behind."""
-    import tempfile
-
-    from cutlass.cutlass_dsl import CuTeDSL
-
+    compiled in a private dump directory like `compile_cubin`."""
     fake = [_DSL_TYPES[p.ctype](0) for p in op.params]
-    envar = CuTeDSL._get_dsl().envar
-    saved = envar.dump_dir
-    with tempfile.TemporaryDirectory(prefix="jax_latent_ep_cute_") as scratch:
-        envar.dump_dir = scratch
-        try:
-            compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-ptx")
-            ptx = compiled.artifacts.PTX
-            if isinstance(ptx, str) and not ptx.lstrip().startswith("//"):  # a path into the dump directory
-                with open(ptx) as f:
-                    ptx = f.read()
-        finally:
-            envar.dump_dir = saved
+    with _private_dump_dir():
+        compiled = cute.compile(kernel.launch, *fake, options=f"--gpu-arch {arch} --keep-ptx")
+        ptx = compiled.artifacts.PTX
+        if isinstance(ptx, str) and not ptx.lstrip().startswith("//"):  # a path into the dump directory
+            with open(ptx) as f:
+                ptx = f.read()
     return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
