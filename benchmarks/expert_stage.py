@@ -44,6 +44,8 @@ PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"),
          "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
+#: time metric -> its ratio to the floor
+RATIOS = {"us_per_layer": "ratio", "device_us_per_layer": "device_ratio", "span_us_per_layer": "span_ratio"}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 
 
@@ -75,9 +77,10 @@ def _time(fn, args, repeats):
     return _median(samples)
 
 
-def device_us(fn, args):
-    """Microseconds the GPU spends in kernels during one call of `fn` (the sum of the kernel events of a profiler
-    trace): the program without its host-side dispatch and synchronization."""
+def device_times(fn, args):
+    """`(busy, span)` of one call of `fn` on the GPU, microseconds, from a profiler trace: the sum of its kernel
+    events, and first kernel start to last kernel end (the busy time plus the gaps between kernels). Both leave
+    out the program's host-side dispatch and synchronization."""
     import glob
     import shutil
     import tempfile
@@ -94,9 +97,17 @@ def device_us(fn, args):
         path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
         planes = sorted((p for p in jax.profiler.ProfileData.from_file(path).planes if p.name.startswith("/device:GPU:")),
                         key=lambda p: p.name)
-        return sum(e.duration_ns for line in planes[0].lines for e in line.events) / 1e3
+        events = [e for line in planes[0].lines for e in line.events]
+        busy = sum(e.duration_ns for e in events) / 1e3
+        span = (max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)) / 1e3
+        return busy, span
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def device_us(fn, args):
+    """Microseconds the GPU spends in kernels during one call of `fn` (`device_times`' busy time)."""
+    return device_times(fn, args)[0]
 
 
 def hbm_gbps(nbytes, repeats, passes=10):
@@ -201,8 +212,11 @@ def child(args):
                             value=float("cudnn" in hlo.lower()))
                     out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
                     if args.device_time and dev.platform == "gpu":
+                        busy, span = device_times(fn, (recvs, ws))
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
-                            value=device_us(fn, (recvs, ws)) / layers)
+                            value=busy / layers)
+                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
+                            value=span / layers)
             del ws
 
 
@@ -248,11 +262,10 @@ def _derived(args, rows):
     floors = {(r["backend"].split("/", 1)[1], r["tokens"]): r["value"] for r in rows
               if r["backend"].startswith("floor/") and r["metric"] == "us"}
     for r in list(rows):
-        if r["metric"] in ("us_per_layer", "device_us_per_layer"):
+        if r["metric"] in RATIOS:
             f = floors.get((r["backend"].split("/", 1)[1], r["tokens"]))
             if f:
-                rows.append(dict(r, metric="ratio" if r["metric"] == "us_per_layer" else "device_ratio",
-                                 value=r["value"] / f))
+                rows.append(dict(r, metric=RATIOS[r["metric"]], value=r["value"] / f))
     return rows, hbm, floors
 
 
@@ -285,7 +298,8 @@ def report(args, rows, device, notes):
             print(f"  {'active experts':20s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
             print(f"  {'floor':20s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
             for path in args.paths:
-                for metric, label in (("us_per_layer", path), ("device_us_per_layer", f"{path} (device)")):
+                for metric, label in (("us_per_layer", path), ("device_us_per_layer", f"{path} (device)"),
+                                      ("span_us_per_layer", f"{path} (span)")):
                     us = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"{path}/{name}" and r["metric"] == metric}
                     if not us:
                         continue
@@ -326,7 +340,8 @@ def main(argv=None):
     p.add_argument("--hbm-bytes", type=int, default=2 << 30)
     p.add_argument("--child-timeout", type=int, default=400)
     p.add_argument("--device-time", action="store_true",
-                   help="also the GPU's kernel time per layer (a profiler trace of one call): `device_us_per_layer`")
+                   help="also the GPU's time per layer from a profiler trace of one call: `device_us_per_layer` (kernels), "
+                        "`span_us_per_layer` (first kernel start to last kernel end)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

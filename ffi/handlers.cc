@@ -4,6 +4,7 @@
 // the build's -Werror=missing-field-initializers turns a parameter added to kernels/abi.py only into an error).
 #include "handlers.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -254,7 +255,7 @@ struct GroupedGemm {
         .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
         .template Arg<ffi::AnyBuffer>()          // w: bf16 [G, K, N] (the gate with two_weights)
         .template Arg<ffi::AnyBuffer>()          // w_second: bf16 [G, K, N] the up (read only if two_weights)
-        .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, 0)
+        .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, items)
         .template Ret<ffi::AnyBuffer>()          // out: f32 [S, P, N or 2N] partials, or bf16 [P, N] with fuse_glu
         .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
         .template Attr<int64_t>("two_weights")   // 1: gate and up (w, w_second) in one launch
@@ -298,11 +299,12 @@ struct GroupedGemm {
       return e;
     }
     const int64_t tiles = two_weights ? N / (kBlockN / 2) : N / kBlockN;
-    const int64_t grid = S * W * tiles;
-    if (grid < 1 || grid > (int64_t{1} << 31) - 1) {
-      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: grid of " + std::to_string(grid) + " CTAs");
+    // Every unit (split, item, tile) of the static shape; the CTAs that fit at once loop over the non-empty ones.
+    const int64_t units = S * W * tiles;
+    if (units < 1 || units > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: " + std::to_string(units) + " units");
     }
-    l.grid = static_cast<unsigned>(grid);
+    l.grid = static_cast<unsigned>(std::min(units, l.kernel->max_grid));
     l.params = make_params(ep_abi::GroupedGemmParams{
         .a = address(a.untyped_data()),
         .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},

@@ -171,6 +171,11 @@ def _gpus(what: str):
     return gpus
 
 
+#: Ids (`R * K`) up to which `expert_stage` takes the one-CTA plan kernel by default: past them XLA's plan is the
+#: faster on an H200 (docs/performance.md, the expert stage: 15 against 13 us at R * K = 4096).
+PLAN_KERNEL_MAX_SLOTS = 2048
+
+
 def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
     """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts:
     `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK` and `J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS` (its
@@ -257,8 +262,9 @@ KERNEL_MIN_CTAS = 264
 
 
 def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
-    """int32 `[W, 4]` work list of the grouped GEMM kernel: `(local expert, first pair, pairs <= block_m, 0)` for
-    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, 0)` (nothing to do).
+    """int32 `[W, 4]` work list of the grouped GEMM kernel: `(local expert, first pair, pairs <= block_m, items)` for
+    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, items)` (nothing to do); `items`,
+    the same in every row, is the number of non-empty ones (the kernel's grid covers only those).
     `W = min(J, C) + C // block_m`, a static bound: a group of `s > 0` pairs takes `ceil(s / block_m) <= 1 +
     (s - 1) // block_m` items."""
     gs = pl.group_sizes
@@ -272,7 +278,8 @@ def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
     g = jnp.minimum(jnp.searchsorted(incl, w, side="right", method="compare_all"), j - 1).astype(jnp.int32)
     m = w - (incl[g] - chunks[g])
     rows = jnp.where(w < incl[-1], jnp.clip(gs[g] - m * block_m, 0, block_m), 0)
-    return jnp.stack([g, offsets[g] + m * block_m, rows, jnp.zeros_like(g)], axis=1).astype(jnp.int32)
+    items = jnp.broadcast_to(incl[-1], g.shape)
+    return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)
 
 
 def _kernel_splits(num_work: int, n_out: int, k: int) -> tuple[int, int]:
@@ -392,10 +399,11 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
-    (the same plan)."""
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits` and the rows
+    hold at most `PLAN_KERNEL_MAX_SLOTS` ids, else "xla" (the same plan)."""
     if plan_impl is None:
-        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
-        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
+        rows, k = recv.ids.shape
+        small = rows * k <= PLAN_KERNEL_MAX_SLOTS
+        plan_impl = "kernel" if impl == "kernel" and small and plan_kernel_fits(rows, k, w_down.shape[0]) else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)

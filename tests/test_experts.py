@@ -212,7 +212,7 @@ def test_no_expert_id_is_never_local():
 
 def test_work_items_cover_every_pair_once():
     """The kernel's work list: chunks of <= 64 pairs of one expert, in expert order, covering every used pair once,
-    then empty items; within its static bound."""
+    then empty items, every row's word 3 the number of live ones; within its static bound."""
     rng = np.random.default_rng(3)
     for experts_, topk, t in ((4, 2, 200), (64, 8, 9), (16, 4, 1)):
         recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=64, experts=experts_, topk=topk,
@@ -225,8 +225,9 @@ def test_work_items_cover_every_pair_once():
         assert np.all(live[: live.sum()]), "an empty item before a live one"
         offsets = np.concatenate([[0], np.cumsum(gs)])
         covered = np.zeros(count, int)
-        for g, first, rows, zero in work[live]:
-            assert zero == 0 and 1 <= rows <= experts.KERNEL_BLOCK_M
+        assert np.all(work[:, 3] == live.sum()) and live.sum() > 0
+        for g, first, rows, _ in work[live]:
+            assert 1 <= rows <= experts.KERNEL_BLOCK_M
             assert offsets[g] <= first and first + rows <= offsets[g + 1]
             covered[first : first + rows] += 1
         assert np.all(covered == 1)

@@ -149,7 +149,7 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
     _address("w", "bf16 [G, num_k, num_n]: each group's weights (the gate with `w_second`)"),
     _address("w_second", "bf16 [G, num_k, num_n]: the up weights, or 0"),
-    _address("work", "int32 [num_work, 4]: (group, first pair, pairs <= 64, 0) per work item; pairs 0: none"),
+    _address("work", "int32 [num_work, 4]: (group, first pair, pairs <= 64, non-empty items) per work item, the non-empty first; pairs 0: none"),
     _address("out", "without fuse_glu f32 [num_splits, P, num_n] (one weight) or [num_splits, P, 2 num_n] (gate and "
              "up interleaved by 32 columns); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
              "(output)"),

@@ -288,13 +288,13 @@ class ExpertPlan:
                 rows = left
                 if rows > BLOCK_M:
                     rows = BLOCK_M
-                store_v4(work + Int64(item) * 16, (Uint32(g), Uint32(first_pair), Uint32(rows), zero))
+                store_v4(work + Int64(item) * 16, (Uint32(g), Uint32(first_pair), Uint32(rows), Uint32(total_items)))
                 item = item + 1
                 first_pair = first_pair + BLOCK_M
                 left = left - BLOCK_M
         for item in range(total_items + tid, num_work, THREADS):
             first_pair = last_offset + (item - last_items) * BLOCK_M
-            store_v4(work + Int64(item) * 16, (Uint32(j - 1), Uint32(first_pair), zero, zero))
+            store_v4(work + Int64(item) * 16, (Uint32(j - 1), Uint32(first_pair), zero, Uint32(total_items)))
 
         # ---- Phase 3: every pair at its place (expert, then row); unused pairs empty.
         for x in range(tid, entries, THREADS):

@@ -9,8 +9,10 @@ a `k_per_split x BLOCK_N` slice of the group's weights: 64 columns of `w`, or wi
 launch) 32 columns of `w` for warps 0-1 and the same 32 of `w_second` for warps 2-3. It stores FP32 partials, or
 with `fuse_glu` (one split) `bf16(silu(gate) * up)`, handing the up accumulators to the gate warps through shared
 memory.
-The grid is 1-D: `cta = (split * num_work + item) * column_tiles + tile` (consecutive CTAs read neighbouring
-columns of the same weight rows). A work item with 0 rows exits at once.
+The grid is 1-D and at most the CTAs that fit on the device at once; CTA `c` computes the units `u = c, c + grid, ..`,
+`u = (split * num_items + item) * column_tiles + tile` (consecutive units read neighbouring columns of the same weight
+rows), over the `num_items` non-empty work items only (word 3 of the work list; they come first): no CTA is spent on
+the capacity's empty items.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
 every row of its work item; the rows and the weights go through a `STAGES`-deep `cp.async` ring in shared memory
@@ -61,7 +63,7 @@ ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
-#: Words of a work item: (group, first row, rows, 0).
+#: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
@@ -124,25 +126,45 @@ class GroupedGemm:
         cta, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         cta = Int32(cta)
-        lane = tid % 32
-        warp = tid // 32
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 128)
         smem_a = Uint32(ring.iterator.toint())
         smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
 
-        # ---- Which (split, item, column tile) this CTA computes. With two weights a tile is 32 gate columns
-        # (warps 0, 1) and the same 32 up columns (warps 2, 3); with one, 64 columns.
+        # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
+        # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
+        # CTA starts for an empty item. With two weights a tile is 32 gate columns (warps 0, 1) and the same 32
+        # up columns (warps 2, 3); with one, 64 columns.
+        column_tiles = num_n // BLOCK_N
+        if w_second != Int64(0):
+            column_tiles = num_n // (BLOCK_N // 2)
+        grid, _, _ = cute.arch.grid_dim()
+        griddepcontrol_wait()  # the work list and `a` come from the previous kernels
+        num_items = Int32(load_b32(work + 12))
+        if num_items > num_work:  # a work list of another shape: never past its items
+            num_items = num_work
+        num_splits = (num_k + k_per_split - 1) // k_per_split
+        for unit_idx in range(cta, num_splits * num_items * column_tiles, Int32(grid)):
+            self.unit(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, k_per_split, fuse_glu, unit_idx,
+                      num_items, smem_a, smem_w, tid)
+            cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+
+    @cute.jit
+    def unit(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, work: Int64, out: Int64, num_k: Int32,
+             num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32, unit_idx: Int32, num_items: Int32,
+             smem_a: Uint32, smem_w: Uint32, tid: Int32):
+        """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
+        lane = tid % 32
+        warp = tid // 32
         two = w_second != Int64(0)
         tile_cols = BLOCK_N
         if two:
             tile_cols = BLOCK_N // 2
         column_tiles = num_n // tile_cols
-        tile = cta % column_tiles
-        rest = cta // column_tiles
-        item = rest % num_work
-        split = rest // num_work
-        griddepcontrol_wait()  # the work list and `a` come from the previous kernels
+        tile = unit_idx % column_tiles
+        rest = unit_idx // column_tiles
+        item = rest % num_items
+        split = rest // num_items
         group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
         first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
         rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
