@@ -171,11 +171,6 @@ def _gpus(what: str):
     return gpus
 
 
-#: Ids (`R * K`) up to which `expert_stage` takes the one-CTA plan kernel by default: past them XLA's plan is the
-#: faster on an H200 (docs/performance.md, the expert stage: 15 against 13 us at R * K = 4096).
-PLAN_KERNEL_MAX_SLOTS = 2048
-
-
 def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
     """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts:
     `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK` and `J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS` (its
@@ -399,11 +394,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits` and the rows
-    hold at most `PLAN_KERNEL_MAX_SLOTS` ids, else "xla" (the same plan)."""
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
+    (the same plan)."""
     if plan_impl is None:
-        rows, k = recv.ids.shape
-        small = rows * k <= PLAN_KERNEL_MAX_SLOTS
-        plan_impl = "kernel" if impl == "kernel" and small and plan_kernel_fits(rows, k, w_down.shape[0]) else "xla"
+        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
+        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)
