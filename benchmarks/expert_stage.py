@@ -45,7 +45,8 @@ PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
 #: time metric -> its ratio to the floor
-RATIOS = {"us_per_layer": "ratio", "device_us_per_layer": "device_ratio", "span_us_per_layer": "span_ratio"}
+RATIOS = {"us_per_layer": "ratio", "pipelined_us_per_layer": "pipelined_ratio", "device_us_per_layer": "device_ratio",
+          "span_us_per_layer": "span_ratio"}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 
 
@@ -74,6 +75,22 @@ def _time(fn, args, repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         samples.append(time.perf_counter() - start)
+    return _median(samples)
+
+
+def _time_pipelined(fn, args, repeats, calls=4):
+    """Seconds per call of `calls` calls issued back to back (JAX's asynchronous dispatch: the host prepares a call
+    while the GPU runs the one before, as in a decode loop without a host sync per step), the median of
+    `repeats` such runs; `fn` is warm."""
+    import jax
+
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        samples.append((time.perf_counter() - start) / calls)
+        del outs
     return _median(samples)
 
 
@@ -111,9 +128,10 @@ def device_us(fn, args):
 
 
 def hbm_gbps(nbytes, repeats, passes=10):
-    """The HBM bandwidth of this device, GB/s: the larger of a copy (in place, `a + 1` on uint32 in a loop of
-    `passes` over a donated buffer, so no allocation is timed; bytes read + written) and a read (`sum` of f32
-    rows; bytes read), each the median of `repeats` runs."""
+    """The HBM bandwidth of this device, GB/s: the largest of a copy (in place, `a + 1` on uint32 in a loop of
+    `passes` over a donated buffer, so no allocation is timed; bytes read + written), a read (`sum` of f32 rows;
+    bytes read) and the same read `passes` times in a loop (`sum(rows + i)`, so no pass is hoisted; the one
+    dispatch amortized), each the median of `repeats` runs."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -134,7 +152,10 @@ def hbm_gbps(nbytes, repeats, passes=10):
     copy_bw = timed(copy, jnp.zeros((words,), jnp.uint32), 2 * nbytes * passes, chain=True)
     rows = jnp.ones((passes, words // passes), jnp.float32)
     read_bw = timed(jax.jit(lambda r: jnp.sum(r, axis=1)), rows, (words // passes) * passes * 4, chain=False)
-    return max(copy_bw, read_bw)
+    loop = jax.jit(lambda r: lax.fori_loop(0, passes, lambda i, acc: acc + jnp.sum(r + i.astype(r.dtype), axis=1),
+                                           jnp.zeros((r.shape[0],), r.dtype)))
+    loop_bw = timed(loop, rows, (words // passes) * passes * 4 * passes, chain=False)
+    return max(copy_bw, read_bw, loop_bw)
 
 
 def child(args):
@@ -211,6 +232,9 @@ def child(args):
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
                             value=float("cudnn" in hlo.lower()))
                     out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
+                    if args.pipelined:
+                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
+                            value=1e6 * _time_pipelined(fn, (recvs, ws), args.repeats) / layers)
                     if args.device_time and dev.platform == "gpu":
                         busy, span = device_times(fn, (recvs, ws))
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
@@ -293,13 +317,13 @@ def report(args, rows, device, notes):
         for inter in args.intermediate:
             name = f"J{j}/I{inter}"
             print(f"\n{name} (N = {args.experts // j}):")
-            print(f"  {'path':20s}" + "".join(f"{'T=' + str(t):>18s}" for t in args.tokens))
+            print(f"  {'path':30s}" + "".join(f"{'T=' + str(t):>18s}" for t in args.tokens))
             act = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"floor/{name}" and r["metric"] == "active_experts"}
-            print(f"  {'active experts':20s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
-            print(f"  {'floor':20s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
+            print(f"  {'active experts':30s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
+            print(f"  {'floor':30s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
             for path in args.paths:
-                for metric, label in (("us_per_layer", path), ("device_us_per_layer", f"{path} (device)"),
-                                      ("span_us_per_layer", f"{path} (span)")):
+                for metric, label in (("us_per_layer", path), ("pipelined_us_per_layer", f"{path} (pipelined)"),
+                                      ("device_us_per_layer", f"{path} (device)"), ("span_us_per_layer", f"{path} (span)")):
                     us = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"{path}/{name}" and r["metric"] == metric}
                     if not us:
                         continue
@@ -310,7 +334,7 @@ def report(args, rows, device, notes):
                             cells.append(f"{us[t]:10.1f} ({us[t] / f:4.1f}x)" if f else f"{us[t]:18.1f}")
                         else:
                             cells.append(f"{'-':>18s}")
-                    print(f"  {label:20s}" + "".join(f"{c:>18s}" for c in cells))
+                    print(f"  {label:30s}" + "".join(f"{c:>18s}" for c in cells))
             cud = [r for r in rows if r["backend"].endswith(name) and r["metric"] == "cudnn_in_hlo"]
             for r in cud:
                 print(f"  {r['backend'].split('/')[0]}: cuDNN custom call in the optimized HLO: {bool(r['value'])}")
@@ -342,6 +366,9 @@ def main(argv=None):
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's time per layer from a profiler trace of one call: `device_us_per_layer` (kernels), "
                         "`span_us_per_layer` (first kernel start to last kernel end)")
+    p.add_argument("--pipelined", action="store_true",
+                   help="also the time per layer of calls issued back to back (`pipelined_us_per_layer`: the program's "
+                        "host-side cost overlaps the GPU's work on the call before)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

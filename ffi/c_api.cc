@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -56,6 +57,12 @@ XLA_FFI_Error* remember_api(XLA_FFI_CallFrame* call_frame, XLA_FFI_Handler* hand
 
 namespace ep = jax_latent_ep;
 
+#if !JAX_LATENT_EP_RECORD
+constexpr const char* kNoRecordStage =
+    "record stage not available: this library was built against XLA FFI headers without xla/ffi/api/record_api.h "
+    "(jaxlib < 0.11.2)";
+#endif
+
 // The traced targets' handlers.
 extern "C" EP_EXPORT XLA_FFI_Error* EpDispatch(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::dispatch_targets().traced);
@@ -70,6 +77,54 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedGemm(XLA_FFI_CallFrame* call_frame)
 extern "C" EP_EXPORT XLA_FFI_Error* EpExpertPlan(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::expert_plan_targets().traced);
 }
+
+#if JAX_LATENT_EP_RECORD
+namespace {
+
+struct RecordTarget {
+  const char* name;
+  ep::Targets handlers;
+};
+
+// Registers each target's execute and record handler for CUDA through the XLA FFI API seen by a traced handler
+// (once per name and process); the return codes of ep_register_record_targets.
+int register_record_targets(std::initializer_list<RecordTarget> targets) {
+  const XLA_FFI_Api* api = g_api.load();
+  if (api == nullptr) {
+    ep::fail("record stage not available yet: no XLA FFI API seen (register the traced targets with "
+             "jax.ffi.register_ffi_target for CUDA, once JAX initialized its CUDA backend, then call again)");
+    return 2;
+  }
+  for (const auto& t : targets) {
+    if (t.name == nullptr || !*t.name) return ep::fail("record target names must not be empty");
+  }
+  static std::mutex mutex;
+  static std::set<std::string>* registered = new std::set<std::string>();  // by this library, this process
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& t : targets) {
+    if (registered->count(t.name)) continue;
+    XLA_FFI_Handler_Register_Args args;
+    std::memset(&args, 0, sizeof(args));
+    args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;  // the size that carries bundle.record
+    args.extension_start = nullptr;
+    args.name = XLA_FFI_ByteSpan{t.name, std::strlen(t.name)};
+    args.platform = XLA_FFI_ByteSpan{"CUDA", 4};
+    args.bundle.execute = t.handlers.execute;
+    args.bundle.record = t.handlers.record;
+    args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
+      std::string why = xla::ffi::internal::GetErrorMessage(api, error);
+      xla::ffi::internal::DestroyError(api, error);
+      return ep::fail(std::string("record stage not available: XLA refused to register the record target ") +
+                      t.name + ": " + why);
+    }
+    registered->insert(t.name);
+  }
+  return 0;
+}
+
+}  // namespace
+#endif
 
 extern "C" {
 
@@ -123,6 +178,7 @@ EP_EXPORT int ep_register_kernel(const char* op, int ordinal, const void* cubin,
 // Number of registered (instance, device) pairs (for tests).
 EP_EXPORT int ep_registered_count() { return ep::registered_count(); }
 
+
 // Registers the record targets `dispatch_name` / `combine_name` for CUDA, straight through the XLA FFI API of
 // the CUDA plugin (jax.ffi.register_ffi_target would drop their record handler): each with its execute and
 // record handler, command-buffer compatible. Call after Python registered the traced targets (EpDispatch /
@@ -133,45 +189,21 @@ EP_EXPORT int ep_register_record_targets(const char* dispatch_name, const char* 
 #if !JAX_LATENT_EP_RECORD
   (void)dispatch_name;
   (void)combine_name;
-  return ep::fail("record stage not available: this library was built against XLA FFI headers without "
-                  "xla/ffi/api/record_api.h (jaxlib < 0.11.2)");
+  return ep::fail(kNoRecordStage);
 #else
-  const XLA_FFI_Api* api = g_api.load();
-  if (api == nullptr) {
-    ep::fail("record stage not available yet: no XLA FFI API seen (register the traced targets with "
-             "jax.ffi.register_ffi_target for CUDA, once JAX initialized its CUDA backend, then call again)");
-    return 2;
-  }
-  if (dispatch_name == nullptr || combine_name == nullptr || !*dispatch_name || !*combine_name) {
-    return ep::fail("record target names must not be empty");
-  }
-  static std::mutex mutex;
-  static std::set<std::string>* registered = new std::set<std::string>();  // by this library, this process
-  std::lock_guard<std::mutex> lock(mutex);
-  const struct {
-    const char* name;
-    ep::Targets handlers;
-  } targets[] = {{dispatch_name, ep::dispatch_targets()}, {combine_name, ep::combine_targets()}};
-  for (const auto& t : targets) {
-    if (registered->count(t.name)) continue;
-    XLA_FFI_Handler_Register_Args args;
-    std::memset(&args, 0, sizeof(args));
-    args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;  // the size that carries bundle.record
-    args.extension_start = nullptr;
-    args.name = XLA_FFI_ByteSpan{t.name, std::strlen(t.name)};
-    args.platform = XLA_FFI_ByteSpan{"CUDA", 4};
-    args.bundle.execute = t.handlers.execute;
-    args.bundle.record = t.handlers.record;
-    args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
-    if (XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args); error != nullptr) {
-      std::string why = xla::ffi::internal::GetErrorMessage(api, error);
-      xla::ffi::internal::DestroyError(api, error);
-      return ep::fail(std::string("record stage not available: XLA refused to register the record target ") +
-                      t.name + ": " + why);
-    }
-    registered->insert(t.name);
-  }
-  return 0;
+  return register_record_targets({{dispatch_name, ep::dispatch_targets()}, {combine_name, ep::combine_targets()}});
+#endif
+}
+
+// The same for the expert stage's record targets `gemm_name` / `plan_name` (the grouped GEMM, the expert plan):
+// a kernel node each in XLA's command buffers, updated in place, instead of a stream capture per record.
+EP_EXPORT int ep_register_expert_record_targets(const char* gemm_name, const char* plan_name) {
+#if !JAX_LATENT_EP_RECORD
+  (void)gemm_name;
+  (void)plan_name;
+  return ep::fail(kNoRecordStage);
+#else
+  return register_record_targets({{gemm_name, ep::grouped_gemm_targets()}, {plan_name, ep::expert_plan_targets()}});
 #endif
 }
 

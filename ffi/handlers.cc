@@ -298,7 +298,7 @@ struct GroupedGemm {
         e.failure()) {
       return e;
     }
-    const int64_t tiles = two_weights ? N / (kBlockN / 2) : N / kBlockN;
+    const int64_t tiles = N / kBlockN;  // 64 columns of each weight
     // Every unit (split, item, tile) of the static shape; the CTAs that fit at once loop over the non-empty ones.
     const int64_t units = S * W * tiles;
     if (units < 1 || units > (int64_t{1} << 31) - 1) {

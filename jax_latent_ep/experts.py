@@ -214,7 +214,7 @@ def _glu(gu, up, inter):
     return (jax.nn.silu(gu) * up).astype(jnp.bfloat16)
 
 
-def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down):
+def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
     xp = xb[pl.row]  # [C, L] bf16
     gs = pl.group_sizes
@@ -225,7 +225,7 @@ def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down):
     return rd(h, w_down)
 
 
-def _gather(pl: Plan, xb, w_gate, w_up, w_down):
+def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """Each pair gathers its expert's weights (`[C, L, I]` temporaries: decode-sized `C` only)."""
     e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
     xp = xb[pl.row]
@@ -235,7 +235,7 @@ def _gather(pl: Plan, xb, w_gate, w_up, w_down):
     return mv(_glu(gate, up, w_down.shape[1]), w_down)
 
 
-def _dense(pl: Plan, xb, w_gate, w_up, w_down):
+def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """Every local expert on every row (`[R, J, L]` FP32), then each pair's (row, expert) picked.
 
     In FP32 operands (exact bf16 values: the same products), as XLA's CPU dot does not take bf16 x bf16 -> f32
@@ -252,8 +252,8 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down):
 
 #: Rows of one work item of the grouped GEMM kernel and its other tile sizes (`kernels/abi.py`).
 KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = abi.GEMM_BLOCK_M, abi.GEMM_BLOCK_K, abi.GEMM_BLOCK_N
-#: CTAs the kernel path aims for at least per launch (two per SM of an H200), reached by splitting the contraction.
-KERNEL_MIN_CTAS = 264
+#: Units the kernel path aims for at least per launch (four per SM of an H200), reached by splitting the contraction.
+KERNEL_MIN_CTAS = 528
 
 
 def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
@@ -277,11 +277,12 @@ def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
     return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)
 
 
-def _kernel_splits(num_work: int, n_out: int, k: int) -> tuple[int, int]:
-    """(splits, k_per_split) of one kernel launch: split the contraction until about `KERNEL_MIN_CTAS` CTAs
-    (counting one per local expert that can be active) have work, keeping >= 4 pipeline steps per split."""
+def _kernel_splits(num_work: int, n: int, k: int) -> tuple[int, int]:
+    """(splits, k_per_split) of one kernel launch over `n` columns (of each weight): split the contraction until
+    about `KERNEL_MIN_CTAS` units (counting one item per local expert that can be active) have work, keeping >= 4
+    pipeline steps per split."""
     steps = k // KERNEL_BLOCK_K
-    ctas = num_work * (n_out // KERNEL_BLOCK_N)
+    ctas = num_work * (n // KERNEL_BLOCK_N)
     splits = max(1, min(-(-KERNEL_MIN_CTAS // max(ctas, 1)), steps // 4))
     per = -(-steps // splits)
     return -(-steps // per), per * KERNEL_BLOCK_K
@@ -289,7 +290,7 @@ def _kernel_splits(num_work: int, n_out: int, k: int) -> tuple[int, int]:
 
 def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
-    `[C, 2N]`, gate and up interleaved by 32 columns, with `w_second`), its split partials summed in split order.
+    `[C, 2N]`, gate and up interleaved by 64 columns, with `w_second`), its split partials summed in split order.
     Pairs outside every work item hold garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
@@ -300,7 +301,7 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
                                      k_per_split=k)
-    splits, per = _kernel_splits(num_active, n * (2 if w_second is not None else 1), k)
+    splits, per = _kernel_splits(num_active, n, k)
     parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
                                   k_per_split=per)
     total = parts[0]
@@ -309,27 +310,29 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     return total
 
 
-def _kernel(pl: Plan, xb, w_gate, w_up, w_down):
+def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
     that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
-    then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert)."""
+    then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The
+    contraction splits are chosen for `min(J, C, expected_pairs)` active experts."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
     work = pl.work if pl.work is not None else work_items(pl)
-    active = min(pl.num_local_experts, pl.capacity)
+    active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
     inter = w_down.shape[1]
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
         h = _glu(_kernel_gemm(xb, pl.row, True, w_gate, None, work, active), None, inter)
-    elif _kernel_splits(active, 2 * inter, w_gate.shape[1])[0] == 1:
+    elif _kernel_splits(active, inter, w_gate.shape[1])[0] == 1:
         h = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
     else:
-        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // 32, 2, 32)
+        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // 64, 2, 64)
         h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
     return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
 
 
-#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down) -> FP32 per-pair outputs [C, L].
+#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs) -> FP32 per-pair outputs [C, L]
+#: (`expected_pairs`: a hint for how the kernel splits its work; the XLA implementations ignore it).
 IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
                                         "kernel": _kernel}
 #: The implementations that run on NVIDIA GPUs only.
@@ -351,7 +354,7 @@ def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
             )
 
 
-def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot"):
+def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None):
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
@@ -359,7 +362,7 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot")
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down)  # [C, L] f32; unused pairs may hold garbage
+    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs)  # [C, L] f32; unused pairs: garbage
     # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
     valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
     safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
@@ -370,7 +373,8 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot")
     return acc.astype(jnp.bfloat16)
 
 
-def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot"):
+def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
+           expected_pairs: int | None = None):
     """The rank's routed experts on its received rows: bf16 `[N*S, L]`, exactly what `combine` takes.
 
     Args:
@@ -382,22 +386,28 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       w_down: bf16 `[J, I, L]` down projection.
       impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense", or on NVIDIA GPUs "kernel", which needs
         `L` and `I` multiples of 64 and has no VJP).
+      expected_pairs: how many pairs the plan is expected to hold (`max_tokens * K` under uniform routing), or
+        None (the capacity): how the kernel splits its contraction (performance, and the FP32 order of a split
+        contraction, `docs/experts.md`); the other implementations ignore it.
 
     Returns:
       bf16 `[N*S, L]`: `out[row] = bf16(sum_m weight_m * down(bf16(silu(gate) * up)))` over the row's local
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl)
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs)
 
 
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
     w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
-    (the same plan)."""
+    (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
+    them here under uniform routing)."""
     if plan_impl is None:
         fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
-    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl)
+    rows, k = recv.ids.shape
+    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
+    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)

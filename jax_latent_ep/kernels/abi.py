@@ -151,7 +151,7 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     _address("w_second", "bf16 [G, num_k, num_n]: the up weights, or 0"),
     _address("work", "int32 [num_work, 4]: (group, first pair, pairs <= 64, non-empty items) per work item, the non-empty first; pairs 0: none"),
     _address("out", "without fuse_glu f32 [num_splits, P, num_n] (one weight) or [num_splits, P, 2 num_n] (gate and "
-             "up interleaved by 32 columns); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
+             "up interleaved by 64 columns); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
              "(output)"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
     Param("num_n", "i32", False, "columns of one weight, a multiple of 64"),

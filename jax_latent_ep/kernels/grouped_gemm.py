@@ -3,12 +3,12 @@ group's weights from HBM once.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.GROUPED_GEMM`. One CTA computes one `(split, work item, column tile)`: the work item's
-rows (at most `BLOCK_M` pairs of one group, listed by the caller; each read through `a_rows` when it is given) times
-a `k_per_split x BLOCK_N` slice of the group's weights: 64 columns of `w`, or with `w_second` (gate and up in one
-launch) 32 columns of `w` for warps 0-1 and the same 32 of `w_second` for warps 2-3. It stores FP32 partials, or
-with `fuse_glu` (one split) `bf16(silu(gate) * up)`, handing the up accumulators to the gate warps through shared
-memory.
+Parameters: `kernels.abi.GROUPED_GEMM`. A unit `(split, work item, column tile)` is the work item's rows (at most
+`BLOCK_M` pairs of one group, listed by the caller; each read through `a_rows` when it is given) times a
+`k_per_split x BLOCK_N` slice of the group's weights: 64 columns of `w`, and with `w_second` (gate and up in one
+launch) the same 64 columns of `w_second`, in alternate stages of the ring (each weight row a whole 128-byte line:
+HBM streams those at full rate, half lines of two weights not). It stores FP32 partials, or with `fuse_glu` (one
+split) `bf16(silu(gate) * up)` straight from the accumulators (each warp holds both of its 16 columns).
 The grid is 1-D and at most the CTAs that fit on the device at once; CTA `c` computes the units `u = c, c + grid, ..`,
 `u = (split * num_items + item) * column_tiles + tile` (consecutive units read neighbouring columns of the same weight
 rows), over the `num_items` non-empty work items only (word 3 of the work list; they come first): no CTA is spent on
@@ -133,11 +133,8 @@ class GroupedGemm:
 
         # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
         # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
-        # CTA starts for an empty item. With two weights a tile is 32 gate columns (warps 0, 1) and the same 32
-        # up columns (warps 2, 3); with one, 64 columns.
+        # CTA starts for an empty item. A tile is 64 columns (of each weight).
         column_tiles = num_n // BLOCK_N
-        if w_second != Int64(0):
-            column_tiles = num_n // (BLOCK_N // 2)
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the work list and `a` come from the previous kernels
         num_items = Int32(load_b32(work + 12))
@@ -157,10 +154,7 @@ class GroupedGemm:
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
-        tile_cols = BLOCK_N
-        if two:
-            tile_cols = BLOCK_N // 2
-        column_tiles = num_n // tile_cols
+        column_tiles = num_n // BLOCK_N
         tile = unit_idx % column_tiles
         rest = unit_idx // column_tiles
         item = rest % num_items
@@ -175,15 +169,12 @@ class GroupedGemm:
                 k_end = num_k
             steps = (k_end - k_begin) // BLOCK_K
             rows_padded = (rows + 15) // 16 * 16
-            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i.
+            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i;
+            # columns `tile * 64 ..` of the group's weight (and of the second weight: the same offset).
             chunk = tid % 8
-            weights = w
-            column = tile * BLOCK_N + chunk * 8
-            if two:
-                column = tile * tile_cols + (chunk % 4) * 8
-                if chunk >= 4:
-                    weights = w_second
-            w_col = weights + Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(column) * 2
+            w_offset = Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(tile * BLOCK_N + chunk * 8) * 2
+            w_col = w + w_offset
+            u_col = w_second + w_offset
             # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
             # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
             a_src, a_size, a_live = [], [], []
@@ -201,62 +192,57 @@ class GroupedGemm:
                 a_live.append(r < rows_padded)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc.fill(0.0)
+            acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
+            acc_up.fill(0.0)
 
-            # ---- Prologue: stages 0 .. STAGES - 2 in flight.
-            for s in cutlass.range_constexpr(STAGES - 1):
-                if s < steps:
-                    self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K, Int32(s),
-                                    num_n, tid, chunk)
-                cp_async_commit()
-
-            # ---- Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
-            for kt in range(steps):
-                cp_async_wait(STAGES - 2)
-                cute.arch.sync_threads()
-                nxt = kt + (STAGES - 1)
-                if nxt < steps:
-                    self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
-                                    nxt % STAGES, num_n, tid, chunk)
-                cp_async_commit()
-                self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
+            if two:
+                # ---- Two weights: stage 2 kt holds the first weight's rows of contraction step kt, stage
+                # 2 kt + 1 the second's (`acc`, `acc_up`). Prologue: stages 0, 1, 2 in flight.
+                for s in cutlass.range_constexpr(STAGES - 1):
+                    if s // 2 < steps:
+                        self.load_stage(w_col if s % 2 == 0 else u_col, a_src, a_size, a_live, smem_a, smem_w,
+                                        k_begin + (s // 2) * BLOCK_K, Int32(s), num_n, tid, chunk)
+                    cp_async_commit()
+                # Main loop, two stages a pass: wait for the stage, refill the slot the stage before freed
+                # (STAGES - 1 ahead: the other weight of the next step, then this weight two steps on),
+                # multiply.
+                for kt in range(steps):
+                    cp_async_wait(STAGES - 2)
+                    cute.arch.sync_threads()
+                    if kt + 1 < steps:
+                        self.load_stage(u_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + 1) * BLOCK_K,
+                                        (2 * kt + 3) % STAGES, num_n, tid, chunk)
+                    cp_async_commit()
+                    self.multiply(acc, smem_a, smem_w, (2 * kt) % STAGES, rows, warp, lane)
+                    cp_async_wait(STAGES - 2)
+                    cute.arch.sync_threads()
+                    if kt + 2 < steps:
+                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + 2) * BLOCK_K,
+                                        (2 * kt + 4) % STAGES, num_n, tid, chunk)
+                    cp_async_commit()
+                    self.multiply(acc_up, smem_a, smem_w, (2 * kt + 1) % STAGES, rows, warp, lane)
+            else:
+                # ---- One weight. Prologue: stages 0 .. STAGES - 2 in flight.
+                for s in cutlass.range_constexpr(STAGES - 1):
+                    if s < steps:
+                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K,
+                                        Int32(s), num_n, tid, chunk)
+                    cp_async_commit()
+                # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
+                for kt in range(steps):
+                    cp_async_wait(STAGES - 2)
+                    cute.arch.sync_threads()
+                    nxt = kt + (STAGES - 1)
+                    if nxt < steps:
+                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
+                                        nxt % STAGES, num_n, tid, chunk)
+                    cp_async_commit()
+                    self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
 
             if fuse_glu != 0:
-                # ---- Epilogue, SwiGLU: the up warps hand their accumulators to the gate warps through shared
-                # memory (the same lane layout: equal offsets hold the same row and column), which store
-                # bf16(silu(gate) * up).
-                cp_async_wait(0)
-                cute.arch.sync_threads()  # every warp is done with the ring
-                if warp >= 2:
-                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                        if mt * 16 < rows:
-                            for nt in cutlass.range_constexpr(2):
-                                c = (warp - 2) * 16 + nt * 8 + 2 * (lane % 4)
-                                r = mt * 16 + lane // 4
-                                i = (mt * 2 + nt) * 4
-                                store_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4), acc[i], acc[i + 1])
-                                store_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4), acc[i + 2], acc[i + 3])
-                cute.arch.sync_threads()
-                if warp < 2:
-                    base = out + Int64(first) * Int64(num_n) * 2
-                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                        if mt * 16 < rows:
-                            for nt in cutlass.range_constexpr(2):
-                                c = warp * 16 + nt * 8 + 2 * (lane % 4)
-                                r = mt * 16 + lane // 4
-                                i = (mt * 2 + nt) * 4
-                                col = Int64(tile * tile_cols + c)
-                                u = load_shared_v2_f32(smem_a + Uint32((r * 32 + c) * 4))
-                                if r < rows:
-                                    store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
-                                                     silu_mul(acc[i], u[0]), silu_mul(acc[i + 1], u[1]))
-                                u = load_shared_v2_f32(smem_a + Uint32(((r + 8) * 32 + c) * 4))
-                                if r + 8 < rows:
-                                    store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
-                                                     silu_mul(acc[i + 2], u[0]), silu_mul(acc[i + 3], u[1]))
-            else:
-                # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out`.
-                out_n = column_tiles * BLOCK_N
-                base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
+                # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
+                # bf16(silu(gate) * up) of the work item's rows.
+                base = out + Int64(first) * Int64(num_n) * 2
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for nt in cutlass.range_constexpr(2):
@@ -264,10 +250,39 @@ class GroupedGemm:
                             r = mt * 16 + lane // 4
                             i = (mt * 2 + nt) * 4
                             if r < rows:
-                                store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
+                                store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
+                                                 silu_mul(acc[i], acc_up[i]), silu_mul(acc[i + 1], acc_up[i + 1]))
                             if r + 8 < rows:
-                                store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2],
-                                             acc[i + 3])
+                                store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
+                                                 silu_mul(acc[i + 2], acc_up[i + 2]),
+                                                 silu_mul(acc[i + 3], acc_up[i + 3]))
+            else:
+                # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out` (with two
+                # weights, columns `tile * 128 ..` the first's and `tile * 128 + 64 ..` the second's).
+                out_n = num_n
+                tile_base = tile * BLOCK_N
+                if two:
+                    out_n = 2 * num_n
+                    tile_base = tile * 2 * BLOCK_N
+                base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                    if mt * 16 < rows:
+                        for nt in cutlass.range_constexpr(2):
+                            col = Int64(tile_base + warp * 16 + nt * 8 + 2 * (lane % 4))
+                            r = mt * 16 + lane // 4
+                            i = (mt * 2 + nt) * 4
+                            self.store_partials(base, out_n, col, r, rows, acc, i)
+                            if two:
+                                self.store_partials(base, out_n, col + Int64(BLOCK_N), r, rows, acc_up, i)
+
+    @cute.jit
+    def store_partials(self, base: Int64, out_n: Int32, col: Int64, r: Int32, rows: Int32, acc, i):
+        """Stores the FP32 pair `acc[i], acc[i + 1]` at row `r`, `acc[i + 2], acc[i + 3]` at row `r + 8` (rows
+        past the work item's pairs skipped)."""
+        if r < rows:
+            store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
+        if r + 8 < rows:
+            store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2], acc[i + 3])
 
     @cute.jit
     def load_stage(self, w_col: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,

@@ -97,6 +97,9 @@ def library() -> ctypes.CDLL:
     if hasattr(lib, "ep_register_record_targets"):  # absent from libraries built before the record targets
         lib.ep_register_record_targets.restype = ctypes.c_int
         lib.ep_register_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
+        lib.ep_register_expert_record_targets.restype = ctypes.c_int
+        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
         lib.ep_record_counts.restype = ctypes.c_int
         lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     return lib
@@ -378,8 +381,43 @@ EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"
                   "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
+#: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
+#: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
+EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
+                         "expert_plan": "jax_latent_ep_expert_plan_rec"}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
+#: Why the expert record targets are not registered (None once they are).
+_expert_record_error: str | None = "not registered yet (load_expert_kernels was not called)"
+
+
+def _register_expert_record_targets(lib) -> None:
+    """Registers the expert record targets once (after the traced ones: XLA has shown the library its FFI API)."""
+    global _expert_record_error
+    if _expert_record_error is None:
+        return
+    if not _record_wanted():
+        _expert_record_error = f"not registered: {RECORD_ENV}=0 when load_expert_kernels ran"
+        return
+    if not hasattr(lib, "ep_register_expert_record_targets"):
+        _expert_record_error = "record stage not available: this FFI library predates it (rebuild it)"
+        return
+    rc = lib.ep_register_expert_record_targets(EXPERT_RECORD_TARGETS["grouped_gemm"].encode(),
+                                               EXPERT_RECORD_TARGETS["expert_plan"].encode())
+    _expert_record_error = None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")
+
+
+def _expert_target(op: str) -> tuple[str, dict]:
+    """The target name and extra attributes of an expert `op` call traced now (the record target where it is
+    registered and `JAX_LATENT_EP_FFI_RECORD` is not 0, else the traced one)."""
+    if _record_wanted() and _expert_record_error is None:
+        return EXPERT_RECORD_TARGETS[op], {"uses_pdl": _pdl_wanted()}
+    return EXPERT_TARGETS[op][0], {}
+
+
+def expert_record_error() -> str | None:
+    """Why the expert stage's calls take their traced targets (None: they take the record targets)."""
+    return _expert_record_error
 
 
 def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
@@ -409,6 +447,7 @@ def load_expert_kernels(devices) -> None:
             for target, symbol in EXPERT_TARGETS.values():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
             _expert_devices.add(None)
+        _register_expert_record_targets(lib)
         for device in devices:
             if device.id in _expert_devices:
                 continue
@@ -431,15 +470,16 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_types = (i32(capacity), i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.float32),
                  i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k))
-    call = jax.ffi.ffi_call(EXPERT_PLAN_TARGET, out_types, has_side_effect=False)
+    target, extra = _expert_target("expert_plan")
+    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
     return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
-                max_tokens=np.int64(max_tokens))[:7]
+                max_tokens=np.int64(max_tokens), **extra)[:7]
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
                       k_per_split: int):
     """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
-    FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by 32 columns, with `w_second`), or
+    FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by 64 columns, with `w_second`), or
     with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only when `indexed`."""
     two = w_second is not None
     n = w.shape[2]
@@ -448,6 +488,7 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
         out_type = jax.ShapeDtypeStruct((p, n), jnp.bfloat16)
     else:
         out_type = jax.ShapeDtypeStruct((splits, p, n * (2 if two else 1)), jnp.float32)
-    call = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, out_type, has_side_effect=False)
+    target, extra = _expert_target("grouped_gemm")
+    call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
     return call(a, a_rows, w, w if w_second is None else w_second, work, indexed=np.int64(indexed),
-                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split))
+                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)

@@ -18,7 +18,8 @@ def test_signature_is_the_abi():
 def test_ptx_block_and_loop():
     ptx = _ptx()
     assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_gemm.THREADS, ptx), "block differs from THREADS"
-    # 4 row tiles x 2 column tiles x BLOCK_K / 16 k-steps per stage, unrolled; no spills to local memory
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * 2 * grouped_gemm.BLOCK_K // 16
+    # 4 row tiles x 2 column tiles x BLOCK_K / 16 k-steps per stage, unrolled, at each of the three stages of the
+    # main loops (two weights: the first's and the second's; one weight); no spills to local memory
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 3 * 4 * 2 * grouped_gemm.BLOCK_K // 16
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ptx.count("cp.async.cg.shared.global") >= 2
