@@ -275,14 +275,26 @@ def parent(args, argv):
 
 
 def _derived(args, rows):
-    """The rows plus the floors (`floor/...` `us`) and each time's ratio to its floor."""
-    rows = list(rows)
+    """The rows plus the floors (`floor/...` `us`) and each time's ratio to its floor. The floor's bandwidth
+    (`floor_GBps`) is the larger of the probes' (`hbm_GBps`) and the fastest weight stream a measured path showed
+    (`stream_GBps`: active experts' bytes over a time): a floor no measured time beats."""
+    rows = [r for r in rows if r["backend"] not in ("stream_GBps", "floor_GBps")]
     hbm = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
     lat = args.latent
+    weight_bytes = {(r["backend"].split("/", 1)[1], r["tokens"]):
+                    r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * 2
+                    for r in rows if r["backend"].startswith("floor/") and r["metric"] == "active_experts"}
+    stream = max((weight_bytes[(r["backend"].split("/", 1)[1], r["tokens"])] / (r["value"] * 1e-6) / 1e9
+                  for r in rows if r["metric"] in RATIOS and r["value"] > 0
+                  and (r["backend"].split("/", 1)[1], r["tokens"]) in weight_bytes), default=None)
+    if hbm and stream:
+        rows.append(dict(backend="stream_GBps", ranks=1, tokens=0, metric="GBps", value=stream))
+        hbm = max(hbm, stream)
+        rows.append(dict(backend="floor_GBps", ranks=1, tokens=0, metric="GBps", value=hbm))
     for r in list(rows):
         if r["metric"] == "active_experts" and hbm:
-            inter = int(r["backend"].split("/I")[1])
-            rows.append(dict(r, metric="us", value=r["value"] * 3 * lat * inter * 2 / (hbm * 1e9) * 1e6))
+            rows.append(dict(r, metric="us", value=weight_bytes[(r["backend"].split("/", 1)[1], r["tokens"])]
+                             / (hbm * 1e9) * 1e6))
     floors = {(r["backend"].split("/", 1)[1], r["tokens"]): r["value"] for r in rows
               if r["backend"].startswith("floor/") and r["metric"] == "us"}
     for r in list(rows):
@@ -311,8 +323,10 @@ def report(args, rows, device, notes):
     rows = _write(args, rows, device)
     date, commit = datetime.date.today().isoformat(), _commit()
 
-    print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (the larger of a copy, read + write, and a read)")
-    print("us per layer (ratio to the floor); floor = active experts x 3 L I x 2 B / HBM bandwidth")
+    probe = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
+    print(f"expert stage, {device}, commit {commit}, {date}; HBM {hbm and round(hbm)} GB/s (the largest of a copy, "
+          f"read + write, a read and a looped read: {probe and round(probe)}; and the fastest weight stream measured)")
+    print("us per layer (ratio to the floor); floor = active experts x 3 L I x 2 B / that bandwidth")
     for j in args.local:
         for inter in args.intermediate:
             name = f"J{j}/I{inter}"

@@ -9,7 +9,8 @@ Parameters: `kernels.abi.GROUPED_GEMM`. A unit `(split, work item, column tile)`
 launch) the same 64 columns of `w_second`, in alternate stages of the ring (each weight row a whole 128-byte line:
 HBM streams those at full rate, half lines of two weights not). It stores FP32 partials, or with `fuse_glu` (one
 split) `bf16(silu(gate) * up)` straight from the accumulators (each warp holds both of its 16 columns).
-The grid is 1-D and at most the CTAs that fit on the device at once; CTA `c` computes the units `u = c, c + grid, ..`,
+The grid is 1-D and at most the CTAs that fit on the device at once; of it the fewest CTAs `G` that need as many rounds
+(`ceil(units / grid)`) as all of them compute, CTA `c < G` the units `u = c, c + G, ..`,
 `u = (split * num_items + item) * column_tiles + tile` (consecutive units read neighbouring columns of the same weight
 rows), over the `num_items` non-empty work items only (word 3 of the work list; they come first): no CTA is spent on
 the capacity's empty items.
@@ -141,10 +142,16 @@ class GroupedGemm:
         if num_items > num_work:  # a work list of another shape: never past its items
             num_items = num_work
         num_splits = (num_k + k_per_split - 1) // k_per_split
-        for unit_idx in range(cta, num_splits * num_items * column_tiles, Int32(grid)):
-            self.unit(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, k_per_split, fuse_glu, unit_idx,
-                      num_items, smem_a, smem_w, tid)
-            cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+        num_units = num_splits * num_items * column_tiles
+        # The fewest CTAs that take as many rounds as the whole grid would: every CTA busy to the last round (a
+        # last round of a few CTAs streams at their few loads' rate); the others exit at once.
+        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
+        stride = (num_units + rounds - 1) // rounds
+        if cta < stride:
+            for unit_idx in range(cta, num_units, stride):
+                self.unit(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, k_per_split, fuse_glu,
+                          unit_idx, num_items, smem_a, smem_w, tid)
+                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, work: Int64, out: Int64, num_k: Int32,
