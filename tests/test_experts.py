@@ -242,6 +242,24 @@ def test_kernel_splits():
         assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < experts.KERNEL_MIN_CTAS)
 
 
+def test_kernel_splits_follow_the_expected_experts():
+    """The split count is chosen for `min(J, C, expected_pairs)` active experts: Kimi K3 at T = 1 (16 pairs expected
+    of a capacity of 128 at N = 8) splits gate / up; with the capacity as the count it would not."""
+    j, cap, inter, lat = 112, 128, 512, 3584
+    assert experts._kernel_splits(min(j, cap), inter, lat)[0] == 1
+    assert experts._kernel_splits(min(j, cap, 16 * 1), inter, lat)[0] > 1
+
+
+def test_expected_pairs_leaves_xla_results_alone():
+    """`expected_pairs` only steers the kernel's work split: the XLA implementations give the same bits."""
+    recv, weights = _case("expected-pairs", *CASES[0])
+    pl = experts.plan(jax.tree.map(jnp.asarray, recv), CASES[0][1], weights[2].shape[0], max_tokens=CASES[0][3],
+                      ranks=CASES[0][0])
+    run = lambda hint: np.asarray(experts.swiglu(jax.tree.map(jnp.asarray, recv), pl, *weights,  # noqa: E731
+                                                 impl="ragged_dot", expected_pairs=hint), np.float32)
+    np.testing.assert_array_equal(run(None), run(1))
+
+
 @pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="checks the CPU refusal")
 def test_kernel_impl_needs_a_gpu():
     case = CASES[0]

@@ -389,22 +389,26 @@ EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
 _expert_record_error: str | None = "not registered yet (load_expert_kernels was not called)"
+_expert_record_final = False  # registered, or failed for good (as `_record_final`)
 
 
 def _register_expert_record_targets(lib) -> None:
-    """Registers the expert record targets once (after the traced ones: XLA has shown the library its FFI API)."""
-    global _expert_record_error
-    if _expert_record_error is None:
+    """Registers the expert record targets once (after the traced ones: XLA has shown the library its FFI API);
+    as `register_targets` for dispatch / combine, asked again only while no XLA FFI API was seen."""
+    global _expert_record_error, _expert_record_final
+    if _expert_record_final:
         return
     if not _record_wanted():
         _expert_record_error = f"not registered: {RECORD_ENV}=0 when load_expert_kernels ran"
         return
     if not hasattr(lib, "ep_register_expert_record_targets"):
         _expert_record_error = "record stage not available: this FFI library predates it (rebuild it)"
+        _expert_record_final = True
         return
     rc = lib.ep_register_expert_record_targets(EXPERT_RECORD_TARGETS["grouped_gemm"].encode(),
                                                EXPERT_RECORD_TARGETS["expert_plan"].encode())
     _expert_record_error = None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")
+    _expert_record_final = rc != _RECORD_RETRY
 
 
 def _expert_target(op: str) -> tuple[str, dict]:

@@ -108,6 +108,26 @@ def test_launch_path_choice(monkeypatch):
     assert ffi._target("dispatch") == (ffi.DISPATCH_TARGET, {})
 
 
+def test_expert_launch_path_choice(monkeypatch):
+    """The expert kernels' calls take their record targets once registered (with `uses_pdl`), the traced ones
+    under JAX_LATENT_EP_FFI_RECORD=0 or when registration failed."""
+    from jax_latent_ep.runtime import ffi
+
+    monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
+    monkeypatch.delenv(ffi.PDL_ENV, raising=False)
+    monkeypatch.setattr(ffi, "_expert_record_error", None)
+    for op in ffi.EXPERT_TARGETS:
+        assert ffi._expert_target(op) == (ffi.EXPERT_RECORD_TARGETS[op], {"uses_pdl": True})
+    monkeypatch.setenv(ffi.PDL_ENV, "0")
+    assert ffi._expert_target("grouped_gemm") == (ffi.EXPERT_RECORD_TARGETS["grouped_gemm"], {"uses_pdl": False})
+    monkeypatch.setenv(ffi.RECORD_ENV, "0")
+    assert ffi._expert_target("expert_plan") == (ffi.EXPERT_PLAN_TARGET, {})
+    monkeypatch.setenv(ffi.RECORD_ENV, "1")
+    monkeypatch.setattr(ffi, "_expert_record_error", "record stage not available: test")
+    assert ffi._expert_target("grouped_gemm") == (ffi.GROUPED_GEMM_TARGET, {})
+    assert ffi.expert_record_error() == "record stage not available: test"
+
+
 class FakeRecordLibrary:
     """Stands in for the FFI library's record registration: answers with the codes given, in order."""
 
@@ -120,6 +140,9 @@ class FakeRecordLibrary:
         self.message = {0: b"", 1: b"record stage not available: XLA refused (test)",
                         2: b"record stage not available yet: no XLA FFI API seen (test)"}[rc]
         return rc
+
+    def ep_register_expert_record_targets(self, gemm, plan):
+        return self.ep_register_record_targets(gemm, plan)
 
     def ep_last_error(self):
         return self.message
@@ -187,3 +210,22 @@ def test_record_registration_with_the_library():
         assert "no XLA FFI API seen" in ffi.record_error(), ffi.record_error()
         assert ffi.launch_path() == "traced" and not ffi._record_final
         assert ffi.record_counts() == (0, 0)
+
+
+@pytest.mark.parametrize("codes, path, calls", [([0], "record", 1), ([1], "traced", 1), ([2, 2, 0], "record", 3)])
+def test_expert_record_registration_fallback(codes, path, calls, monkeypatch):
+    """The expert record targets as dispatch / combine's: asked again only while no XLA FFI API was seen."""
+    from jax_latent_ep.runtime import ffi
+
+    fake = FakeRecordLibrary(codes)
+    monkeypatch.setattr(ffi, "_expert_record_error", "not registered yet")
+    monkeypatch.setattr(ffi, "_expert_record_final", False)
+    monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
+    for _ in range(3):
+        ffi._register_expert_record_targets(fake)
+    assert len(fake.calls) == calls
+    assert fake.calls[0] == (ffi.EXPERT_RECORD_TARGETS["grouped_gemm"].encode(),
+                             ffi.EXPERT_RECORD_TARGETS["expert_plan"].encode())
+    want = "traced" if path == "traced" else "record"
+    got = "record" if ffi._expert_target("grouped_gemm")[0] == ffi.EXPERT_RECORD_TARGETS["grouped_gemm"] else "traced"
+    assert got == want
