@@ -125,6 +125,16 @@ def _start(target, processes, args, devices_per_process, env, liveness_s, gpus=N
     return procs, logs
 
 
+def _failure_headline(target: str, failed: list[int], texts: list[str]) -> str:
+    """The first line of a failed run's report: the ranks that failed, apart from those their watcher ended on
+    another's failure (`runtime.liveness`: "ending process Q: ..."), which a poll can see exit in the same
+    instant."""
+    ended = [i for i in failed if f"jax_latent_ep: ending process {i}: " in texts[i]]
+    first = [i for i in failed if i not in ended] or failed
+    also = f"; rank(s) {ended} ended on that failure" if ended and first != failed else ""
+    return f"multi-process run of {target}: rank(s) {first} failed{also} (the others were killed)"
+
+
 def _read(path) -> str:
     with open(path, errors="replace") as f:
         return f.read()
@@ -171,8 +181,8 @@ def launch(target: str, processes: int, timeout: float = 120.0, args: dict | Non
             if failed:
                 time.sleep(0.5)  # let the failing rank's output land
                 _kill(procs)
-                raise AssertionError(_report(
-                    f"multi-process run of {target}: rank(s) {failed} failed (the others were killed)", procs, logs))
+                raise AssertionError(_report(_failure_headline(target, failed, [_read(path) for path in logs]),
+                                             procs, logs))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:

@@ -118,6 +118,17 @@ def test_layers_across_processes(processes, devices_per_process):
         assert f"process {pid} done" in log, log
 
 
+def test_failure_headline_names_the_failing_rank():
+    """A rank its watcher ended on another's failure is not reported as failed, even when both exits are seen
+    in one poll; without such a line every failed rank is named."""
+    from jax_latent_ep.testing.launcher import _failure_headline
+
+    texts = ["jax_latent_ep: ending process 0: process 1 failed: RuntimeError: x\n", "RuntimeError: x\n"]
+    assert "rank(s) [1] failed; rank(s) [0] ended on that failure" in _failure_headline("t", [0, 1], texts)
+    assert "rank(s) [0, 1] failed (" in _failure_headline("t", [0, 1], ["a\n", "b\n"])
+    assert "rank(s) [1] failed (" in _failure_headline("t", [1], texts)
+
+
 @pytest.mark.multiprocess
 def test_failing_worker_fails_fast():
     from jax_latent_ep.testing.launcher import launch
