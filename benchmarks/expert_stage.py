@@ -281,25 +281,22 @@ def _derived(args, rows):
     rows = [r for r in rows if r["backend"] not in ("stream_GBps", "floor_GBps")]
     hbm = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
     lat = args.latent
-    weight_bytes = {(r["backend"].split("/", 1)[1], r["tokens"]):
-                    r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * 2
+    point = lambda r: (r["backend"].split("/", 1)[1], r["tokens"])  # noqa: E731  ("J448/I512", T)
+    weight_bytes = {point(r): r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * 2
                     for r in rows if r["backend"].startswith("floor/") and r["metric"] == "active_experts"}
-    stream = max((weight_bytes[(r["backend"].split("/", 1)[1], r["tokens"])] / (r["value"] * 1e-6) / 1e9
-                  for r in rows if r["metric"] in RATIOS and r["value"] > 0
-                  and (r["backend"].split("/", 1)[1], r["tokens"]) in weight_bytes), default=None)
+    stream = max((weight_bytes[point(r)] / (r["value"] * 1e-6) / 1e9 for r in rows
+                  if r["metric"] in RATIOS and r["value"] > 0 and point(r) in weight_bytes), default=None)
     if hbm and stream:
         rows.append(dict(backend="stream_GBps", ranks=1, tokens=0, metric="GBps", value=stream))
         hbm = max(hbm, stream)
         rows.append(dict(backend="floor_GBps", ranks=1, tokens=0, metric="GBps", value=hbm))
     for r in list(rows):
         if r["metric"] == "active_experts" and hbm:
-            rows.append(dict(r, metric="us", value=weight_bytes[(r["backend"].split("/", 1)[1], r["tokens"])]
-                             / (hbm * 1e9) * 1e6))
-    floors = {(r["backend"].split("/", 1)[1], r["tokens"]): r["value"] for r in rows
-              if r["backend"].startswith("floor/") and r["metric"] == "us"}
+            rows.append(dict(r, metric="us", value=weight_bytes[point(r)] / (hbm * 1e9) * 1e6))
+    floors = {point(r): r["value"] for r in rows if r["backend"].startswith("floor/") and r["metric"] == "us"}
     for r in list(rows):
         if r["metric"] in RATIOS:
-            f = floors.get((r["backend"].split("/", 1)[1], r["tokens"]))
+            f = floors.get(point(r))
             if f:
                 rows.append(dict(r, metric=RATIOS[r["metric"]], value=r["value"] / f))
     return rows, hbm, floors

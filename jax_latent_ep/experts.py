@@ -253,7 +253,7 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
 #: Rows of one work item of the grouped GEMM kernel and its other tile sizes (`kernels/abi.py`).
 KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = abi.GEMM_BLOCK_M, abi.GEMM_BLOCK_K, abi.GEMM_BLOCK_N
 #: Units the kernel path aims for at least per launch (four per SM of an H200), reached by splitting the contraction.
-KERNEL_MIN_CTAS = 528
+KERNEL_MIN_UNITS = 528
 
 
 def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
@@ -279,11 +279,11 @@ def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
 
 def _kernel_splits(num_work: int, n: int, k: int) -> tuple[int, int]:
     """(splits, k_per_split) of one kernel launch over `n` columns (of each weight): split the contraction until
-    about `KERNEL_MIN_CTAS` units (counting one item per local expert that can be active) have work, keeping >= 4
+    about `KERNEL_MIN_UNITS` units (counting one item per local expert that can be active) have work, keeping >= 4
     pipeline steps per split."""
     steps = k // KERNEL_BLOCK_K
     ctas = num_work * (n // KERNEL_BLOCK_N)
-    splits = max(1, min(-(-KERNEL_MIN_CTAS // max(ctas, 1)), steps // 4))
+    splits = max(1, min(-(-KERNEL_MIN_UNITS // max(ctas, 1)), steps // 4))
     per = -(-steps // splits)
     return -(-steps // per), per * KERNEL_BLOCK_K
 

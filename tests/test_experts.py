@@ -239,7 +239,7 @@ def test_kernel_splits():
     for work, n_out, k in ((16, 1024, 3584), (4, 256, 2048), (896, 4096, 3584), (16, 3584, 512)):
         splits, per = experts._kernel_splits(work, n_out, k)
         assert per % 64 == 0 and (splits - 1) * per < k <= splits * per
-        assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < experts.KERNEL_MIN_CTAS)
+        assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < experts.KERNEL_MIN_UNITS)
 
 
 def test_kernel_splits_follow_the_expected_experts():

@@ -97,11 +97,11 @@ def library() -> ctypes.CDLL:
     if hasattr(lib, "ep_register_record_targets"):  # absent from libraries built before the record targets
         lib.ep_register_record_targets.restype = ctypes.c_int
         lib.ep_register_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.ep_record_counts.restype = ctypes.c_int
+        lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
         lib.ep_register_expert_record_targets.restype = ctypes.c_int
         lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-        lib.ep_record_counts.restype = ctypes.c_int
-        lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     return lib
 
 
@@ -125,19 +125,21 @@ def register_targets() -> None:
             jax.ffi.register_ffi_target(DISPATCH_TARGET, jax.ffi.pycapsule(lib.EpDispatch), platform="CUDA")
             jax.ffi.register_ffi_target(COMBINE_TARGET, jax.ffi.pycapsule(lib.EpCombine), platform="CUDA")
             _registered = True
-        if _record_final:
-            return
-        if not _record_wanted():  # the kill switch: not even registered (a later call may register them)
-            _record_error = f"not registered: {RECORD_ENV}=0 when register_targets ran"
-            return
-        if not hasattr(lib, "ep_register_record_targets"):
-            _record_error = "record stage not available: this FFI library predates it (rebuild it)"
-            _record_final = True
-            return
-        rc = lib.ep_register_record_targets(DISPATCH_RECORD_TARGET.encode(), COMBINE_RECORD_TARGET.encode())
-        _record_error = None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")
-        # No CUDA backend yet (rc 2): the next call retries (NvlinkBackend calls this once its devices exist).
-        _record_final = rc != _RECORD_RETRY
+        if not _record_final:
+            _record_error, _record_final = _register_record(
+                lib, "ep_register_record_targets", (DISPATCH_RECORD_TARGET, COMBINE_RECORD_TARGET), "register_targets")
+
+
+def _register_record(lib, symbol: str, names: tuple[str, str], caller: str) -> tuple[str | None, bool]:
+    """Registers two record targets through the library's `symbol`: `(why not, or None; whether that is final)`.
+    Not final under the kill switch (a later call may register them) and while no XLA FFI API was seen (rc 2:
+    no CUDA backend yet; NvlinkBackend and load_expert_kernels call again once their devices exist)."""
+    if not _record_wanted():
+        return f"not registered: {RECORD_ENV}=0 when {caller} ran", False
+    if not hasattr(lib, symbol):
+        return "record stage not available: this FFI library predates it (rebuild it)", True
+    rc = getattr(lib, symbol)(*(name.encode() for name in names))
+    return (None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")), rc != _RECORD_RETRY
 
 
 def record_error() -> str | None:
@@ -396,19 +398,10 @@ def _register_expert_record_targets(lib) -> None:
     """Registers the expert record targets once (after the traced ones: XLA has shown the library its FFI API);
     as `register_targets` for dispatch / combine, asked again only while no XLA FFI API was seen."""
     global _expert_record_error, _expert_record_final
-    if _expert_record_final:
-        return
-    if not _record_wanted():
-        _expert_record_error = f"not registered: {RECORD_ENV}=0 when load_expert_kernels ran"
-        return
-    if not hasattr(lib, "ep_register_expert_record_targets"):
-        _expert_record_error = "record stage not available: this FFI library predates it (rebuild it)"
-        _expert_record_final = True
-        return
-    rc = lib.ep_register_expert_record_targets(EXPERT_RECORD_TARGETS["grouped_gemm"].encode(),
-                                               EXPERT_RECORD_TARGETS["expert_plan"].encode())
-    _expert_record_error = None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")
-    _expert_record_final = rc != _RECORD_RETRY
+    if not _expert_record_final:
+        _expert_record_error, _expert_record_final = _register_record(
+            lib, "ep_register_expert_record_targets",
+            (EXPERT_RECORD_TARGETS["grouped_gemm"], EXPERT_RECORD_TARGETS["expert_plan"]), "load_expert_kernels")
 
 
 def _expert_target(op: str) -> tuple[str, dict]:
