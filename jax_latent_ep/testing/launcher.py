@@ -56,6 +56,8 @@ except BaseException as e:
     liveness.fail(e)  # publish for the others' watchers, exit without jax.distributed's shutdown barrier
 print(f"launcher: process {pid} done", flush=True)
 jax.distributed.shutdown()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)  # past the shutdown barrier; the interpreter's teardown can abort in the distributed client's threads
 """
 
 
