@@ -13,7 +13,8 @@ Paths (`backend` column `<path>/J<J>/I<I>`): `plan` (the XLA plan and the kernel
 every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel, `kernels/expert_plan.py`), `kernel`
 (the plan kernel and the project's grouped GEMM, `kernels/grouped_gemm.py`), `kernel-xla-plan` (the grouped GEMM
 on the XLA plan),
-`ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
+`kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
+`floor-fp8/..`, counts 1 byte a weight and the scales), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
 gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
@@ -41,6 +42,7 @@ GROUPS = {
     "pallas": ({}, {"jax_ragged_dot_use_gpu_pallas_triton_lowering": True}),
 }
 PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
+         "kernel-fp8": ("default", "kernel-fp8"),
          "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
@@ -48,6 +50,13 @@ PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"),
 RATIOS = {"us_per_layer": "ratio", "pipelined_us_per_layer": "pipelined_ratio", "device_us_per_layer": "device_ratio",
           "span_us_per_layer": "span_ratio"}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
+#: Paths on FP8 weights (their floor is `floor-fp8/..`).
+FP8_PATHS = ("kernel-fp8", "floor-fp8")
+
+
+def _weight_bytes(backend: str) -> float:
+    """Bytes of one weight on a row's path: 2 (bf16), or 1 and its share of a 4-byte scale per 128 x 128 (FP8)."""
+    return 1 + 4 / 128**2 if backend.split("/")[0] in FP8_PATHS else 2
 
 
 def _commit():
@@ -185,14 +194,19 @@ def child(args):
             per_layer = 3 * j * lat * inter * 2
             layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
             key = jax.random.key(j * 7 + inter)
-            ws = []
+            ws, ws8 = [], []
+            bf16_paths = [p for p in paths if p != "kernel-fp8"]
             for li in range(layers):  # own weights per layer, made on the device
                 kg, ku, kd = jax.random.split(jax.random.fold_in(key, li), 3)
-                ws.append((
-                    (jax.random.normal(kg, (j, lat, inter), jnp.float32) / 60).astype(jnp.bfloat16),
-                    (jax.random.normal(ku, (j, lat, inter), jnp.float32) / 60).astype(jnp.bfloat16),
-                    (jax.random.normal(kd, (j, inter, lat), jnp.float32) / 45).astype(jnp.bfloat16),
-                ))
+                shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
+                if bf16_paths:
+                    ws.append(tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16)
+                                    for kk, sh, d in shapes))
+                if "kernel-fp8" in paths:  # values ~ N(0, 64^2) in e4m3, one scale 1 / (64 d) per block
+                    ws8.append(tuple(experts.BlockScaled(
+                        (jax.random.normal(kk, sh, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
+                        jnp.full((sh[0], sh[1] // 128, sh[2] // 128), 1 / (64 * d), jnp.float32))
+                        for kk, sh, d in shapes))
             for t in args.tokens:
                 recvs = [random_received(rng, ranks=n, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k)
                          for _ in range(layers)]
@@ -204,6 +218,8 @@ def child(args):
                 name = f"J{j}/I{inter}"
                 if args.group == "default":
                     out(backend=f"floor/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
+                    if "kernel-fp8" in paths:
+                        out(backend=f"floor-fp8/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
                 for path in paths:
                     impl = PATHS[path][1]
                     if impl == "gather" and 3 * cap * lat * inter * 2 > args.gather_gb * 2**30:
@@ -212,6 +228,9 @@ def child(args):
                         continue
 
                     def program(recvs, ws, impl=impl, t=t, n=n, j=j):
+                        if impl == "kernel-fp8":
+                            return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n)
+                                    for r, w in zip(recvs, ws)]
                         if impl == "plan":
                             return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
                         if impl == "plan-kernel":
@@ -222,26 +241,27 @@ def child(args):
                         return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
 
                     fn = jax.jit(program)
+                    wargs = ws8 if impl == "kernel-fp8" else ws
                     try:
-                        sec = _time(fn, (recvs, ws), args.repeats)
+                        sec = _time(fn, (recvs, wargs), args.repeats)
                     except Exception as exc:  # a lowering that refuses, out of memory: say so, go on
                         print(f"FAIL {path}/{name} T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                         continue
                     if path.startswith("ragged_dot") and t == args.tokens[0]:
-                        hlo = fn.lower(recvs, ws).compile().as_text()
+                        hlo = fn.lower(recvs, wargs).compile().as_text()
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
                             value=float("cudnn" in hlo.lower()))
                     out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
                     if args.pipelined:
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
-                            value=1e6 * _time_pipelined(fn, (recvs, ws), args.repeats) / layers)
+                            value=1e6 * _time_pipelined(fn, (recvs, wargs), args.repeats) / layers)
                     if args.device_time and dev.platform == "gpu":
-                        busy, span = device_times(fn, (recvs, ws))
+                        busy, span = device_times(fn, (recvs, wargs))
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
                             value=busy / layers)
                         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
                             value=span / layers)
-            del ws
+            del ws, ws8
 
 
 def parent(args, argv):
@@ -281,9 +301,11 @@ def _derived(args, rows):
     rows = [r for r in rows if r["backend"] not in ("stream_GBps", "floor_GBps")]
     hbm = next((r["value"] for r in rows if r["backend"] == "hbm_GBps"), None)
     lat = args.latent
-    point = lambda r: (r["backend"].split("/", 1)[1], r["tokens"])  # noqa: E731  ("J448/I512", T)
-    weight_bytes = {point(r): r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * 2
-                    for r in rows if r["backend"].startswith("floor/") and r["metric"] == "active_experts"}
+    # ("J448/I512", T, bytes a weight): a path's point and its floor's
+    point = lambda r: (r["backend"].split("/", 1)[1], r["tokens"], _weight_bytes(r["backend"]))  # noqa: E731
+    floor_rows = [r for r in rows if r["backend"].split("/")[0] in ("floor", "floor-fp8")]
+    weight_bytes = {point(r): r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * point(r)[2]
+                    for r in floor_rows if r["metric"] == "active_experts"}
     stream = max((weight_bytes[point(r)] / (r["value"] * 1e-6) / 1e9 for r in rows
                   if r["metric"] in RATIOS and r["value"] > 0 and point(r) in weight_bytes), default=None)
     if hbm and stream:
@@ -293,7 +315,8 @@ def _derived(args, rows):
     for r in list(rows):
         if r["metric"] == "active_experts" and hbm:
             rows.append(dict(r, metric="us", value=weight_bytes[point(r)] / (hbm * 1e9) * 1e6))
-    floors = {point(r): r["value"] for r in rows if r["backend"].startswith("floor/") and r["metric"] == "us"}
+    floors = {point(r): r["value"] for r in rows if r["backend"].split("/")[0] in ("floor", "floor-fp8")
+              and r["metric"] == "us"}
     for r in list(rows):
         if r["metric"] in RATIOS:
             f = floors.get(point(r))
@@ -331,7 +354,10 @@ def report(args, rows, device, notes):
             print(f"  {'path':30s}" + "".join(f"{'T=' + str(t):>18s}" for t in args.tokens))
             act = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"floor/{name}" and r["metric"] == "active_experts"}
             print(f"  {'active experts':30s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
-            print(f"  {'floor':30s}" + "".join(f"{floors.get((name, t), float('nan')):18.1f}" for t in args.tokens))
+            for label, b in (("floor", 2), ("floor (FP8 weights)", _weight_bytes("floor-fp8"))):
+                if any((name, t, b) in floors for t in args.tokens):
+                    print(f"  {label:30s}" + "".join(f"{floors.get((name, t, b), float('nan')):18.1f}"
+                                                     for t in args.tokens))
             for path in args.paths:
                 for metric, label in (("us_per_layer", path), ("pipelined_us_per_layer", f"{path} (pipelined)"),
                                       ("device_us_per_layer", f"{path} (device)"), ("span_us_per_layer", f"{path} (span)")):
@@ -341,7 +367,7 @@ def report(args, rows, device, notes):
                     cells = []
                     for t in args.tokens:
                         if t in us:
-                            f = floors.get((name, t))
+                            f = floors.get((name, t, _weight_bytes(path)))
                             cells.append(f"{us[t]:10.1f} ({us[t] / f:4.1f}x)" if f else f"{us[t]:18.1f}")
                         else:
                             cells.append(f"{'-':>18s}")

@@ -240,12 +240,12 @@ static_assert(visited_count<ep_abi::CombineParams>() == ep_abi::kCombineParamsCo
 static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_gemm(a, a_rows, w, w_second, work) -> out: the expert stage's GEMM (kernels/grouped_gemm.py); no rank.
+// grouped_gemm(a, a_rows, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
+// (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel; no rank.
 
 struct GroupedGemm {
   static constexpr const char* kWhat = "grouped_gemm";
-  static constexpr int64_t kBlockK = ep_abi::kGemmBlockK, kBlockN = ep_abi::kGemmBlockN;
-  static constexpr int64_t kWorkWords = ep_abi::kGemmWorkWords;
+  static constexpr int64_t kBlockK = ep_abi::kGemmBlockK, kWorkWords = ep_abi::kGemmWorkWords;
 
   template <typename Binding>
   static auto bind(Binding binding) {
@@ -253,8 +253,10 @@ struct GroupedGemm {
         .template Ctx<ffi::DeviceOrdinal>()      // the device, key of the kernel registry
         .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations
         .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
-        .template Arg<ffi::AnyBuffer>()          // w: bf16 [G, K, N] (the gate with two_weights)
-        .template Arg<ffi::AnyBuffer>()          // w_second: bf16 [G, K, N] the up (read only if two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w: bf16 or float8_e4m3fn [G, K, N] (the gate with two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w_second: as w, the up (read only if two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w_scale: f32 [G, K/128, N/128] (read only with FP8 weights)
+        .template Arg<ffi::AnyBuffer>()          // w_second_scale: as w_scale (FP8 weights and two_weights only)
         .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, items)
         .template Ret<ffi::AnyBuffer>()          // out: f32 [S, P, N or 2N] partials, or bf16 [P, N] with fuse_glu
         .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
@@ -264,12 +266,15 @@ struct GroupedGemm {
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows, ffi::AnyBuffer w,
-                            ffi::AnyBuffer w_second, ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out,
-                            int64_t indexed, int64_t two_weights, int64_t fuse_glu, int64_t k_per_split) {
-    l.kernel = find_kernel(kWhat, ordinal);
+                            ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale, ffi::AnyBuffer w_second_scale,
+                            ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
+                            int64_t fuse_glu, int64_t k_per_split) {
+    const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+    const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
+    l.kernel = find_kernel(kernel, ordinal);
     if (l.kernel == nullptr) {
-      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
-                                         "device ordinal " + std::to_string(ordinal) +
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": the " + kernel + " kernel is "
+                                         "not loaded on device ordinal " + std::to_string(ordinal) +
                                          " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
     }
     auto ad = a.dimensions(), rd = a_rows.dimensions(), wd = w.dimensions(), kd = work.dimensions();
@@ -280,25 +285,34 @@ struct GroupedGemm {
     }
     const int64_t R = ad[0], K = ad[1], P = rd[0], G = wd[0], N = wd[2], W = kd[0], S = fuse_glu ? 1 : od[0];
     const int64_t n_out = fuse_glu ? N : (two_weights ? 2 * N : N);
-    if (K % kBlockK || N % kBlockN || k_per_split <= 0 || k_per_split % kBlockK || S * k_per_split < K ||
+    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128.
+    const int64_t tile = fp8 ? ep_abi::kGemmFp8BlockN : ep_abi::kGemmBlockN;
+    const int64_t multiple = fp8 ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
+    if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % kBlockK || S * k_per_split < K ||
         (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
       return ffi::Error::InvalidArgument(
-          "jax_latent_ep grouped_gemm: K=" + std::to_string(K) + ", N=" + std::to_string(N) + " must be multiples of "
-          "64, S=" + std::to_string(S) + " splits of k_per_split=" + std::to_string(k_per_split) +
-          " (a multiple of 64) must cover K with none empty, fuse_glu needs two weights and one split, and "
-          "without a_rows a has one row per pair");
+          "jax_latent_ep grouped_gemm: K=" + std::to_string(K) + ", N=" + std::to_string(N) + " must be multiples of " +
+          std::to_string(multiple) + ", S=" + std::to_string(S) + " splits of k_per_split=" +
+          std::to_string(k_per_split) + " (a multiple of 64) must cover K with none empty, fuse_glu needs two weights "
+          "and one split, and without a_rows a has one row per pair");
     }
+    const ffi::DataType wt = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+    const int64_t KB = K / ep_abi::kGemmFp8ScaleBlock, NB = N / ep_abi::kGemmFp8ScaleBlock;
     ffi::Error out_ok = fuse_glu ? expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})
                                  : expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, n_out});
+    ffi::Error ok = ffi::Error::Success();
+    ffi::Error scale_ok = fp8 ? expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
+    ffi::Error second_ok = two_weights ? expect(kWhat, "w_second", w_second, wt, {G, K, N}) : ok;
+    ffi::Error second_scale_ok =
+        fp8 && two_weights ? expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
     if (ffi::Error e = first_error({expect(kWhat, "a", a, ffi::DataType::BF16, {R, K}),
                                     expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
-                                    expect(kWhat, "w", w, ffi::DataType::BF16, {G, K, N}),
-                                    expect(kWhat, "w_second", w_second, ffi::DataType::BF16, {G, K, N}),
+                                    expect(kWhat, "w", w, wt, {G, K, N}), second_ok, scale_ok, second_scale_ok,
                                     expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}), out_ok});
         e.failure()) {
       return e;
     }
-    const int64_t tiles = N / kBlockN;  // 64 columns of each weight
+    const int64_t tiles = N / tile;
     // Every unit (split, item, tile) of the static shape; the CTAs that fit at once loop over the non-empty ones.
     const int64_t units = S * W * tiles;
     if (units < 1 || units > (int64_t{1} << 31) - 1) {
@@ -310,6 +324,8 @@ struct GroupedGemm {
         .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},
         .w = address(w.untyped_data()),
         .w_second = two_weights ? address(w_second.untyped_data()) : int64_t{0},
+        .w_scale = fp8 ? address(w_scale.untyped_data()) : int64_t{0},
+        .w_second_scale = fp8 && two_weights ? address(w_second_scale.untyped_data()) : int64_t{0},
         .work = address(work.untyped_data()),
         .out = address(out->untyped_data()),
         .num_k = static_cast<int32_t>(K),
@@ -324,6 +340,10 @@ struct GroupedGemm {
 };
 static_assert(visited_count<ep_abi::GroupedGemmParams>() == ep_abi::kGroupedGemmParamsCount,
               "ep_abi.h: visit_params(GroupedGemmParams) must pass every parameter once");
+// The FP8 kernel takes the same parameters (kernels/abi.py GROUPED_GEMM_FP8): one struct fills both.
+static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCount &&
+                  sizeof(ep_abi::GroupedGemmFp8Params) == sizeof(ep_abi::GroupedGemmParams),
+              "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
 
 // ---------------------------------------------------------------------------------------------------------
 // expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,

@@ -23,6 +23,10 @@ order of their first slot `k`, rounded once. The sum is a fixed-order loop over 
 outputs, so given the pair outputs it is deterministic and identical on every implementation; the GEMMs'
 accumulation order is the implementation's (XLA's or the kernel's), hence a stated tolerance between them.
 
+Weights are bf16, or FP8 with block scales (`BlockScaled`: float8_e4m3fn values and an FP32 scale per 128 x 128 block,
+as DeepSeek / Kimi checkpoints store them). With FP8 weights each product `x * w` is exact and the block scale applies
+to FP32 sums (docs/experts.md); the XLA implementations dequantize the weights to FP32 (one rounding of `w * scale`).
+
 Implementations (`IMPLEMENTATIONS`, a small registry; each maps the plan and the bf16 activations to the
 per-pair FP32 outputs `y [C, L]`): "ragged_dot" (`jax.lax.ragged_dot` over the sorted pairs; how XLA lowers it
 is the backend's: see benchmarks/expert_stage.py), "gather" (each pair gathers its expert's weights: only
@@ -79,6 +83,57 @@ class Plan(NamedTuple):
     @property
     def num_local_experts(self) -> int:
         return int(self.group_sizes.shape[0])
+
+
+#: Rows and columns of one FP8 weight block (one FP32 scale each).
+FP8_BLOCK = abi.GEMM_FP8_SCALE_BLOCK
+#: The largest float8_e4m3fn value (what `quantize_fp8` scales each block's largest magnitude to).
+FP8_MAX = 448.0
+
+
+class BlockScaled(NamedTuple):
+    """FP8 expert weights with an FP32 scale per `FP8_BLOCK x FP8_BLOCK` block: the weight is
+    `values[j, k, n] * scale[j, k // 128, n // 128]`. A checkpoint's `[out, in]` weight with its `weight_scale_inv`
+    `[out / 128, in / 128]` is this transposed (`values = w.transpose(0, 2, 1)`, `scale = s.transpose(0, 2, 1)`).
+
+    Attributes:
+      values: float8_e4m3fn `[J, K, N]` (finite: NaN is not a weight).
+      scale: float32 `[J, K / 128, N / 128]`.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+
+def quantize_fp8(w) -> BlockScaled:
+    """`w` `[J, K, N]` (K, N multiples of 128) as `BlockScaled`: each block's scale is its largest magnitude / 448
+    (1 where the block is zero), its values `w / scale` rounded to float8_e4m3fn (nearest even)."""
+    j, k, n = w.shape
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise ValueError(f"quantize_fp8: K={k} and N={n} must be multiples of {FP8_BLOCK}")
+    blocks = w.astype(jnp.float32).reshape(j, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    values = (blocks / scale[:, :, None, :, None]).astype(jnp.float8_e4m3fn).reshape(j, k, n)
+    return BlockScaled(values, scale)
+
+
+def dequantize_fp8(w: BlockScaled):
+    """FP32 `[J, K, N]`: `values * scale` of each block (one FP32 rounding a weight)."""
+    j, k, n = w.values.shape
+    blocks = w.values.astype(jnp.float32).reshape(j, k // FP8_BLOCK, FP8_BLOCK, n // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * w.scale[:, :, None, :, None]).reshape(j, k, n)
+
+
+def _xla_operands(a, w):
+    """`(a, w)` as an XLA dot takes them: bf16 as they are, FP8 weights dequantized to FP32 (and `a` widened)."""
+    if isinstance(w, BlockScaled):
+        return a.astype(jnp.float32), dequantize_fp8(w)
+    return a, w
 
 
 def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> int:
@@ -218,7 +273,7 @@ def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
     xp = xb[pl.row]  # [C, L] bf16
     gs = pl.group_sizes
-    rd = lambda a, w: lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32)  # noqa: E731
+    rd = lambda a, w: lax.ragged_dot(*_xla_operands(a, w), gs, preferred_element_type=jnp.float32)  # noqa: E731
     gate = rd(xp, w_gate)
     up = rd(xp, w_up) if w_up is not None else None
     h = _glu(gate, up, w_down.shape[1])
@@ -229,7 +284,10 @@ def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     """Each pair gathers its expert's weights (`[C, L, I]` temporaries: decode-sized `C` only)."""
     e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
     xp = xb[pl.row]
-    mv = lambda a, w: jnp.einsum("cl,cli->ci", a, w[e], preferred_element_type=jnp.float32)  # noqa: E731
+    def mv(a, w):
+        a, w = _xla_operands(a, w)
+        return jnp.einsum("cl,cli->ci", a, w[e], preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
     gate = mv(xp, w_gate)
     up = mv(xp, w_up) if w_up is not None else None
     return mv(_glu(gate, up, w_down.shape[1]), w_down)
@@ -240,7 +298,7 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
 
     In FP32 operands (exact bf16 values: the same products), as XLA's CPU dot does not take bf16 x bf16 -> f32
     in a batched dot; it is the checker, not a fast path."""
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    f32 = lambda a: dequantize_fp8(a) if isinstance(a, BlockScaled) else a.astype(jnp.float32)  # noqa: E731
     hi = lax.Precision.HIGHEST  # no TF32 on GPUs
     mm = lambda a, w: jnp.einsum("rl,jli->rji", f32(a), f32(w), precision=hi)  # noqa: E731
     gate = mm(xb, w_gate)
@@ -277,12 +335,17 @@ def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
     return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)
 
 
-def _kernel_splits(num_work: int, n: int, k: int) -> tuple[int, int]:
-    """(splits, k_per_split) of one kernel launch over `n` columns (of each weight): split the contraction until
-    about `KERNEL_MIN_UNITS` units (counting one item per local expert that can be active) have work, keeping >= 4
-    pipeline steps per split."""
+def _kernel_tile(w) -> int:
+    """Columns of one kernel unit: 64 of a bf16 weight, 128 of an FP8 one (a 128-byte row either way)."""
+    return abi.GEMM_FP8_BLOCK_N if isinstance(w, BlockScaled) else KERNEL_BLOCK_N
+
+
+def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) -> tuple[int, int]:
+    """(splits, k_per_split) of one kernel launch over `n` columns (of each weight) in `tile`-column units: split the
+    contraction until about `KERNEL_MIN_UNITS` units (counting one item per local expert that can be active) have
+    work, keeping >= 4 pipeline steps per split."""
     steps = k // KERNEL_BLOCK_K
-    ctas = num_work * (n // KERNEL_BLOCK_N)
+    ctas = num_work * (n // tile)
     splits = max(1, min(-(-KERNEL_MIN_UNITS // max(ctas, 1)), steps // 4))
     per = -(-steps // splits)
     return -(-steps // per), per * KERNEL_BLOCK_K
@@ -290,20 +353,27 @@ def _kernel_splits(num_work: int, n: int, k: int) -> tuple[int, int]:
 
 def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
-    `[C, 2N]`, gate and up interleaved by 64 columns, with `w_second`), its split partials summed in split order.
-    Pairs outside every work item hold garbage (nothing reads them)."""
+    `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
+    summed in split order. Pairs outside every work item hold garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
+    fp8 = isinstance(w, BlockScaled)
     k, n = w.shape[1], w.shape[2]
-    if k % KERNEL_BLOCK_K or n % KERNEL_BLOCK_N:
-        raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of 64, got a "
-                         f"[{k}, {n}] weight")
+    tile = _kernel_tile(w)
+    step = FP8_BLOCK if fp8 else KERNEL_BLOCK_K
+    if k % step or n % tile:
+        raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of {max(step, tile)} "
+                         f"with {'FP8' if fp8 else 'bf16'} weights, got a [{k}, {n}] weight")
+    scales = {}
+    if fp8:
+        scales = {"w_scale": w.scale, "w_second_scale": w_second.scale if w_second is not None else None}
+        w, w_second = w.values, (w_second.values if w_second is not None else None)
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
-                                     k_per_split=k)
-    splits, per = _kernel_splits(num_active, n, k)
+                                     k_per_split=k, **scales)
+    splits, per = _kernel_splits(num_active, n, k, tile)
     parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
-                                  k_per_split=per)
+                                  k_per_split=per, **scales)
     total = parts[0]
     for s in range(1, splits):  # a fixed order
         total = total + parts[s]
@@ -321,12 +391,13 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     work = pl.work if pl.work is not None else work_items(pl)
     active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
     inter = w_down.shape[1]
+    tile = _kernel_tile(w_gate)
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
         h = _glu(_kernel_gemm(xb, pl.row, True, w_gate, None, work, active), None, inter)
-    elif _kernel_splits(active, inter, w_gate.shape[1])[0] == 1:
+    elif _kernel_splits(active, inter, w_gate.shape[1], tile)[0] == 1:
         h = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
     else:
-        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // 64, 2, 64)
+        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
         h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
     return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
 
@@ -341,17 +412,33 @@ GPU_ONLY = frozenset({"kernel"})
 
 def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
     j, lat = pl.num_local_experts, xb.shape[1]
-    inter = w_down.shape[1] if w_down.ndim == 3 else None
+    given = [("w_gate", w_gate), ("w_down", w_down)] + ([("w_up", w_up)] if w_up is not None else [])
+    fp8 = [name for name, w in given if isinstance(w, BlockScaled)]
+    if fp8 and len(fp8) != len(given):
+        raise ValueError(f"experts.swiglu: {', '.join(fp8)} are BlockScaled and the others not: give every weight "
+                         "in one format (bf16, or BlockScaled FP8)")
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    inter = w_down.shape[1] if len(w_down.shape) == 3 else None
     want_gate = (j, lat, inter if w_up is not None else 2 * (inter or 0))
     checks = [("w_down", w_down, (j, inter, lat)), ("w_gate", w_gate, want_gate)]
     if w_up is not None:
         checks.append(("w_up", w_up, (j, lat, inter)))
     for name, a, shape in checks:
-        if a.ndim != 3 or tuple(a.shape) != shape or a.dtype != jnp.bfloat16:
+        values = a.values if fp8 else a
+        if values.ndim != 3 or tuple(values.shape) != shape or values.dtype != dtype:
+            what = "BlockScaled values " if fp8 else ""
             raise ValueError(
-                f"experts.swiglu: {name} must be bfloat16{list(shape)} (J={j} local experts, L={lat}), "
-                f"got {jnp.dtype(a.dtype).name}{list(a.shape)}"
+                f"experts.swiglu: {name} {what}must be {jnp.dtype(dtype).name}{list(shape)} (J={j} local experts, "
+                f"L={lat}), got {jnp.dtype(values.dtype).name}{list(values.shape)}"
             )
+        if fp8:
+            if shape[1] % FP8_BLOCK or shape[2] % FP8_BLOCK:
+                raise ValueError(f"experts.swiglu: FP8 weights need L and I multiples of {FP8_BLOCK} (the block), "
+                                 f"got {name} {list(shape)}")
+            want = (j, shape[1] // FP8_BLOCK, shape[2] // FP8_BLOCK)
+            if tuple(a.scale.shape) != want or a.scale.dtype != jnp.float32:
+                raise ValueError(f"experts.swiglu: {name} scale must be float32{list(want)} (one per {FP8_BLOCK} x "
+                                 f"{FP8_BLOCK} block), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
 
 
 def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None):
@@ -381,11 +468,11 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       recv: the rank's `Received` (its MXFP8 `x`, `sf` are dequantized here).
       pl: `plan(recv, ...)` of the same rows.
       w_gate: bf16 `[J, L, I]` gate projection of each local expert, or bf16 `[J, L, 2I]` gate and up fused
-        (gate first) when `w_up` is None.
-      w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`).
-      w_down: bf16 `[J, I, L]` down projection.
+        (gate first) when `w_up` is None; or any of these shapes as `BlockScaled` FP8 (L, I multiples of 128).
+      w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`); `BlockScaled` with FP8 weights.
+      w_down: bf16 `[J, I, L]` down projection; `BlockScaled` with FP8 weights (all three in one format).
       impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense", or on NVIDIA GPUs "kernel", which needs
-        `L` and `I` multiples of 64 and has no VJP).
+        `L` and `I` multiples of 64, 128 with FP8 weights, and has no VJP).
       expected_pairs: how many pairs the plan is expected to hold (`max_tokens * K` under uniform routing), or
         None (the capacity): how the kernel splits its contraction (performance, and the FP32 order of a split
         contraction, `docs/experts.md`); the other implementations ignore it.

@@ -13,7 +13,7 @@ import pytest
 
 from jax_latent_ep import experts
 from jax_latent_ep.received import Received
-from jax_latent_ep.testing.experts import random_received, reference_swiglu
+from jax_latent_ep.testing.experts import dequantized, random_fp8_weights, random_received, reference_swiglu
 
 # The GPU-only implementations run where a GPU is (the `gpu` marker skips them elsewhere, with the reason).
 IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i for i in sorted(experts.IMPLEMENTATIONS)]
@@ -180,6 +180,78 @@ def test_against_dense_formulation(impl):
     y = jnp.einsum("rji,jil->rjl", hid.astype(jnp.bfloat16).astype(jnp.float32), f(wd))
     want = np.asarray(jnp.einsum("rj,rjl->rl", coef, y).astype(jnp.bfloat16), np.float32)
     _assert_close(got, want, f"{impl} vs dense")
+
+
+# FP8 weights: L and I multiples of 128 (the scale block).
+FP8_CASES = [
+    (1, 0, [5], 5, 128, 16, 4, 256),
+    (2, 1, [7, 0], 9, 256, 32, 6, 128),
+    (4, 2, [3, 8, 1, 5], 8, 128, 16, 8, 128),
+]
+
+
+def _fp8_case(seed_text, n, rank, tokens, mt, lat, e, k, inter, fused=False):
+    recv, _ = _case(seed_text, n, rank, tokens, mt, lat, e, k, 64)
+    rng = np.random.default_rng(zlib.crc32(seed_text.encode()) + 1)
+    j = e // n
+    w = lambda *s: jax.tree.map(jnp.asarray, random_fp8_weights(rng, *s))  # noqa: E731
+    if fused:
+        return recv, (w(j, lat, 2 * inter), None, w(j, inter, lat))
+    return recv, (w(j, lat, inter), w(j, lat, inter), w(j, inter, lat))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"N{c[0]}" for c in FP8_CASES])
+def test_fp8_weights_against_numpy(impl, case):
+    """FP8 block-scaled weights (random codes, subnormals and zeros among them, scales not powers of two) against
+    the NumPy model on the dequantized FP32 weights."""
+    n, rank, tokens, mt = case[:4]
+    recv, weights = _fp8_case(f"fp8/{impl}/{case}", *case)
+    got = _run(recv, weights, rank, mt, n, impl)
+    want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    assert np.all(got[np.asarray(recv.src) == -1] == 0), "an empty row is not exactly 0"
+    _assert_close(got, want, f"{impl}, FP8 weights")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_fused_gate_up(impl):
+    case = FP8_CASES[1]
+    n, rank, tokens, mt = case[:4]
+    recv, weights = _fp8_case(f"fp8-fused/{impl}", *case, fused=True)
+    got = _run(recv, weights, rank, mt, n, impl)
+    _assert_close(got, reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32), impl)
+
+
+def test_quantize_fp8():
+    """`quantize_fp8`: each block's largest magnitude becomes 448 exactly, every value within half an e4m3 step."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((2, 256, 384)) * np.exp(rng.standard_normal((2, 256, 1)))).astype(np.float32)
+    w[1, :128, :128] = 0  # a zero block: scale 1
+    q = experts.quantize_fp8(jnp.asarray(w))
+    assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == (2, 2, 3)
+    blocks = np.abs(np.asarray(q.values, np.float32)).reshape(2, 2, 128, 3, 128).max(axis=(2, 4))
+    assert np.all(blocks[np.asarray(q.scale) != 1] == 448) and float(q.scale[1, 0, 0]) == 1.0
+    back = np.asarray(experts.dequantize_fp8(q))
+    np.testing.assert_allclose(back, dequantized(jax.tree.map(np.asarray, q)), rtol=0, atol=0)
+    step = np.abs(w) * 2.0**-4 + np.asarray(q.scale).repeat(128, 1).repeat(128, 2) * 2.0**-10  # e4m3: 3 bits
+    assert np.all(np.abs(back - w) <= step)
+
+
+def test_fp8_bad_arguments():
+    case = FP8_CASES[1]
+    recv, (wg, wu, wd) = _fp8_case("fp8-bad", *case)
+    recv = jax.tree.map(jnp.asarray, recv)
+    pl = experts.plan(recv, 1, 16, max_tokens=9, ranks=2)
+    bf16 = jnp.zeros(wu.shape, jnp.bfloat16)
+    with pytest.raises(ValueError, match="w_gate, w_down are BlockScaled and the others not"):
+        experts.swiglu(recv, pl, wg, bf16, wd)
+    with pytest.raises(ValueError, match=r"w_up scale must be float32\[16, 2, 1\]"):
+        experts.swiglu(recv, pl, wg, experts.BlockScaled(wu.values, wu.scale[:, :1]), wd)
+    with pytest.raises(ValueError, match=r"w_up BlockScaled values must be float8_e4m3fn\[16, 256, 128\]"):
+        experts.swiglu(recv, pl, wg, experts.BlockScaled(wu.values.astype(jnp.bfloat16), wu.scale), wd)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        experts.quantize_fp8(jnp.zeros((1, 64, 128)))
 
 
 def test_bad_arguments():

@@ -41,6 +41,9 @@ GEMM_BLOCK_M = 64
 GEMM_BLOCK_N = 64
 GEMM_BLOCK_K = 64
 GEMM_WORK_WORDS = 4
+#: The FP8-weight grouped GEMM: columns of one CTA, and the block of one FP32 weight scale (rows and columns).
+GEMM_FP8_BLOCK_N = 128
+GEMM_FP8_SCALE_BLOCK = 128
 #: Most local experts the expert plan kernel takes (its per-expert counters live in shared memory).
 NUM_MAX_PLAN_EXPERTS = 2048
 #: Words of the plan kernel's per-expert row bitmaps (`J * ceil(R / 32)` must not exceed it).
@@ -85,6 +88,8 @@ class Kernel:
     op: str
     symbol: str
     params: tuple[Param, ...]
+    #: The op whose parameters (and C struct) these are, when they are another kernel's.
+    params_of: str | None = None
 
     def signature(self) -> tuple[tuple[str, str], ...]:
         """`((name, ctype), ...)` in order: what the manifest records and the FFI wrapper checks."""
@@ -147,19 +152,27 @@ COMBINE = Kernel("combine", "ep_combine", (
 GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     _address("a", "bf16 [R, num_k]: the activations (rows of `a_rows`, or the pairs themselves)"),
     _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
-    _address("w", "bf16 [G, num_k, num_n]: each group's weights (the gate with `w_second`)"),
-    _address("w_second", "bf16 [G, num_k, num_n]: the up weights, or 0"),
+    _address("w", "bf16 (FP8 kernel: float8_e4m3fn) [G, num_k, num_n]: each group's weights (the gate with "
+             "`w_second`)"),
+    _address("w_second", "as `w`: the up weights, or 0"),
+    _address("w_scale", "FP8 kernel: f32 [G, num_k / 128, num_n / 128], `w`'s scale per 128 x 128 block (unread by "
+             "the BF16 kernel)"),
+    _address("w_second_scale", "FP8 kernel: `w_second`'s block scales, as `w_scale`"),
     _address("work", "int32 [num_work, 4]: (group, first pair, pairs <= 64, non-empty items) per work item, the non-empty first; pairs 0: none"),
     _address("out", "without fuse_glu f32 [num_splits, P, num_n] (one weight) or [num_splits, P, 2 num_n] (gate and "
-             "up interleaved by 64 columns); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
+             "up interleaved by 64 columns, FP8 kernel 128); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
              "(output)"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
-    Param("num_n", "i32", False, "columns of one weight, a multiple of 64"),
+    Param("num_n", "i32", False, "columns of one weight, a multiple of 64 (FP8 kernel: 128)"),
     Param("num_rows", "i32", False, "P, pairs (rows of each split of `out`)"),
     Param("num_work", "i32", False, "work items"),
     Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64"),
     Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
 ))
+
+#: The grouped GEMM on FP8 weights with FP32 block scales (`kernels/grouped_gemm.py`, its own cubin): the same
+#: parameters, `num_k` and `num_n` multiples of 128.
+GROUPED_GEMM_FP8 = Kernel("grouped_gemm_fp8", "ep_grouped_gemm_fp8", GROUPED_GEMM.params, params_of="grouped_gemm")
 
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
 #: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
@@ -187,7 +200,7 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("num_work", "i32", False, "work items"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, EXPERT_PLAN)}
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_PLAN)}
 
 
 def c_name(op: str) -> str:
@@ -295,6 +308,8 @@ def header() -> str:
         f"constexpr int kGemmBlockN = {GEMM_BLOCK_N};",
         f"constexpr int kGemmBlockK = {GEMM_BLOCK_K};",
         f"constexpr int kGemmWorkWords = {GEMM_WORK_WORDS};",
+        f"constexpr int kGemmFp8BlockN = {GEMM_FP8_BLOCK_N};",
+        f"constexpr int kGemmFp8ScaleBlock = {GEMM_FP8_SCALE_BLOCK};",
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
@@ -348,6 +363,9 @@ def markdown() -> str:
     the status record, the limits."""
     out = []
     for kernel in KERNELS.values():
+        if kernel.params_of:
+            out += [f"`{kernel.symbol}` ({kernel.op}, its own cubin): the parameters of {kernel.params_of}.", ""]
+            continue
         out += [f"`{kernel.symbol}` ({kernel.op}):", "", "| # | parameter | type | meaning |", "| --- | --- | --- | --- |"]
         out += [f"| {i} | `{p.name}` | {p.ctype} | {p.meaning.replace('|', chr(92) + '|')} |"
                 for i, p in enumerate(kernel.params)]

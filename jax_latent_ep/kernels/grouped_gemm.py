@@ -20,6 +20,13 @@ every row of its work item; the rows and the weights go through a `STAGES`-deep 
 (swizzled 128-byte rows: the `ldmatrix` reads of 8 rows hit 8 different bank groups), and each warp multiplies its
 16 columns by up to four 16-row tiles with `mma.sync.m16n8k16` (BF16 in, FP32 accumulators), skipping row tiles
 past the work item's rows.
+
+The FP8 variant (`GROUPED_GEMM_FP8`, the same parameters) takes float8_e4m3fn weights with an FP32 scale per 128 x 128
+block (`w_scale`, `w_second_scale` `[G, num_k / 128, num_n / 128]`, DeepSeek's block layout, `value = w * scale`): a
+unit is 128 columns (each weight row again a whole 128-byte line), eight warps of 16 columns. Each warp's `ldmatrix`
+of FP8 rows gives it pairs of neighbouring columns; it widens them exactly to BF16 in registers (`fp8_pair_bf16`,
+the even and the odd column of each pair: two MMA column tiles), multiplies a stage into fresh FP32 accumulators and
+adds them times the stage's block scale (one FP32 FMA each), so every product is exact and only FP32 sums round.
 """
 
 from __future__ import annotations
@@ -31,18 +38,20 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
+    cp_async_4,
     cp_async_16,
     cp_async_commit,
+    fp8_pair_bf16,
     cp_async_wait,
     griddepcontrol_wait,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    f32_from_bits,
     load_b32,
-    load_shared_v2_f32,
+    load_shared_b32,
     mma_bf16_16816,
     silu_mul,
     store_b32_bf16x2,
-    store_shared_v2_f32,
     store_v2_f32,
 )
 
@@ -66,13 +75,23 @@ W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
+#: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a block scale per stage behind the ring.
+FP8_BLOCK_N = abi.GEMM_FP8_BLOCK_N
+FP8_THREADS = 32 * FP8_BLOCK_N // 16
+FP8_SMEM_BYTES = SMEM_BYTES + 16 * STAGES
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
+assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK % BLOCK_K == 0 and abi.GEMM_FP8_SCALE_BLOCK == FP8_BLOCK_N
 
 
 def smem_bytes() -> int:
-    """Dynamic shared memory bytes the launcher passes."""
+    """Dynamic shared memory bytes the launcher passes (the BF16 kernel)."""
     return SMEM_BYTES
+
+
+def launch_shape(kernel: str) -> tuple[int, int]:
+    """(threads, dynamic shared memory bytes) of "grouped_gemm" or "grouped_gemm_fp8"."""
+    return (FP8_THREADS, FP8_SMEM_BYTES) if kernel == "grouped_gemm_fp8" else (THREADS, SMEM_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,7 +100,15 @@ def smem_bytes() -> int:
 
 
 class GroupedGemm:
-    """The grouped GEMM kernel (every size a run-time parameter); `compile_grouped_gemm` builds it."""
+    """The grouped GEMM kernel (every size a run-time parameter); `compile_grouped_gemm` builds it, with `fp8=True`
+    the FP8-weight variant (module docstring)."""
+
+    def __init__(self, fp8: bool = False):
+        self.fp8 = fp8
+        self.threads = FP8_THREADS if fp8 else THREADS
+        self.tile_n = FP8_BLOCK_N if fp8 else BLOCK_N  # columns of one unit (of each weight)
+        self.elem = 1 if fp8 else 2  # weight bytes
+        self.smem_bytes = FP8_SMEM_BYTES if fp8 else SMEM_BYTES
 
     @cute.jit
     def launch(
@@ -90,6 +117,8 @@ class GroupedGemm:
         a_rows: Int64,
         w: Int64,
         w_second: Int64,
+        w_scale: Int64,
+        w_second_scale: Int64,
         work: Int64,
         out: Int64,
         num_k: Int32,
@@ -99,9 +128,12 @@ class GroupedGemm:
         k_per_split: Int32,
         fuse_glu: Int32,
     ):
-        self.kernel(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, num_work, k_per_split, fuse_glu).launch(
+        self.kernel(a, a_rows, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows, num_work,
+                    k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
-            grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1,
+            grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
+            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
+            min_blocks_per_mp=2 if self.fp8 else 0,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -114,6 +146,8 @@ class GroupedGemm:
         a_rows: Int64,
         w: Int64,
         w_second: Int64,
+        w_scale: Int64,
+        w_second_scale: Int64,
         work: Int64,
         out: Int64,
         num_k: Int32,
@@ -128,9 +162,9 @@ class GroupedGemm:
         tid = Int32(tid)
         cta = Int32(cta)
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 128)
+        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 128)
         smem_a = Uint32(ring.iterator.toint())
-        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
+        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)  # then, FP8: each slot's block scale (16 bytes a slot)
 
         # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
         # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
@@ -149,19 +183,19 @@ class GroupedGemm:
         stride = (num_units + rounds - 1) // rounds
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
-                self.unit(a, a_rows, w, w_second, work, out, num_k, num_n, num_rows, k_per_split, fuse_glu,
-                          unit_idx, num_items, smem_a, smem_w, tid)
+                self.unit(a, a_rows, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
-    def unit(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, work: Int64, out: Int64, num_k: Int32,
-             num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32, unit_idx: Int32, num_items: Int32,
-             smem_a: Uint32, smem_w: Uint32, tid: Int32):
+    def unit(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, w_scale: Int64, w_second_scale: Int64,
+             work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
+             unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
         """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
-        column_tiles = num_n // BLOCK_N
+        column_tiles = num_n // self.tile_n
         tile = unit_idx % column_tiles
         rest = unit_idx // column_tiles
         item = rest % num_items
@@ -176,17 +210,24 @@ class GroupedGemm:
                 k_end = num_k
             steps = (k_end - k_begin) // BLOCK_K
             rows_padded = (rows + 15) // 16 * 16
-            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + 16 i;
-            # columns `tile * 64 ..` of the group's weight (and of the second weight: the same offset).
+            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + (threads
+            # / 8) i; the 128 bytes of columns `tile * tile_n ..` of the group's weight (and of the second weight:
+            # the same offset).
             chunk = tid % 8
-            w_offset = Int64(group) * Int64(num_k) * Int64(num_n) * 2 + Int64(tile * BLOCK_N + chunk * 8) * 2
+            w_offset = Int64(group) * Int64(num_k) * Int64(num_n) * self.elem + Int64(tile * ROW_BYTES + chunk * 16)
             w_col = w + w_offset
             u_col = w_second + w_offset
+            # FP8: the scales of this unit's column block, one per 128 contraction rows (`scale_k` words apart).
+            scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
+            s_offset = (Int64(group) * Int64((num_k + FP8_BLOCK_N - 1) // FP8_BLOCK_N) * Int64(scale_k)
+                        + Int64(tile)) * 4
+            w_sc = w_scale + s_offset
+            u_sc = w_second_scale + s_offset
             # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
             # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
             a_src, a_size, a_live = [], [], []
-            for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
-                r = tid // 8 + i * (THREADS // 8)
+            for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
+                r = tid // 8 + i * (self.threads // 8)
                 row = first
                 size = Uint32(0)
                 if r < rows:
@@ -201,14 +242,17 @@ class GroupedGemm:
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc_up.fill(0.0)
+            # FP8: one stage's products before its block scale.
+            part = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
 
             if two:
                 # ---- Two weights: stage 2 kt holds the first weight's rows of contraction step kt, stage
                 # 2 kt + 1 the second's (`acc`, `acc_up`). Prologue: stages 0, 1, 2 in flight.
                 for s in cutlass.range_constexpr(STAGES - 1):
                     if s // 2 < steps:
-                        self.load_stage(w_col if s % 2 == 0 else u_col, a_src, a_size, a_live, smem_a, smem_w,
-                                        k_begin + (s // 2) * BLOCK_K, Int32(s), num_n, tid, chunk)
+                        self.load_stage(w_col if s % 2 == 0 else u_col, w_sc if s % 2 == 0 else u_sc, a_src, a_size,
+                                        a_live, smem_a, smem_w, k_begin + (s // 2) * BLOCK_K, Int32(s), num_n, tid,
+                                        chunk)
                     cp_async_commit()
                 # Main loop, two stages a pass: wait for the stage, refill the slot the stage before freed
                 # (STAGES - 1 ahead: the other weight of the next step, then this weight two steps on),
@@ -217,22 +261,22 @@ class GroupedGemm:
                     cp_async_wait(STAGES - 2)
                     cute.arch.sync_threads()
                     if kt + 1 < steps:
-                        self.load_stage(u_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + 1) * BLOCK_K,
-                                        (2 * kt + 3) % STAGES, num_n, tid, chunk)
+                        self.load_stage(u_col, u_sc, a_src, a_size, a_live, smem_a, smem_w,
+                                        k_begin + (kt + 1) * BLOCK_K, (2 * kt + 3) % STAGES, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, smem_a, smem_w, (2 * kt) % STAGES, rows, warp, lane)
+                    self.multiply(acc, part, smem_a, smem_w, (2 * kt) % STAGES, rows, warp, lane)
                     cp_async_wait(STAGES - 2)
                     cute.arch.sync_threads()
                     if kt + 2 < steps:
-                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + 2) * BLOCK_K,
-                                        (2 * kt + 4) % STAGES, num_n, tid, chunk)
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
+                                        k_begin + (kt + 2) * BLOCK_K, (2 * kt + 4) % STAGES, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc_up, smem_a, smem_w, (2 * kt + 1) % STAGES, rows, warp, lane)
+                    self.multiply(acc_up, part, smem_a, smem_w, (2 * kt + 1) % STAGES, rows, warp, lane)
             else:
                 # ---- One weight. Prologue: stages 0 .. STAGES - 2 in flight.
                 for s in cutlass.range_constexpr(STAGES - 1):
                     if s < steps:
-                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K,
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K,
                                         Int32(s), num_n, tid, chunk)
                     cp_async_commit()
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
@@ -241,10 +285,10 @@ class GroupedGemm:
                     cute.arch.sync_threads()
                     nxt = kt + (STAGES - 1)
                     if nxt < steps:
-                        self.load_stage(w_col, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
                                         nxt % STAGES, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, smem_a, smem_w, kt % STAGES, rows, warp, lane)
+                    self.multiply(acc, part, smem_a, smem_w, kt % STAGES, rows, warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
@@ -252,91 +296,133 @@ class GroupedGemm:
                 base = out + Int64(first) * Int64(num_n) * 2
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
-                        for nt in cutlass.range_constexpr(2):
-                            col = Int64(tile * BLOCK_N + warp * 16 + nt * 8 + 2 * (lane % 4))
-                            r = mt * 16 + lane // 4
-                            i = (mt * 2 + nt) * 4
+                        for h in cutlass.range_constexpr(2):  # rows lane / 4 and + 8
+                            r = mt * 16 + lane // 4 + 8 * h
                             if r < rows:
-                                store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
-                                                 silu_mul(acc[i], acc_up[i]), silu_mul(acc[i + 1], acc_up[i + 1]))
-                            if r + 8 < rows:
-                                store_b32_bf16x2(base + (Int64(r + 8) * Int64(num_n) + col) * 2,
-                                                 silu_mul(acc[i + 2], acc_up[i + 2]),
-                                                 silu_mul(acc[i + 3], acc_up[i + 3]))
+                                for nt in cutlass.range_constexpr(2):
+                                    col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
+                                    store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
+                                                     silu_mul(acc[i], acc_up[i]), silu_mul(acc[j], acc_up[j]))
             else:
-                # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * 64 ..` of `out` (with two
-                # weights, columns `tile * 128 ..` the first's and `tile * 128 + 64 ..` the second's).
+                # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * tile_n ..` of `out` (with
+                # two weights, columns `tile * 2 tile_n ..` the first's and the next tile_n the second's).
                 out_n = num_n
-                tile_base = tile * BLOCK_N
                 if two:
                     out_n = 2 * num_n
-                    tile_base = tile * 2 * BLOCK_N
                 base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
-                        for nt in cutlass.range_constexpr(2):
-                            col = Int64(tile_base + warp * 16 + nt * 8 + 2 * (lane % 4))
-                            r = mt * 16 + lane // 4
-                            i = (mt * 2 + nt) * 4
-                            self.store_partials(base, out_n, col, r, rows, acc, i)
-                            if two:
-                                self.store_partials(base, out_n, col + Int64(BLOCK_N), r, rows, acc_up, i)
+                        for h in cutlass.range_constexpr(2):
+                            r = mt * 16 + lane // 4 + 8 * h
+                            if r < rows:
+                                for nt in cutlass.range_constexpr(2):
+                                    col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
+                                    if two:
+                                        col = col + Int64(tile * self.tile_n)  # the tile's pair of column blocks
+                                    addr = base + (Int64(r) * Int64(out_n) + col) * 4
+                                    store_v2_f32(addr, acc[i], acc[j])
+                                    if two:
+                                        store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
 
     @cute.jit
-    def store_partials(self, base: Int64, out_n: Int32, col: Int64, r: Int32, rows: Int32, acc, i):
-        """Stores the FP32 pair `acc[i], acc[i + 1]` at row `r`, `acc[i + 2], acc[i + 3]` at row `r + 8` (rows
-        past the work item's pairs skipped)."""
-        if r < rows:
-            store_v2_f32(base + (Int64(r) * Int64(out_n) + col) * 4, acc[i], acc[i + 1])
-        if r + 8 < rows:
-            store_v2_f32(base + (Int64(r + 8) * Int64(out_n) + col) * 4, acc[i + 2], acc[i + 3])
+    def fragment_columns(self, tile: Int32, warp: Int32, lane: Int32, mt: int, nt: int, h: int):
+        """`(column of out, i, j)`: accumulators `acc[i]`, `acc[j]` are columns `column`, `column + 1` (of one weight)
+        of row `lane / 4 + 8 h` of row tile `mt`. BF16: column tile `nt` of the warp holds columns
+        `8 nt + 2 (lane % 4)`, +1. FP8: the warp's tiles are its even (`nt` 0) and odd columns, so the lane holds
+        columns `4 (lane % 4)` .. +3, as (even, odd) of the tiles' first pair (`nt` 0), then of their second."""
+        base = (mt * 2) * 4 + 2 * h
+        if cutlass.const_expr(self.fp8):
+            col = Int64(tile * self.tile_n + warp * 16 + 4 * (lane % 4) + 2 * nt)
+            return col, base + nt, base + 4 + nt
+        col = Int64(tile * self.tile_n + warp * 16 + nt * 8 + 2 * (lane % 4))
+        return col, base + nt * 4, base + nt * 4 + 1
 
     @cute.jit
-    def load_stage(self, w_col: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
+    def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
                    slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
         """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
-        its chunk of weight rows `k0 + tid / 8 + 16 i` and of the work item's `a` rows (`a_src`; zero-filled past
-        the item's pairs, not copied past their 16-row tile)."""
+        its chunk of weight rows `k0 + tid / 8 + (threads / 8) i` and of the work item's `a` rows (`a_src`;
+        zero-filled past the item's pairs, not copied past their 16-row tile); FP8: thread 0 also copies the
+        stage's block scale (`w_sc`, this unit's scale of block row 0) into the slot's scale word."""
         a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
-        for i in cutlass.range_constexpr(BLOCK_K // (THREADS // 8)):
-            r = tid // 8 + i * (THREADS // 8)
-            src = w_col + Int64(k0 + r) * Int64(num_n) * 2
+        for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
+            r = tid // 8 + i * (self.threads // 8)
+            src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
             cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), src, Uint32(16))
-        for i in cutlass.range_constexpr(BLOCK_M // (THREADS // 8)):
-            r = tid // 8 + i * (THREADS // 8)
+        for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
+            r = tid // 8 + i * (self.threads // 8)
             if a_live[i]:
                 cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
                             a_size[i])
+        if cutlass.const_expr(self.fp8):
+            if tid == 0:
+                scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
+                cp_async_4(smem_w + Uint32(STAGES * W_STAGE_BYTES) + Uint32(slot) * Uint32(16),
+                           w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4)
 
     @cute.jit
-    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, slot: Int32, rows: Int32, warp: Int32, lane: Int32):
+    def multiply(self, acc, part, smem_a: Uint32, smem_w: Uint32, slot: Int32, rows: Int32, warp: Int32,
+                 lane: Int32):
         """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage (BLOCK_K / 16 MMA steps), row tiles
-        past `rows` skipped (warp-uniform)."""
+        past `rows` skipped (warp-uniform). FP8: the stage's products go to `part` (from 0), then `acc += part *
+        scale`."""
         a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         q = lane // 8
         i8 = lane % 8
-        for kk in cutlass.range_constexpr(BLOCK_K // 16):
-            # B: matrices (k 0-7 | 8-15) x (columns 0-7 | 8-15) of this warp's 16 columns, transposed.
-            k_row = kk * 16 + (q % 2) * 8 + i8
-            w_chunk = warp * 2 + q // 2
-            b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((w_chunk ^ (k_row % 8)) * 16)))
-            for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                if mt * 16 < rows:
-                    a_row = mt * 16 + (q % 2) * 8 + i8
-                    a_chunk = kk * 2 + q // 2
-                    frag = ldmatrix_x4(a_slot + Uint32(a_row * ROW_BYTES + ((a_chunk ^ (a_row % 8)) * 16)))
-                    for nt in cutlass.range_constexpr(2):
-                        i = (mt * 2 + nt) * 4
-                        c = mma_bf16_16816((acc[i], acc[i + 1], acc[i + 2], acc[i + 3]), frag,
-                                           (b[2 * nt], b[2 * nt + 1]))
-                        for j in cutlass.range_constexpr(4):
-                            acc[i + j] = c[j]
+        if cutlass.const_expr(self.fp8):
+            part.fill(0.0)
+            for kh in cutlass.range_constexpr(BLOCK_K // 32):
+                # B: matrices k 0-7 | 8-15 | 16-23 | 24-31 of this warp's 16 FP8 columns, transposed: the lane's
+                # word of each holds columns 2 (lane / 4), +1 of rows 2 (lane % 4), +1.
+                k_row = kh * 32 + q * 8 + i8
+                b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((warp ^ (k_row % 8)) * 16)))
+                for s in cutlass.range_constexpr(2):
+                    kk = kh * 2 + s
+                    tiles = ((fp8_pair_bf16(b[2 * s], 0), fp8_pair_bf16(b[2 * s + 1], 0)),  # even columns
+                             (fp8_pair_bf16(b[2 * s], 1), fp8_pair_bf16(b[2 * s + 1], 1)))  # odd columns
+                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                        if mt * 16 < rows:
+                            frag = self.a_fragment(a_slot, mt, kk, q, i8)
+                            for nt in cutlass.range_constexpr(2):
+                                i = (mt * 2 + nt) * 4
+                                c = mma_bf16_16816((part[i], part[i + 1], part[i + 2], part[i + 3]), frag, tiles[nt])
+                                for j in cutlass.range_constexpr(4):
+                                    part[i + j] = c[j]
+            scale = f32_from_bits(load_shared_b32(smem_w + Uint32(STAGES * W_STAGE_BYTES) + Uint32(slot) * Uint32(16)))
+            for i in cutlass.range_constexpr(BLOCK_M // 16 * 2 * 4):
+                acc[i] = acc[i] + part[i] * scale
+        else:
+            for kk in cutlass.range_constexpr(BLOCK_K // 16):
+                # B: matrices (k 0-7 | 8-15) x (columns 0-7 | 8-15) of this warp's 16 columns, transposed.
+                k_row = kk * 16 + (q % 2) * 8 + i8
+                w_chunk = warp * 2 + q // 2
+                b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((w_chunk ^ (k_row % 8)) * 16)))
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                    if mt * 16 < rows:
+                        frag = self.a_fragment(a_slot, mt, kk, q, i8)
+                        for nt in cutlass.range_constexpr(2):
+                            i = (mt * 2 + nt) * 4
+                            c = mma_bf16_16816((acc[i], acc[i + 1], acc[i + 2], acc[i + 3]), frag,
+                                               (b[2 * nt], b[2 * nt + 1]))
+                            for j in cutlass.range_constexpr(4):
+                                acc[i + j] = c[j]
+
+    @cute.jit
+    def a_fragment(self, a_slot: Uint32, mt: int, kk: int, q: Int32, i8: Int32):
+        """`ldmatrix_x4` of the `a` tile's rows `16 mt ..`, contraction columns `16 kk ..` (the MMA's A operand)."""
+        a_row = mt * 16 + (q % 2) * 8 + i8
+        a_chunk = kk * 2 + q // 2
+        return ldmatrix_x4(a_slot + Uint32(a_row * ROW_BYTES + ((a_chunk ^ (a_row % 8)) * 16)))
 
 
-#: The cubin's one kernel symbol.
-GroupedGemm.kernel.set_name_prefix(abi.GROUPED_GEMM.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+def _name(op: abi.Kernel) -> None:
+    """Names the kernel symbol of the next compile after `op` (the BF16 and the FP8 cubin each carry their own)."""
+    GroupedGemm.kernel.set_name_prefix(op.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+
+
+_name(abi.GROUPED_GEMM)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,4 +431,14 @@ GroupedGemm.kernel.set_name_prefix(abi.GROUPED_GEMM.symbol, remove_cutlass_symbo
 
 def compile_grouped_gemm(arch: str = "sm_90a"):
     """Compiles the grouped GEMM for `arch`; returns `(symbol, cubin bytes)`."""
+    _name(abi.GROUPED_GEMM)
     return compile_cubin(abi.GROUPED_GEMM, GroupedGemm(), arch)
+
+
+def compile_grouped_gemm_fp8(arch: str = "sm_90a"):
+    """Compiles the FP8-weight grouped GEMM for `arch`; returns `(symbol, cubin bytes)`."""
+    _name(abi.GROUPED_GEMM_FP8)
+    try:
+        return compile_cubin(abi.GROUPED_GEMM_FP8, GroupedGemm(fp8=True), arch)
+    finally:
+        _name(abi.GROUPED_GEMM)

@@ -374,6 +374,21 @@ def bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def fp8_pair_bf16(word, odd: int, *, loc=None, ip=None) -> Uint32:
+    """Two float8_e4m3fn bytes of `word` widened exactly to BF16 (bits 0-15, 16-31): bytes 0 and 2 (`odd` 0) or 1
+    and 3 (`odd` 1). The byte's exponent and mantissa bits placed as a BF16's are the value times 2^-120 (normal
+    and subnormal alike); one `fma.rn.bf16x2` by 2^120 (a power of two: exact) and the sign bit make the value.
+    NaN bytes (0x7F, 0xFF) give +-480: weights are finite."""
+    if odd:
+        bits = "shr.b32 m, $1, 4; and.b32 m, m, 0x07F007F0; and.b32 s, $1, 0x80008000;"
+    else:
+        bits = "shl.b32 m, $1, 4; and.b32 m, m, 0x07F007F0; shl.b32 s, $1, 8; and.b32 s, s, 0x80008000;"
+    code = ("{ .reg .b32 m, s, k, z; " + bits + " mov.b32 k, 0x7B807B80; mov.b32 z, 0; "
+            "fma.rn.bf16x2 m, m, k, z; or.b32 $0, m, s; }")
+    return Uint32(_asm(T.i32(), [_u32(word, loc, ip)], code, "=r,r", loc, ip))
+
+
+@dsl_user_op
 def rms_rstd(total, eps, latent: int, *, loc=None, ip=None) -> Float32:
     """vLLM's `rsqrtf(total / latent + eps)`: IEEE `div.rn`, `add.rn`, then the hardware `rsqrt.approx.f32`."""
     code = "{ .reg .f32 m; div.rn.f32 m, $1, 0f%08X; add.rn.f32 m, m, $2; rsqrt.approx.f32 $0, m; }" % _f32_hex(latent)
@@ -407,6 +422,13 @@ def cp_async_16(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
     first `src_bytes` (0 or 16) are read, the rest zero-filled. Completes only at `cp_async_wait`; bypasses L1."""
     _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip), _u32(src_bytes, loc, ip)],
          "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", loc, ip)
+
+
+@dsl_user_op
+def cp_async_4(smem, gmem, *, loc=None, ip=None) -> None:
+    """Always issues one `cp.async.ca.shared.global` of 4 bytes from `gmem` (4-byte aligned) to `smem`; completes
+    only at `cp_async_wait`, like `cp_async_16`."""
+    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", loc, ip)
 
 
 @dsl_user_op

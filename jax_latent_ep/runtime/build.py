@@ -36,8 +36,9 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 #: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
 SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
            "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "layout.py", "shapes.py")
-#: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any".
-SHAPE_FREE = ("grouped_gemm", "expert_plan")
+#: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
+#: kernel -> its module in `jax_latent_ep.kernels`.
+SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_plan": "expert_plan"}
 MANIFEST_VERSION = 1
 
 
@@ -147,10 +148,12 @@ def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
     import importlib
 
     started = time.perf_counter()
-    module = importlib.import_module(f"jax_latent_ep.kernels.{kernel}")
+    module = importlib.import_module(f"jax_latent_ep.kernels.{SHAPE_FREE[kernel]}")
     name, cubin = getattr(module, f"compile_{kernel}")(arch)
-    return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", module.THREADS, module.smem_bytes(),
-                  {"name": "any"}, 0, arch, started)
+    threads, smem = module.launch_shape(kernel) if hasattr(module, "launch_shape") else (module.THREADS,
+                                                                                         module.smem_bytes())
+    return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", threads, smem, {"name": "any"}, 0,
+                  arch, started)
 
 
 def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None):

@@ -382,6 +382,8 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
                   "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
+#: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
+EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
@@ -418,7 +420,7 @@ def expert_record_error() -> str | None:
 
 
 def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
-    """The installed cubin of a shape-independent `kernel` ("grouped_gemm", "expert_plan") for `arch`.
+    """The installed cubin of a shape-independent `kernel` (one of `EXPERT_KERNELS`) for `arch`.
 
     Raises:
       LookupError: the manifest has none (an artifact directory built before it: rebuild it).
@@ -449,7 +451,7 @@ def load_expert_kernels(devices) -> None:
             if device.id in _expert_devices:
                 continue
             ordinal = int(getattr(device, "local_hardware_id", device.id))
-            for op in EXPERT_TARGETS:
+            for op in EXPERT_KERNELS:
                 image = find_standalone_kernel(op, gpu_arch(device))
                 if lib.ep_register_kernel(op.encode(), ordinal, image.cubin, len(image.cubin), image.name.encode(),
                                           image.block, image.smem):
@@ -474,10 +476,11 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
-                      k_per_split: int):
+                      k_per_split: int, w_scale=None, w_second_scale=None):
     """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
-    FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by 64 columns, with `w_second`), or
-    with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only when `indexed`."""
+    FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by the kernel's column tile, 64 or
+    with FP8 weights 128, with `w_second`), or with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only
+    when `indexed`; float8_e4m3fn weights take their FP32 block scales `w_scale` (and `w_second_scale`)."""
     two = w_second is not None
     n = w.shape[2]
     p = a_rows.shape[0]
@@ -487,5 +490,7 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
         out_type = jax.ShapeDtypeStruct((splits, p, n * (2 if two else 1)), jnp.float32)
     target, extra = _expert_target("grouped_gemm")
     call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
-    return call(a, a_rows, w, w if w_second is None else w_second, work, indexed=np.int64(indexed),
+    unread = work  # an operand the kernel does not read (no scales of BF16 weights, no second weight)
+    return call(a, a_rows, w, w if w_second is None else w_second, unread if w_scale is None else w_scale,
+                unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
                 two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)

@@ -76,6 +76,33 @@ def random_received(
     return Received(q, sf, ids, weights, src)
 
 
+def random_fp8_weights(rng: np.random.Generator, *shape: int, subnormal_only: bool = False):
+    """`experts.BlockScaled` NumPy weights `[J, K, N]` (K, N multiples of 128): float8_e4m3fn values of random
+    signs and magnitude codes drawn uniformly over the finite range, so exact zeros and subnormals among them
+    (every value zero or subnormal with `subnormal_only`), and an FP32 scale per block, not a power of two, sized so the weights are
+    about `1 / sqrt(K)`."""
+    from jax_latent_ep.experts import FP8_BLOCK, BlockScaled
+
+    j, k, n = shape
+    # Magnitude codes 0 .. 0x7E (0x7F is NaN): 0 is zero, 1 .. 7 subnormal (exponent field 0).
+    codes = rng.integers(0, 8 if subnormal_only else 0x7F, shape, dtype=np.uint8)
+    codes |= (rng.random(shape) < 0.5).astype(np.uint8) << 7
+    values = codes.view(ml_dtypes.float8_e4m3fn)
+    typical = float(np.sqrt(np.mean(values.astype(np.float32) ** 2))) or 1.0
+    scale = (np.exp(rng.standard_normal((j, k // FP8_BLOCK, n // FP8_BLOCK)) * 0.3) / np.sqrt(k) / typical)
+    return BlockScaled(values, scale.astype(np.float32))
+
+
+def dequantized(w):
+    """FP32 NumPy weights of `w`: an array as it is, `experts.BlockScaled` as `values * scale` per block."""
+    from jax_latent_ep.experts import FP8_BLOCK, BlockScaled
+
+    if not isinstance(w, BlockScaled):
+        return np.asarray(w, np.float32)
+    scale = np.asarray(w.scale, np.float32).repeat(FP8_BLOCK, 1).repeat(FP8_BLOCK, 2)
+    return np.asarray(w.values).astype(np.float32) * scale
+
+
 def _bf16(a):
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
@@ -85,11 +112,11 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
 
     Per live row (`src != -1`, `t < max_tokens`), the distinct local experts (`id // J == rank`) in ascending
     order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
-    means `w_gate` is fused `[J, L, 2I]`."""
+    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` weights are dequantized to FP32 first."""
     x = np.asarray(recv.x).astype(np.float32) * np.exp2(np.asarray(recv.sf).astype(np.float32) - 127).repeat(32, 1)
     ids, wts, src = np.asarray(recv.ids), np.asarray(recv.weights), np.asarray(recv.src)
-    wg, wd = np.asarray(w_gate, np.float32), np.asarray(w_down, np.float32)
-    wu = None if w_up is None else np.asarray(w_up, np.float32)
+    wg, wd = dequantized(w_gate), dequantized(w_down)
+    wu = None if w_up is None else dequantized(w_up)
     j, inter = wd.shape[0], wd.shape[1]
     rows = ids.shape[0]
     s_rows = rows // ranks

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jax_latent_ep import experts
-from jax_latent_ep.testing.experts import random_received, reference_swiglu
+from jax_latent_ep.testing.experts import random_fp8_weights, random_received, reference_swiglu
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +40,25 @@ def test_k3_sizes(impl, n, t):
     _close(got, want)
 
 
+@pytest.mark.parametrize("impl", ["kernel", "ragged_dot"])
+@pytest.mark.parametrize("n,t,subnormal", [(2, 3, False), (8, 5, False), (2, 4, True)])
+def test_fp8_weights_k3_sizes(impl, n, t, subnormal):
+    """FP8 block-scaled weights at K3's L (random codes, zeros and subnormals among them; with `subnormal` every
+    weight is zero or subnormal, which a flushing widening would zero) against the NumPy model."""
+    rng = np.random.default_rng(100 + n * 10 + t)
+    recv = random_received(rng, ranks=n, rank=1, tokens=[t - (s % t) for s in range(n)], max_tokens=t,
+                           latent=3584, experts=896, topk=16, pad_tokens=0.1, pad_slots=0.1, duplicates=0.3)
+    j, inter = 896 // n, 256
+    w = lambda *s: jax.tree.map(jnp.asarray, random_fp8_weights(rng, *s, subnormal_only=subnormal))  # noqa: E731
+    ws = (w(j, 3584, inter), w(j, 3584, inter), w(j, inter, 3584))
+    fn = jax.jit(lambda r, a, b, c: experts.expert_stage(r, 1, a, b, c, impl=impl, max_tokens=t, ranks=n))
+    got = np.asarray(fn(jax.tree.map(jnp.asarray, recv), *ws), np.float32)
+    want = reference_swiglu(recv, 1, *ws, max_tokens=t, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    assert np.all(got[np.asarray(recv.src) == -1] == 0)
+    _close(got, want)
+
+
 def test_pallas_triton_lowering():
     """The same check in a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`."""
     code = (
@@ -55,15 +74,18 @@ def test_pallas_triton_lowering():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_kernel_hot_experts_and_split_contraction(fused):
+def test_kernel_hot_experts_and_split_contraction(fused, fp8):
     """The grouped GEMM kernel where groups pass 64 pairs (several work items per expert), the contraction is split
-    (L = 2048 over few CTAs), and gate / up come fused: against ragged_dot on the same plan."""
-    rng = np.random.default_rng(7 + fused)
+    (L = 2048 over few CTAs), and gate / up come fused: against ragged_dot on the same plan (bf16 and FP8 weights)."""
+    rng = np.random.default_rng(7 + fused + 2 * fp8)
     lat, e, k, t, inter = 2048, 4, 2, 200, 128
     recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
                            pad_tokens=0.05, duplicates=0.2)
     w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    if fp8:
+        w = lambda *s: jax.tree.map(jnp.asarray, random_fp8_weights(rng, *s))  # noqa: E731
     if fused:
         ws = (w(e, lat, 2 * inter), None, w(e, inter, lat))
     else:
@@ -71,7 +93,7 @@ def test_kernel_hot_experts_and_split_contraction(fused):
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e)
     assert int(np.max(np.asarray(pl.group_sizes))) > experts.KERNEL_BLOCK_M
-    assert experts._kernel_splits(min(e, pl.capacity), inter, lat)[0] > 1
+    assert experts._kernel_splits(min(e, pl.capacity), inter, lat, 128 if fp8 else 64)[0] > 1
     run = lambda impl: np.asarray(jax.jit(lambda r, p, a, c: experts.swiglu(r, p, a, ws[1], c, impl=impl))(  # noqa: E731
         recv, pl, ws[0], ws[2]), np.float32)
     got, want = run("kernel"), run("ragged_dot")

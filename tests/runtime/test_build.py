@@ -88,10 +88,12 @@ def test_manifest_fields(built):
         if e["kernel"] in build.SHAPE_FREE:  # one cubin for every shape
             import importlib
 
-            module = importlib.import_module(f"jax_latent_ep.kernels.{e['kernel']}")
+            module = importlib.import_module(f"jax_latent_ep.kernels.{build.SHAPE_FREE[e['kernel']]}")
             assert e["name"] == f"ep_{e['kernel']}_0" and e["file"] == f"cubins/{e['kernel']}_sm_90a.cubin"
             assert [tuple(p) for p in e["params"]] == list(abi.KERNELS[e["kernel"]].signature())
-            assert (e["block"], e["smem"]) == (module.THREADS, module.smem_bytes())
+            launch = module.launch_shape(e["kernel"]) if hasattr(module, "launch_shape") else (module.THREADS,
+                                                                                                 module.smem_bytes())
+            assert (e["block"], e["smem"]) == launch
             assert hashlib.sha256((out / e["file"]).read_bytes()).hexdigest() == e["sha256"]
             continue
         module = dispatch if e["kernel"] == "dispatch" else combine
