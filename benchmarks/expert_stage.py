@@ -176,8 +176,6 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_latent_ep import experts
-    from jax_latent_ep.layout import stride
     from jax_latent_ep.testing.experts import random_received
 
     dev = jax.devices()[0]
@@ -194,74 +192,97 @@ def child(args):
             per_layer = 3 * j * lat * inter * 2
             layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
             key = jax.random.key(j * 7 + inter)
-            ws, ws8 = [], []
-            bf16_paths = [p for p in paths if p != "kernel-fp8"]
-            for li in range(layers):  # own weights per layer, made on the device
-                kg, ku, kd = jax.random.split(jax.random.fold_in(key, li), 3)
-                shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
-                if bf16_paths:
-                    ws.append(tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16)
-                                    for kk, sh, d in shapes))
-                if "kernel-fp8" in paths:  # values ~ N(0, 64^2) in e4m3, one scale 1 / (64 d) per block
-                    ws8.append(tuple(experts.BlockScaled(
-                        (jax.random.normal(kk, sh, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
-                        jnp.full((sh[0], sh[1] // 128, sh[2] // 128), 1 / (64 * d), jnp.float32))
-                        for kk, sh, d in shapes))
+            name = f"J{j}/I{inter}"
+            routings = {}  # T -> the layers' receive rows (the same for both weight formats)
             for t in args.tokens:
                 recvs = [random_received(rng, ranks=n, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k)
                          for _ in range(layers)]
                 ids = [np.asarray(r.ids)[np.asarray(r.src) != -1] for r in recvs]
                 active = float(np.mean([len(np.unique(i[(i >= 0) & (i < j)])) for i in ids]))
-                recvs = [jax.tree.map(jnp.asarray, r) for r in recvs]
-                rows = n * stride(t)
-                cap = experts.capacity(n, t, k, j)
-                name = f"J{j}/I{inter}"
+                routings[t] = [jax.tree.map(jnp.asarray, r) for r in recvs]
                 if args.group == "default":
                     out(backend=f"floor/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
                     if "kernel-fp8" in paths:
                         out(backend=f"floor-fp8/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
-                for path in paths:
-                    impl = PATHS[path][1]
-                    if impl == "gather" and 3 * cap * lat * inter * 2 > args.gather_gb * 2**30:
-                        continue
-                    if impl == "dense" and (rows * j * max(lat, 2 * inter) * 4 > args.dense_gb * 2**30):
-                        continue
+            # One weight format resident at a time: the bf16 paths' weights, then the FP8 path's.
+            for fp8 in (False, True):
+                fmt_paths = [p for p in paths if (p == "kernel-fp8") == fp8]
+                if not fmt_paths:
+                    continue
+                ws = [_layer_weights(jax.random.fold_in(key, li), j, lat, inter, fp8) for li in range(layers)]
+                for t in args.tokens:
+                    _measure(args, out, dev, fmt_paths, routings[t], ws, name, n, t, j, layers)
+                del ws
 
-                    def program(recvs, ws, impl=impl, t=t, n=n, j=j):
-                        if impl == "kernel-fp8":
-                            return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n)
-                                    for r, w in zip(recvs, ws)]
-                        if impl == "plan":
-                            return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
-                        if impl == "plan-kernel":
-                            return [experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel").work for r in recvs]
-                        if impl == "kernel-xla-plan":
-                            return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n, plan_impl="xla")
-                                    for r, w in zip(recvs, ws)]
-                        return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
 
-                    fn = jax.jit(program)
-                    wargs = ws8 if impl == "kernel-fp8" else ws
-                    try:
-                        sec = _time(fn, (recvs, wargs), args.repeats)
-                    except Exception as exc:  # a lowering that refuses, out of memory: say so, go on
-                        print(f"FAIL {path}/{name} T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                        continue
-                    if path.startswith("ragged_dot") and t == args.tokens[0]:
-                        hlo = fn.lower(recvs, wargs).compile().as_text()
-                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
-                            value=float("cudnn" in hlo.lower()))
-                    out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
-                    if args.pipelined:
-                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
-                            value=1e6 * _time_pipelined(fn, (recvs, wargs), args.repeats) / layers)
-                    if args.device_time and dev.platform == "gpu":
-                        busy, span = device_times(fn, (recvs, wargs))
-                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
-                            value=busy / layers)
-                        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
-                            value=span / layers)
-            del ws, ws8
+def _layer_weights(key, j, lat, inter, fp8):
+    """One layer's (w_gate, w_up, w_down), made on the device: bf16 ~ N(0, 1 / d^2), or FP8 values ~ N(0, 64^2)
+    with one scale 1 / (64 d) in every block (`experts.BlockScaled`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_latent_ep import experts
+
+    kg, ku, kd = jax.random.split(key, 3)
+    shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
+    if not fp8:
+        return tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16) for kk, sh, d in shapes)
+    return tuple(experts.BlockScaled((jax.random.normal(kk, sh, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
+                                     jnp.full((sh[0], sh[1] // 128, sh[2] // 128), 1 / (64 * d), jnp.float32))
+                 for kk, sh, d in shapes)
+
+
+def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
+    """Times `paths` on one point (`layers` layers of receive rows `recvs` and weights `ws`); prints their rows."""
+    import jax
+
+    from jax_latent_ep import experts
+    from jax_latent_ep.layout import stride
+
+    lat, k = args.latent, args.topk
+    inter = int(name.split("/I")[1])
+    rows = n * stride(t)
+    cap = experts.capacity(n, t, k, j)
+    for path in paths:
+        impl = PATHS[path][1]
+        if impl == "gather" and 3 * cap * lat * inter * 2 > args.gather_gb * 2**30:
+            continue
+        if impl == "dense" and (rows * j * max(lat, 2 * inter) * 4 > args.dense_gb * 2**30):
+            continue
+
+        def program(recvs, ws, impl=impl, t=t, n=n, j=j):
+            if impl == "kernel-fp8":
+                return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n)
+                        for r, w in zip(recvs, ws)]
+            if impl == "plan":
+                return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
+            if impl == "plan-kernel":
+                return [experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel").work for r in recvs]
+            if impl == "kernel-xla-plan":
+                return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n, plan_impl="xla")
+                        for r, w in zip(recvs, ws)]
+            return [experts.expert_stage(r, 0, *w, impl=impl, max_tokens=t, ranks=n) for r, w in zip(recvs, ws)]
+
+        fn = jax.jit(program)
+        try:
+            sec = _time(fn, (recvs, ws), args.repeats)
+        except Exception as exc:  # a lowering that refuses, out of memory: say so, go on
+            print(f"FAIL {path}/{name} T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        if path.startswith("ragged_dot") and t == args.tokens[0]:
+            hlo = fn.lower(recvs, ws).compile().as_text()
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
+                value=float("cudnn" in hlo.lower()))
+        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
+        if args.pipelined:
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
+                value=1e6 * _time_pipelined(fn, (recvs, ws), args.repeats) / layers)
+        if args.device_time and dev.platform == "gpu":
+            busy, span = device_times(fn, (recvs, ws))
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
+                value=busy / layers)
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
+                value=span / layers)
 
 
 def parent(args, argv):

@@ -16,7 +16,7 @@ rows), over the `num_items` non-empty work items only (word 3 of the work list; 
 the capacity's empty items.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
-every row of its work item; the rows and the weights go through a `STAGES`-deep `cp.async` ring in shared memory
+every row of its work item; the rows and the weights go through a `STAGES`-deep (FP8: `FP8_STAGES`) `cp.async` ring in shared memory
 (swizzled 128-byte rows: the `ldmatrix` reads of 8 rows hit 8 different bank groups), and each warp multiplies its
 16 columns by up to four 16-row tiles with `mma.sync.m16n8k16` (BF16 in, FP32 accumulators), skipping row tiles
 past the work item's rows.
@@ -78,7 +78,9 @@ WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a block scale per stage behind the ring.
 FP8_BLOCK_N = abi.GEMM_FP8_BLOCK_N
 FP8_THREADS = 32 * FP8_BLOCK_N // 16
-FP8_SMEM_BYTES = SMEM_BYTES + 16 * STAGES
+#: FP8: a deeper ring (two CTAs an SM, not three: as many bytes in flight), and a 16-byte scale word a slot.
+FP8_STAGES = 4
+FP8_SMEM_BYTES = FP8_STAGES * (A_STAGE_BYTES + W_STAGE_BYTES + 16)
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK % BLOCK_K == 0 and abi.GEMM_FP8_SCALE_BLOCK == FP8_BLOCK_N
@@ -108,6 +110,7 @@ class GroupedGemm:
         self.threads = FP8_THREADS if fp8 else THREADS
         self.tile_n = FP8_BLOCK_N if fp8 else BLOCK_N  # columns of one unit (of each weight)
         self.elem = 1 if fp8 else 2  # weight bytes
+        self.stages = FP8_STAGES if fp8 else STAGES
         self.smem_bytes = FP8_SMEM_BYTES if fp8 else SMEM_BYTES
 
     @cute.jit
@@ -164,12 +167,12 @@ class GroupedGemm:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 128)
         smem_a = Uint32(ring.iterator.toint())
-        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)  # then, FP8: each slot's block scale (16 bytes a slot)
+        smem_w = smem_a + Uint32(self.stages * A_STAGE_BYTES)  # then, FP8: each slot's block scale (16 bytes a slot)
 
         # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
         # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
-        # CTA starts for an empty item. A tile is 64 columns (of each weight).
-        column_tiles = num_n // BLOCK_N
+        # CTA starts for an empty item. A tile is 64 columns (FP8: 128) of each weight.
+        column_tiles = num_n // self.tile_n
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the work list and `a` come from the previous kernels
         num_items = Int32(load_b32(work + 12))
@@ -245,50 +248,47 @@ class GroupedGemm:
             # FP8: one stage's products before its block scale.
             part = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
 
+            stages = self.stages
             if two:
-                # ---- Two weights: stage 2 kt holds the first weight's rows of contraction step kt, stage
-                # 2 kt + 1 the second's (`acc`, `acc_up`). Prologue: stages 0, 1, 2 in flight.
-                for s in cutlass.range_constexpr(STAGES - 1):
-                    if s // 2 < steps:
-                        self.load_stage(w_col if s % 2 == 0 else u_col, w_sc if s % 2 == 0 else u_sc, a_src, a_size,
-                                        a_live, smem_a, smem_w, k_begin + (s // 2) * BLOCK_K, Int32(s), num_n, tid,
+                # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
+                # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c // 2 < steps:
+                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
+                                        a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
                                         chunk)
                     cp_async_commit()
-                # Main loop, two stages a pass: wait for the stage, refill the slot the stage before freed
-                # (STAGES - 1 ahead: the other weight of the next step, then this weight two steps on),
-                # multiply.
+                # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
+                # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
-                    cp_async_wait(STAGES - 2)
-                    cute.arch.sync_threads()
-                    if kt + 1 < steps:
-                        self.load_stage(u_col, u_sc, a_src, a_size, a_live, smem_a, smem_w,
-                                        k_begin + (kt + 1) * BLOCK_K, (2 * kt + 3) % STAGES, num_n, tid, chunk)
-                    cp_async_commit()
-                    self.multiply(acc, part, smem_a, smem_w, (2 * kt) % STAGES, rows, warp, lane)
-                    cp_async_wait(STAGES - 2)
-                    cute.arch.sync_threads()
-                    if kt + 2 < steps:
-                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
-                                        k_begin + (kt + 2) * BLOCK_K, (2 * kt + 4) % STAGES, num_n, tid, chunk)
-                    cp_async_commit()
-                    self.multiply(acc_up, part, smem_a, smem_w, (2 * kt + 1) % STAGES, rows, warp, lane)
+                    for h in cutlass.range_constexpr(2):
+                        cp_async_wait(stages - 2)
+                        cute.arch.sync_threads()
+                        ahead = h + stages - 1  # stages ahead of 2 kt: weight ahead % 2, step kt + ahead // 2
+                        if kt + ahead // 2 < steps:
+                            self.load_stage(w_col if ahead % 2 == 0 else u_col, w_sc if ahead % 2 == 0 else u_sc,
+                                            a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
+                                            (2 * kt + ahead) % stages, num_n, tid, chunk)
+                        cp_async_commit()
+                        self.multiply(acc if h == 0 else acc_up, part, smem_a, smem_w, (2 * kt + h) % stages, rows,
+                                      warp, lane)
             else:
-                # ---- One weight. Prologue: stages 0 .. STAGES - 2 in flight.
-                for s in cutlass.range_constexpr(STAGES - 1):
-                    if s < steps:
-                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + s * BLOCK_K,
-                                        Int32(s), num_n, tid, chunk)
+                # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c < steps:
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                        Int32(c), num_n, tid, chunk)
                     cp_async_commit()
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
-                    cp_async_wait(STAGES - 2)
+                    cp_async_wait(stages - 2)
                     cute.arch.sync_threads()
-                    nxt = kt + (STAGES - 1)
+                    nxt = kt + (stages - 1)
                     if nxt < steps:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
-                                        nxt % STAGES, num_n, tid, chunk)
+                                        nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, part, smem_a, smem_w, kt % STAGES, rows, warp, lane)
+                    self.multiply(acc, part, smem_a, smem_w, kt % stages, rows, warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
@@ -358,7 +358,7 @@ class GroupedGemm:
         if cutlass.const_expr(self.fp8):
             if tid == 0:
                 scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
-                cp_async_4(smem_w + Uint32(STAGES * W_STAGE_BYTES) + Uint32(slot) * Uint32(16),
+                cp_async_4(smem_w + Uint32(self.stages * W_STAGE_BYTES) + Uint32(slot) * Uint32(16),
                            w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4)
 
     @cute.jit
@@ -390,7 +390,7 @@ class GroupedGemm:
                                 c = mma_bf16_16816((part[i], part[i + 1], part[i + 2], part[i + 3]), frag, tiles[nt])
                                 for j in cutlass.range_constexpr(4):
                                     part[i + j] = c[j]
-            scale = f32_from_bits(load_shared_b32(smem_w + Uint32(STAGES * W_STAGE_BYTES) + Uint32(slot) * Uint32(16)))
+            scale = f32_from_bits(load_shared_b32(smem_w + Uint32(self.stages * W_STAGE_BYTES) + Uint32(slot) * 16))
             for i in cutlass.range_constexpr(BLOCK_M // 16 * 2 * 4):
                 acc[i] = acc[i] + part[i] * scale
         else:

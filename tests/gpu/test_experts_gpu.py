@@ -40,9 +40,8 @@ def test_k3_sizes(impl, n, t):
     _close(got, want)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "ragged_dot"])
-@pytest.mark.parametrize("n,t,subnormal", [(2, 3, False), (8, 5, False), (2, 4, True)])
-def test_fp8_weights_k3_sizes(impl, n, t, subnormal):
+@pytest.mark.parametrize("n,t,subnormal", [(2, 3, False), (8, 5, False), (8, 4, True)])
+def test_fp8_weights_k3_sizes(n, t, subnormal, impl="kernel"):
     """FP8 block-scaled weights at K3's L (random codes, zeros and subnormals among them; with `subnormal` every
     weight is zero or subnormal, which a flushing widening would zero) against the NumPy model."""
     rng = np.random.default_rng(100 + n * 10 + t)
