@@ -240,8 +240,8 @@ static_assert(visited_count<ep_abi::CombineParams>() == ep_abi::kCombineParamsCo
 static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_gemm(a, a_rows, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
-// (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel; no rank.
+// grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
+// (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel (MXFP8 `a`); no rank.
 
 struct GroupedGemm {
   static constexpr const char* kWhat = "grouped_gemm";
@@ -251,8 +251,9 @@ struct GroupedGemm {
   static auto bind(Binding binding) {
     return std::move(binding)
         .template Ctx<ffi::DeviceOrdinal>()      // the device, key of the kernel registry
-        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations
+        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations (FP8 weights: float8_e4m3fn)
         .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
+        .template Arg<ffi::AnyBuffer>()          // a_scale: uint8 [R, K/32] E8M0 scales of `a` (FP8 weights only)
         .template Arg<ffi::AnyBuffer>()          // w: bf16 or float8_e4m3fn [G, K, N] (the gate with two_weights)
         .template Arg<ffi::AnyBuffer>()          // w_second: as w, the up (read only if two_weights)
         .template Arg<ffi::AnyBuffer>()          // w_scale: f32 [G, K/128, N/128] (read only with FP8 weights)
@@ -265,8 +266,9 @@ struct GroupedGemm {
         .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
   }
 
-  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows, ffi::AnyBuffer w,
-                            ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale, ffi::AnyBuffer w_second_scale,
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows,
+                            ffi::AnyBuffer a_scale, ffi::AnyBuffer w, ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale,
+                            ffi::AnyBuffer w_second_scale,
                             ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
                             int64_t fuse_glu, int64_t k_per_split) {
     const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
@@ -288,12 +290,12 @@ struct GroupedGemm {
     // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128.
     const int64_t tile = fp8 ? ep_abi::kGemmFp8BlockN : ep_abi::kGemmBlockN;
     const int64_t multiple = fp8 ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
-    if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % kBlockK || S * k_per_split < K ||
+    if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % multiple || S * k_per_split < K ||
         (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
       return ffi::Error::InvalidArgument(
           "jax_latent_ep grouped_gemm: K=" + std::to_string(K) + ", N=" + std::to_string(N) + " must be multiples of " +
           std::to_string(multiple) + ", S=" + std::to_string(S) + " splits of k_per_split=" +
-          std::to_string(k_per_split) + " (a multiple of 64) must cover K with none empty, fuse_glu needs two weights "
+          std::to_string(k_per_split) + " (a multiple of it) must cover K with none empty, fuse_glu needs two weights "
           "and one split, and without a_rows a has one row per pair");
     }
     const ffi::DataType wt = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
@@ -305,8 +307,10 @@ struct GroupedGemm {
     ffi::Error second_ok = two_weights ? expect(kWhat, "w_second", w_second, wt, {G, K, N}) : ok;
     ffi::Error second_scale_ok =
         fp8 && two_weights ? expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
-    if (ffi::Error e = first_error({expect(kWhat, "a", a, ffi::DataType::BF16, {R, K}),
-                                    expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
+    ffi::Error a_ok = fp8 ? expect(kWhat, "a", a, ffi::DataType::F8E4M3FN, {R, K})
+                          : expect(kWhat, "a", a, ffi::DataType::BF16, {R, K});
+    ffi::Error a_scale_ok = fp8 ? expect(kWhat, "a_scale", a_scale, ffi::DataType::U8, {R, K / ep_abi::kMxBlock}) : ok;
+    if (ffi::Error e = first_error({a_ok, a_scale_ok, expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
                                     expect(kWhat, "w", w, wt, {G, K, N}), second_ok, scale_ok, second_scale_ok,
                                     expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}), out_ok});
         e.failure()) {
@@ -322,6 +326,7 @@ struct GroupedGemm {
     l.params = make_params(ep_abi::GroupedGemmParams{
         .a = address(a.untyped_data()),
         .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},
+        .a_scale = fp8 ? address(a_scale.untyped_data()) : int64_t{0},
         .w = address(w.untyped_data()),
         .w_second = two_weights ? address(w_second.untyped_data()) : int64_t{0},
         .w_scale = fp8 ? address(w_scale.untyped_data()) : int64_t{0},

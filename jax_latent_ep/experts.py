@@ -24,8 +24,10 @@ outputs, so given the pair outputs it is deterministic and identical on every im
 accumulation order is the implementation's (XLA's or the kernel's), hence a stated tolerance between them.
 
 Weights are bf16, or FP8 with block scales (`BlockScaled`: float8_e4m3fn values and an FP32 scale per 128 x 128 block,
-as DeepSeek / Kimi checkpoints store them). With FP8 weights each product `x * w` is exact and the block scale applies
-to FP32 sums (docs/experts.md); the XLA implementations dequantize the weights to FP32 (one rounding of `w * scale`).
+as DeepSeek / Kimi checkpoints store them). With FP8 weights `h` is rounded to MXFP8 (the dispatch's format:
+`numerics.mxfp8_quantize`) before down, in every implementation; the kernel multiplies MXFP8 activations by the FP8
+weights on the e4m3 tensor cores, the XLA implementations dequantize both to FP32 (one rounding of `w * scale`;
+docs/experts.md).
 
 Implementations (`IMPLEMENTATIONS`, a small registry; each maps the plan and the bf16 activations to the
 per-pair FP32 outputs `y [C, L]`): "ragged_dot" (`jax.lax.ragged_dot` over the sorted pairs; how XLA lowers it
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.numerics import mxfp8_dequantize
+from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 from jax_latent_ep.received import Received
 
 #: The "no expert" id: a padded token's ids, or a slot a token does not use. It selects no rank.
@@ -269,18 +271,25 @@ def _glu(gu, up, inter):
     return (jax.nn.silu(gu) * up).astype(jnp.bfloat16)
 
 
-def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
+def _down_input(h, w_down):
+    """What down multiplies: bf16 `h`, or with FP8 weights `h` rounded to MXFP8 (its values, exact in bf16)."""
+    if isinstance(w_down, BlockScaled):
+        return mxfp8_dequantize(*mxfp8_quantize(h)).astype(jnp.bfloat16)
+    return h
+
+
+def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
     xp = xb[pl.row]  # [C, L] bf16
     gs = pl.group_sizes
     rd = lambda a, w: lax.ragged_dot(*_xla_operands(a, w), gs, preferred_element_type=jnp.float32)  # noqa: E731
     gate = rd(xp, w_gate)
     up = rd(xp, w_up) if w_up is not None else None
-    h = _glu(gate, up, w_down.shape[1])
+    h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
     return rd(h, w_down)
 
 
-def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
+def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """Each pair gathers its expert's weights (`[C, L, I]` temporaries: decode-sized `C` only)."""
     e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
     xp = xb[pl.row]
@@ -290,10 +299,10 @@ def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
 
     gate = mv(xp, w_gate)
     up = mv(xp, w_up) if w_up is not None else None
-    return mv(_glu(gate, up, w_down.shape[1]), w_down)
+    return mv(_down_input(_glu(gate, up, w_down.shape[1]), w_down), w_down)
 
 
-def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
+def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """Every local expert on every row (`[R, J, L]` FP32), then each pair's (row, expert) picked.
 
     In FP32 operands (exact bf16 values: the same products), as XLA's CPU dot does not take bf16 x bf16 -> f32
@@ -303,7 +312,7 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     mm = lambda a, w: jnp.einsum("rl,jli->rji", f32(a), f32(w), precision=hi)  # noqa: E731
     gate = mm(xb, w_gate)
     up = mm(xb, w_up) if w_up is not None else None
-    h = _glu(gate, up, w_down.shape[1])
+    h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
     y = jnp.einsum("rji,jil->rjl", f32(h), f32(w_down), precision=hi)
     return y[pl.row, jnp.minimum(pl.expert, pl.num_local_experts - 1)]
 
@@ -343,18 +352,20 @@ def _kernel_tile(w) -> int:
 def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) -> tuple[int, int]:
     """(splits, k_per_split) of one kernel launch over `n` columns (of each weight) in `tile`-column units: split the
     contraction until about `KERNEL_MIN_UNITS` units (counting one item per local expert that can be active) have
-    work, keeping >= 4 pipeline steps per split."""
-    steps = k // KERNEL_BLOCK_K
+    work, keeping >= 4 pipeline steps per split (FP8, 128-column tiles: splits on the 128-row scale blocks)."""
+    step = KERNEL_BLOCK_K if tile == KERNEL_BLOCK_N else FP8_BLOCK
+    steps = k // step
     ctas = num_work * (n // tile)
-    splits = max(1, min(-(-KERNEL_MIN_UNITS // max(ctas, 1)), steps // 4))
+    splits = max(1, min(-(-KERNEL_MIN_UNITS // max(ctas, 1)), steps * step // (4 * KERNEL_BLOCK_K)))
     per = -(-steps // splits)
-    return -(-steps // per), per * KERNEL_BLOCK_K
+    return -(-steps // per), per * step
 
 
 def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
     `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
-    summed in split order. Pairs outside every work item hold garbage (nothing reads them)."""
+    summed in split order. `a` is bf16, or with FP8 weights MXFP8 `(q, sf)`. Pairs outside every work item hold
+    garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
     fp8 = isinstance(w, BlockScaled)
@@ -366,7 +377,9 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
                          f"with {'FP8' if fp8 else 'bf16'} weights, got a [{k}, {n}] weight")
     scales = {}
     if fp8:
-        scales = {"w_scale": w.scale, "w_second_scale": w_second.scale if w_second is not None else None}
+        a, a_scale = a
+        scales = {"a_scale": a_scale, "w_scale": w.scale,
+                  "w_second_scale": w_second.scale if w_second is not None else None}
         w, w_second = w.values, (w_second.values if w_second is not None else None)
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
@@ -380,11 +393,12 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     return total
 
 
-def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
+def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
     that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
     then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The
-    contraction splits are chosen for `min(J, C, expected_pairs)` active experts."""
+    contraction splits are chosen for `min(J, C, expected_pairs)` active experts. With FP8 weights the activations
+    are MXFP8: the received rows `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
@@ -392,18 +406,21 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None):
     active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
     inter = w_down.shape[1]
     tile = _kernel_tile(w_gate)
+    fp8 = isinstance(w_gate, BlockScaled)
+    a = (mx if mx is not None else mxfp8_quantize(xb)) if fp8 else xb
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
-        h = _glu(_kernel_gemm(xb, pl.row, True, w_gate, None, work, active), None, inter)
+        h = _glu(_kernel_gemm(a, pl.row, True, w_gate, None, work, active), None, inter)
     elif _kernel_splits(active, inter, w_gate.shape[1], tile)[0] == 1:
-        h = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
+        h = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
     else:
-        gu = _kernel_gemm(xb, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
+        gu = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
         h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
-    return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
+    return _kernel_gemm(mxfp8_quantize(h) if fp8 else h, pl.row, False, w_down, None, work, active)
 
 
-#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs) -> FP32 per-pair outputs [C, L]
-#: (`expected_pairs`: a hint for how the kernel splits its work; the XLA implementations ignore it).
+#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
+#: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
+#: the kernel takes with FP8 weights; the XLA implementations ignore both).
 IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
                                         "kernel": _kernel}
 #: The implementations that run on NVIDIA GPUs only.
@@ -441,15 +458,17 @@ def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
                                  f"{FP8_BLOCK} block), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
 
 
-def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None):
-    """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`)."""
+def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None,
+                mx=None):
+    """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
+    dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
     if xb.dtype != jnp.bfloat16 or xb.ndim != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs)  # [C, L] f32; unused pairs: garbage
+    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)  # [C, L] f32; unused pairs: garbage
     # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
     valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
     safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
@@ -482,7 +501,8 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs)
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
+                       mx=(recv.x, recv.sf))
 
 
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,

@@ -150,8 +150,11 @@ COMBINE = Kernel("combine", "ep_combine", (
 #: `a[rows] @ w[group]` (FP32 accumulation) as per-split FP32 partials, or with `fuse_glu` the SwiGLU of gate (`w`)
 #: and up (`w_second`) rounded to BF16. No peers, no status record.
 GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
-    _address("a", "bf16 [R, num_k]: the activations (rows of `a_rows`, or the pairs themselves)"),
+    _address("a", "bf16 (FP8 kernel: float8_e4m3fn, MXFP8 with `a_scale`) [R, num_k]: the activations (rows of "
+             "`a_rows`, or the pairs themselves)"),
     _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
+    _address("a_scale", "FP8 kernel: uint8 [R, num_k / 32], the E8M0 scale of each 32 elements of `a` (unread by the "
+             "BF16 kernel)"),
     _address("w", "bf16 (FP8 kernel: float8_e4m3fn) [G, num_k, num_n]: each group's weights (the gate with "
              "`w_second`)"),
     _address("w_second", "as `w`: the up weights, or 0"),
@@ -166,12 +169,12 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     Param("num_n", "i32", False, "columns of one weight, a multiple of 64 (FP8 kernel: 128)"),
     Param("num_rows", "i32", False, "P, pairs (rows of each split of `out`)"),
     Param("num_work", "i32", False, "work items"),
-    Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64"),
+    Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64 (FP8 kernel: 128)"),
     Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
 ))
 
-#: The grouped GEMM on FP8 weights with FP32 block scales (`kernels/grouped_gemm.py`, its own cubin): the same
-#: parameters, `num_k` and `num_n` multiples of 128.
+#: The grouped GEMM of MXFP8 activations and FP8 weights with FP32 block scales (`kernels/grouped_gemm.py`, its own
+#: cubin): the same parameters, `num_k`, `num_n` and `k_per_split` multiples of 128.
 GROUPED_GEMM_FP8 = Kernel("grouped_gemm_fp8", "ep_grouped_gemm_fp8", GROUPED_GEMM.params, params_of="grouped_gemm")
 
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive

@@ -21,12 +21,15 @@ every row of its work item; the rows and the weights go through a `STAGES`-deep 
 16 columns by up to four 16-row tiles with `mma.sync.m16n8k16` (BF16 in, FP32 accumulators), skipping row tiles
 past the work item's rows.
 
-The FP8 variant (`GROUPED_GEMM_FP8`, the same parameters) takes float8_e4m3fn weights with an FP32 scale per 128 x 128
-block (`w_scale`, `w_second_scale` `[G, num_k / 128, num_n / 128]`, DeepSeek's block layout, `value = w * scale`): a
-unit is 128 columns (each weight row again a whole 128-byte line), eight warps of 16 columns. Each warp's `ldmatrix`
-of FP8 rows gives it pairs of neighbouring columns; it widens them exactly to BF16 in registers (`fp8_pair_bf16`,
-the even and the odd column of each pair: two MMA column tiles), multiplies a stage into fresh FP32 accumulators and
-adds them times the stage's block scale (one FP32 FMA each), so every product is exact and only FP32 sums round.
+The FP8 variant (`GROUPED_GEMM_FP8`, the same parameters) multiplies MXFP8 activations (`a` float8_e4m3fn with an E8M0
+scale per 32 elements, `a_scale`) by float8_e4m3fn weights with an FP32 scale per 128 x 128 block (`w_scale`,
+`w_second_scale` `[G, num_k / 128, num_n / 128]`, DeepSeek's block layout) on the tensor cores' e4m3 MMA
+(`mma.sync.m16n8k32`): a unit is 128 columns (each weight row a whole 128-byte line), eight warps of 16 columns; the
+`a` tile has 64-byte rows. Each warp's transposed `ldmatrix` of the weight rows, fed rows `4i, 4i + 1` and
+`4i + 2, 4i + 3` as two matrices, gives each lane two pairs of neighbouring columns, and one byte permute (`prmt`) a
+register makes the four consecutive contraction rows of one column the MMA takes: the even columns of the warp are
+one MMA column tile, the odd ones another. Each MMA covers one 32-element scale block of `a`; its FP32 result is
+added times `2^(a_scale - 127) * w_scale` (one FMA each) to the accumulators.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from jax_latent_ep.kernels.primitives import (
     cp_async_4,
     cp_async_16,
     cp_async_commit,
-    fp8_pair_bf16,
+    mma_e4m3_16832,
+    prmt,
     cp_async_wait,
     griddepcontrol_wait,
     ldmatrix_x4,
@@ -75,15 +79,20 @@ W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
-#: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a block scale per stage behind the ring.
+#: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
+#: rows, its `a` tile (64 e4m3 a row), the tile's E8M0 scales (the 4 of its rows' 128-element block: 4 bytes a row)
+#: and the weight block's FP32 scale (16 bytes). Six stages: two CTAs an SM keep as many weight bytes in flight as
+#: the BF16 kernel's three.
 FP8_BLOCK_N = abi.GEMM_FP8_BLOCK_N
 FP8_THREADS = 32 * FP8_BLOCK_N // 16
-#: FP8: a deeper ring (two CTAs an SM, not three: as many bytes in flight), and a 16-byte scale word a slot.
-FP8_STAGES = 4
-FP8_SMEM_BYTES = FP8_STAGES * (A_STAGE_BYTES + W_STAGE_BYTES + 16)
+FP8_STAGES = 6
+FP8_A_ROW_BYTES = BLOCK_K
+FP8_A_STAGE_BYTES = BLOCK_M * FP8_A_ROW_BYTES
+FP8_SF_STAGE_BYTES = BLOCK_M * 4
+FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16)
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
-assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK % BLOCK_K == 0 and abi.GEMM_FP8_SCALE_BLOCK == FP8_BLOCK_N
+assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
 
 
 def smem_bytes() -> int:
@@ -111,6 +120,7 @@ class GroupedGemm:
         self.tile_n = FP8_BLOCK_N if fp8 else BLOCK_N  # columns of one unit (of each weight)
         self.elem = 1 if fp8 else 2  # weight bytes
         self.stages = FP8_STAGES if fp8 else STAGES
+        self.a_stage_bytes = FP8_A_STAGE_BYTES if fp8 else A_STAGE_BYTES
         self.smem_bytes = FP8_SMEM_BYTES if fp8 else SMEM_BYTES
 
     @cute.jit
@@ -118,6 +128,7 @@ class GroupedGemm:
         self,
         a: Int64,
         a_rows: Int64,
+        a_scale: Int64,
         w: Int64,
         w_second: Int64,
         w_scale: Int64,
@@ -131,8 +142,8 @@ class GroupedGemm:
         k_per_split: Int32,
         fuse_glu: Int32,
     ):
-        self.kernel(a, a_rows, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows, num_work,
-                    k_per_split, fuse_glu).launch(
+        self.kernel(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                    num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
             # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
@@ -147,6 +158,7 @@ class GroupedGemm:
         self,
         a: Int64,
         a_rows: Int64,
+        a_scale: Int64,
         w: Int64,
         w_second: Int64,
         w_scale: Int64,
@@ -167,7 +179,7 @@ class GroupedGemm:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 128)
         smem_a = Uint32(ring.iterator.toint())
-        smem_w = smem_a + Uint32(self.stages * A_STAGE_BYTES)  # then, FP8: each slot's block scale (16 bytes a slot)
+        smem_w = smem_a + Uint32(self.stages * self.a_stage_bytes)  # then, FP8: the slots' a scales and weight scales
 
         # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
         # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
@@ -186,13 +198,13 @@ class GroupedGemm:
         stride = (num_units + rounds - 1) // rounds
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
-                self.unit(a, a_rows, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
                           k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
-    def unit(self, a: Int64, a_rows: Int64, w: Int64, w_second: Int64, w_scale: Int64, w_second_scale: Int64,
-             work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
+    def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
+             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
              unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
         """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
         lane = tid % 32
@@ -227,26 +239,30 @@ class GroupedGemm:
             w_sc = w_scale + s_offset
             u_sc = w_second_scale + s_offset
             # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
-            # row past the item's pairs) and whether they are copied at all (not past the 16-row tile).
+            # row past the item's pairs) and whether they are copied at all (not past the 16-row tile). BF16: chunk
+            # tid % 8 of rows tid / 8 + 16 i; FP8: chunk tid % 4 of row tid / 4, and thread r < 64 copies row r's
+            # scales.
             a_src, a_size, a_live = [], [], []
-            for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
-                r = tid // 8 + i * (self.threads // 8)
-                row = first
-                size = Uint32(0)
-                if r < rows:
-                    row = first + r
-                    size = Uint32(16)
-                    if a_rows != Int64(0):
-                        row = Int32(load_b32(a_rows + Int64(first + r) * 4))
-                a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+            if cutlass.const_expr(self.fp8):
+                row, size = self.pair_row(a_rows, first, tid // 4, rows)
+                a_src.append(a + Int64(row) * Int64(num_k) + Int64((tid % 4) * 16))
                 a_size.append(size)
-                a_live.append(r < rows_padded)
+                a_live.append(tid // 4 < rows_padded)
+                row, size = self.pair_row(a_rows, first, tid, rows)
+                a_src.append(a_scale + Int64(row) * Int64(num_k // 32))
+                a_size.append(size // Uint32(4))
+                a_live.append(tid < rows_padded)
+            else:
+                for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
+                    r = tid // 8 + i * (self.threads // 8)
+                    row, size = self.pair_row(a_rows, first, r, rows)
+                    a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+                    a_size.append(size)
+                    a_live.append(r < rows_padded)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc_up.fill(0.0)
-            # FP8: one stage's products before its block scale.
-            part = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
 
             stages = self.stages
             if two:
@@ -270,7 +286,7 @@ class GroupedGemm:
                                             a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
                                             (2 * kt + ahead) % stages, num_n, tid, chunk)
                         cp_async_commit()
-                        self.multiply(acc if h == 0 else acc_up, part, smem_a, smem_w, (2 * kt + h) % stages, rows,
+                        self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
                                       warp, lane)
             else:
                 # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
@@ -288,7 +304,7 @@ class GroupedGemm:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
                                         nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, part, smem_a, smem_w, kt % stages, rows, warp, lane)
+                    self.multiply(acc, smem_a, smem_w, kt % stages, kt % 2, rows, warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
@@ -297,11 +313,11 @@ class GroupedGemm:
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for h in cutlass.range_constexpr(2):  # rows lane / 4 and + 8
-                            r = mt * 16 + lane // 4 + 8 * h
-                            if r < rows:
+                            pr = mt * 16 + lane // 4 + 8 * h
+                            if pr < rows:
                                 for nt in cutlass.range_constexpr(2):
                                     col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
-                                    store_b32_bf16x2(base + (Int64(r) * Int64(num_n) + col) * 2,
+                                    store_b32_bf16x2(base + (Int64(pr) * Int64(num_n) + col) * 2,
                                                      silu_mul(acc[i], acc_up[i]), silu_mul(acc[j], acc_up[j]))
             else:
                 # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * tile_n ..` of `out` (with
@@ -313,13 +329,13 @@ class GroupedGemm:
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for h in cutlass.range_constexpr(2):
-                            r = mt * 16 + lane // 4 + 8 * h
-                            if r < rows:
+                            pr = mt * 16 + lane // 4 + 8 * h
+                            if pr < rows:
                                 for nt in cutlass.range_constexpr(2):
                                     col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
                                     if two:
                                         col = col + Int64(tile * self.tile_n)  # the tile's pair of column blocks
-                                    addr = base + (Int64(r) * Int64(out_n) + col) * 4
+                                    addr = base + (Int64(pr) * Int64(out_n) + col) * 4
                                     store_v2_f32(addr, acc[i], acc[j])
                                     if two:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
@@ -338,61 +354,106 @@ class GroupedGemm:
         return col, base + nt * 4, base + nt * 4 + 1
 
     @cute.jit
+    def pair_row(self, a_rows: Int64, first: Int32, r: Int32, rows: Int32):
+        """`(row of a, copy bytes)` of the work item's pair `r`: its row through `a_rows` (pair `first + r` itself
+        without), 16 bytes; past the item's pairs row `first` and 0 bytes (a zero-filled copy)."""
+        row = first
+        size = Uint32(0)
+        if r < rows:
+            row = first + r
+            size = Uint32(16)
+            if a_rows != Int64(0):
+                row = Int32(load_b32(a_rows + Int64(first + r) * 4))
+        return row, size
+
+    @cute.jit
+    def w_swizzle(self, r):
+        """The 16-byte chunk XOR of weight row `r` in shared memory: `r % 8` (BF16: rows 8 apart read together), or
+        FP8 `(r & 1) | ((r >> 1) & 6)`, distinct over the rows `4i, 4i + 1` (and over `4i + 2, 4i + 3`) one
+        transposed `ldmatrix` matrix takes."""
+        if cutlass.const_expr(self.fp8):
+            return (r & 1) | ((r >> 1) & 6)
+        return r % 8
+
+    @cute.jit
     def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
                    slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
         """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
         its chunk of weight rows `k0 + tid / 8 + (threads / 8) i` and of the work item's `a` rows (`a_src`;
-        zero-filled past the item's pairs, not copied past their 16-row tile); FP8: thread 0 also copies the
-        stage's block scale (`w_sc`, this unit's scale of block row 0) into the slot's scale word."""
-        a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
+        zero-filled past the item's pairs, not copied past their 16-row tile); FP8 also row `tid`'s 4 E8M0 scales of
+        the 128-element block (threads < 64) and (thread 0) the weight block's scale (`w_sc`: this unit's, block
+        row 0)."""
+        a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
             r = tid // 8 + i * (self.threads // 8)
             src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
-            cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), src, Uint32(16))
-        for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
-            r = tid // 8 + i * (self.threads // 8)
-            if a_live[i]:
-                cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
-                            a_size[i])
+            cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
         if cutlass.const_expr(self.fp8):
+            r = tid // 4
+            if a_live[0]:
+                cp_async_16(a_slot + Uint32(r * FP8_A_ROW_BYTES + (((tid % 4) ^ ((r >> 1) & 3)) * 16)),
+                            a_src[0] + Int64(k0), a_size[0])
+            sf_slot, ws_slot = self.scale_slots(smem_w, slot)
+            if tid < BLOCK_M:
+                if a_live[1]:
+                    cp_async_4(sf_slot + Uint32(tid * 4), a_src[1] + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * 4,
+                               a_size[1])
             if tid == 0:
                 scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
-                cp_async_4(smem_w + Uint32(self.stages * W_STAGE_BYTES) + Uint32(slot) * Uint32(16),
-                           w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4)
+                cp_async_4(ws_slot, w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4, Uint32(4))
+        else:
+            for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
+                r = tid // 8 + i * (self.threads // 8)
+                if a_live[i]:
+                    cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
+                                a_size[i])
 
     @cute.jit
-    def multiply(self, acc, part, smem_a: Uint32, smem_w: Uint32, slot: Int32, rows: Int32, warp: Int32,
+    def scale_slots(self, smem_w: Uint32, slot: Int32):
+        """FP8: shared addresses of ring slot `slot`'s `a` scales (4 bytes a row) and weight block scale."""
+        sf = smem_w + Uint32(self.stages * W_STAGE_BYTES)
+        ws = sf + Uint32(self.stages * FP8_SF_STAGE_BYTES)
+        return sf + Uint32(slot) * Uint32(FP8_SF_STAGE_BYTES), ws + Uint32(slot) * Uint32(16)
+
+    @cute.jit
+    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, slot: Int32, half: Int32, rows: Int32, warp: Int32,
                  lane: Int32):
-        """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage (BLOCK_K / 16 MMA steps), row tiles
-        past `rows` skipped (warp-uniform). FP8: the stage's products go to `part` (from 0), then `acc += part *
-        scale`."""
-        a_slot = smem_a + Uint32(slot) * Uint32(A_STAGE_BYTES)
+        """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage, row tiles past `rows` skipped
+        (warp-uniform). BF16: BLOCK_K / 16 MMA steps. FP8: two e4m3 MMAs of 32 contraction rows per row tile and
+        column tile, each result times its scales; `half` (0, 1) is the stage's half of its 128-row scale block."""
+        a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         q = lane // 8
         i8 = lane % 8
         if cutlass.const_expr(self.fp8):
-            part.fill(0.0)
-            for kh in cutlass.range_constexpr(BLOCK_K // 32):
-                # B: matrices k 0-7 | 8-15 | 16-23 | 24-31 of this warp's 16 FP8 columns, transposed: the lane's
-                # word of each holds columns 2 (lane / 4), +1 of rows 2 (lane % 4), +1.
-                k_row = kh * 32 + q * 8 + i8
-                b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((warp ^ (k_row % 8)) * 16)))
-                for s in cutlass.range_constexpr(2):
-                    kk = kh * 2 + s
-                    tiles = ((fp8_pair_bf16(b[2 * s], 0), fp8_pair_bf16(b[2 * s + 1], 0)),  # even columns
-                             (fp8_pair_bf16(b[2 * s], 1), fp8_pair_bf16(b[2 * s + 1], 1)))  # odd columns
-                    for mt in cutlass.range_constexpr(BLOCK_M // 16):
-                        if mt * 16 < rows:
-                            frag = self.a_fragment(a_slot, mt, kk, q, i8)
-                            for nt in cutlass.range_constexpr(2):
-                                i = (mt * 2 + nt) * 4
-                                c = mma_bf16_16816((part[i], part[i + 1], part[i + 2], part[i + 3]), frag, tiles[nt])
-                                for j in cutlass.range_constexpr(4):
-                                    part[i + j] = c[j]
-            scale = f32_from_bits(load_shared_b32(smem_w + Uint32(self.stages * W_STAGE_BYTES) + Uint32(slot) * 16))
-            for i in cutlass.range_constexpr(BLOCK_M // 16 * 2 * 4):
-                acc[i] = acc[i] + part[i] * scale
+            sf_slot, ws_slot = self.scale_slots(smem_w, slot)
+            w_scale = f32_from_bits(load_shared_b32(ws_slot))
+            zero = cutlass.Float32(0.0)
+            for kb in cutlass.range_constexpr(BLOCK_K // 32):
+                # B: matrices q = 0, 1 take rows 4i, 4i + 1 and 4i + 2, 4i + 3 (i = 0..3) of contraction rows 0-15
+                # of the block, q = 2, 3 the same of 16-31: the lane's words hold columns 2 (lane / 4), +1 of rows
+                # 4 (lane % 4) + 0, 1 | 2, 3; a permute each makes rows 4 (lane % 4) .. + 3 of one column.
+                k_row = kb * 32 + 16 * (q // 2) + 4 * (i8 // 2) + 2 * (q % 2) + i8 % 2
+                b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((warp ^ self.w_swizzle(k_row)) * 16)))
+                tiles = ((prmt(b[0], b[1], 0x6420), prmt(b[2], b[3], 0x6420)),  # even columns
+                         (prmt(b[0], b[1], 0x7531), prmt(b[2], b[3], 0x7531)))  # odd columns
+                shift = Uint32(8 * (2 * half + kb))  # this 32-block's byte of the rows' scale words
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
+                    if mt * 16 < rows:
+                        a_row = mt * 16 + (q % 2) * 8 + i8
+                        a_chunk = kb * 2 + q // 2
+                        frag = ldmatrix_x4(a_slot + Uint32(a_row * FP8_A_ROW_BYTES + ((a_chunk ^ ((a_row >> 1) & 3)) * 16)))
+                        g = mt * 16 + lane // 4
+                        f_lo = self.row_factor(sf_slot, g, shift) * w_scale
+                        f_hi = self.row_factor(sf_slot, g + 8, shift) * w_scale
+                        for nt in cutlass.range_constexpr(2):
+                            i = (mt * 2 + nt) * 4
+                            d = mma_e4m3_16832((zero, zero, zero, zero), frag, tiles[nt])
+                            acc[i] = acc[i] + d[0] * f_lo
+                            acc[i + 1] = acc[i + 1] + d[1] * f_lo
+                            acc[i + 2] = acc[i + 2] + d[2] * f_hi
+                            acc[i + 3] = acc[i + 3] + d[3] * f_hi
         else:
             for kk in cutlass.range_constexpr(BLOCK_K // 16):
                 # B: matrices (k 0-7 | 8-15) x (columns 0-7 | 8-15) of this warp's 16 columns, transposed.
@@ -408,6 +469,13 @@ class GroupedGemm:
                                                (b[2 * nt], b[2 * nt + 1]))
                             for j in cutlass.range_constexpr(4):
                                 acc[i + j] = c[j]
+
+    @cute.jit
+    def row_factor(self, sf_slot: Uint32, row: Int32, shift: Uint32):
+        """`2^(e - 127)` of the E8M0 scale `e` at byte `shift / 8` of row `row`'s scale word (0 for `e = 0`, as
+        `numerics.mxfp8_dequantize`)."""
+        e = (load_shared_b32(sf_slot + Uint32(row * 4)) >> shift) & Uint32(0xFF)
+        return f32_from_bits(e << Uint32(23))
 
     @cute.jit
     def a_fragment(self, a_slot: Uint32, mt: int, kk: int, q: Int32, i8: Int32):

@@ -374,18 +374,10 @@ def bf16x2(lo, hi, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def fp8_pair_bf16(word, odd: int, *, loc=None, ip=None) -> Uint32:
-    """Two float8_e4m3fn bytes of `word` widened exactly to BF16 (bits 0-15, 16-31): bytes 0 and 2 (`odd` 0) or 1
-    and 3 (`odd` 1). The byte's exponent and mantissa bits placed as a BF16's are the value times 2^-120 (normal
-    and subnormal alike); one `fma.rn.bf16x2` by 2^120 (a power of two: exact) and the sign bit make the value.
-    NaN bytes (0x7F, 0xFF) give +-480: weights are finite."""
-    if odd:
-        bits = "shr.b32 m, $1, 4; and.b32 m, m, 0x07F007F0; and.b32 s, $1, 0x80008000;"
-    else:
-        bits = "shl.b32 m, $1, 4; and.b32 m, m, 0x07F007F0; shl.b32 s, $1, 8; and.b32 s, s, 0x80008000;"
-    code = ("{ .reg .b32 m, s, k, z; " + bits + " mov.b32 k, 0x7B807B80; mov.b32 z, 0; "
-            "fma.rn.bf16x2 m, m, k, z; or.b32 $0, m, s; }")
-    return Uint32(_asm(T.i32(), [_u32(word, loc, ip)], code, "=r,r", loc, ip))
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Uint32:
+    """`prmt.b32`: byte `i` of the result is byte `(selector >> 4 i) & 7` of `b:a` (bytes 0-3 of `a`, 4-7 of `b`)."""
+    return Uint32(_asm(T.i32(), [_u32(a, loc, ip), _u32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {int(selector):#x};",
+                       "=r,r,r", loc, ip))
 
 
 @dsl_user_op
@@ -425,10 +417,11 @@ def cp_async_16(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def cp_async_4(smem, gmem, *, loc=None, ip=None) -> None:
-    """Always issues one `cp.async.ca.shared.global` of 4 bytes from `gmem` (4-byte aligned) to `smem`; completes
-    only at `cp_async_wait`, like `cp_async_16`."""
-    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", loc, ip)
+def cp_async_4(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
+    """Always issues one `cp.async.ca.shared.global` of 4 bytes from `gmem` (4-byte aligned) to `smem`, the first
+    `src_bytes` (0 or 4) read and the rest zero-filled; completes only at `cp_async_wait`, like `cp_async_16`."""
+    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip), _u32(src_bytes, loc, ip)],
+         "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r", loc, ip)
 
 
 @dsl_user_op
@@ -480,6 +473,25 @@ def mma_bf16_16816(acc, a, b, *, loc=None, ip=None):
         llvm.StructType.get_literal([T.f32()] * 4),
         operands,
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        loc,
+        ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def mma_e4m3_16832(acc, a, b, *, loc=None, ip=None):
+    """Warp-wide `mma.sync.m16n8k32.row.col.f32.e4m3.e4m3.f32`: `acc` (4 FP32) += A (4 words: `ldmatrix_x4` of a
+    row-major 16x32 float8_e4m3fn tile, 16-byte rows 0-7 | 8-15 of bytes 0-15, then of 16-31) x B (2 words: contraction
+    rows 4 (lane % 4) .. + 3 and 16 + those of column lane / 4); the tensor core's sum of the exact products. Returns
+    the 4 new accumulators (rows lane/4 and +8, columns 2(lane%4), +1)."""
+    operands = [_u32(w, loc, ip) for w in a] + [_u32(w, loc, ip) for w in b] + [_f32(c, loc, ip) for c in acc]
+    struct = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        operands,
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
         "{$10, $11, $12, $13};",
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
         loc,

@@ -476,11 +476,12 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
-                      k_per_split: int, w_scale=None, w_second_scale=None):
+                      k_per_split: int, a_scale=None, w_scale=None, w_second_scale=None):
     """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
     FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by the kernel's column tile, 64 or
     with FP8 weights 128, with `w_second`), or with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only
-    when `indexed`; float8_e4m3fn weights take their FP32 block scales `w_scale` (and `w_second_scale`)."""
+    when `indexed`; float8_e4m3fn weights take MXFP8 activations (`a` float8_e4m3fn, `a_scale` uint8) and their
+    FP32 block scales `w_scale` (and `w_second_scale`)."""
     two = w_second is not None
     n = w.shape[2]
     p = a_rows.shape[0]
@@ -491,6 +492,7 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
     target, extra = _expert_target("grouped_gemm")
     call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
     unread = work  # an operand the kernel does not read (no scales of BF16 weights, no second weight)
-    return call(a, a_rows, w, w if w_second is None else w_second, unread if w_scale is None else w_scale,
+    return call(a, a_rows, unread if a_scale is None else a_scale, w, w if w_second is None else w_second,
+                unread if w_scale is None else w_scale,
                 unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
                 two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)

@@ -112,7 +112,12 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
 
     Per live row (`src != -1`, `t < max_tokens`), the distinct local experts (`id // J == rank`) in ascending
     order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
-    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` weights are dequantized to FP32 first."""
+    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` weights are dequantized to FP32 first, and with them
+    `h` is rounded to MXFP8 before down (`numerics.mxfp8_quantize`)."""
+    from jax_latent_ep.experts import BlockScaled
+    from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
+
+    mx_h = isinstance(w_down, BlockScaled)
     x = np.asarray(recv.x).astype(np.float32) * np.exp2(np.asarray(recv.sf).astype(np.float32) - 127).repeat(32, 1)
     ids, wts, src = np.asarray(recv.ids), np.asarray(recv.weights), np.asarray(recv.src)
     wg, wd = dequantized(w_gate), dequantized(w_down)
@@ -144,6 +149,8 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
                 gate, up = x[r] @ wg[le], x[r] @ wu[le]
             with np.errstate(over="ignore"):  # exp(-gate) overflows to inf for gate << 0: silu -> -0
                 h = _bf16(gate / (1 + np.exp(-gate)) * up)
+            if mx_h:
+                h = np.asarray(mxfp8_dequantize(*mxfp8_quantize(h.astype(ml_dtypes.bfloat16))), np.float32)
             acc = np.float32(acc + c * (h @ wd[le]))
         out[r] = acc
     return out.astype(ml_dtypes.bfloat16)

@@ -26,14 +26,16 @@ def test_ptx_block_and_loop():
 
 
 def test_fp8_variant():
-    """The FP8-weight variant: the same signature, 256 threads, two CTAs an SM asked for, per stage 8 widenings of
-    FP8 pairs (one `fma.rn.bf16x2` each) per 16 contraction rows and the same MMAs; no local memory."""
+    """The FP8 variant: the same signature, 256 threads, two CTAs an SM asked for, per stage two e4m3 MMAs of 32
+    contraction rows per row tile and column tile, four byte permutes per 32 rows, the scales copied with the stage;
+    no local memory."""
     kernel = grouped_gemm.GroupedGemm(fp8=True)
     check_abi(abi.GROUPED_GEMM_FP8, kernel)
     ptx = kernel_ptx(abi.GROUPED_GEMM_FP8, kernel)
     assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_gemm.FP8_THREADS, ptx)
     assert re.search(r"\.minnctapersm\s+2", ptx)
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 3 * 4 * 2 * grouped_gemm.BLOCK_K // 16
-    assert ptx.count("fma.rn.bf16x2") == 3 * 4 * grouped_gemm.BLOCK_K // 16
-    assert "cp.async.ca.shared.global" in ptx  # the block scale of each stage
+    assert ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32") == 3 * 4 * 2 * grouped_gemm.BLOCK_K // 32
+    assert ptx.count("prmt.b32") == 3 * 4 * grouped_gemm.BLOCK_K // 32
+    assert "mma.sync.aligned.m16n8k16" not in ptx
+    assert "cp.async.ca.shared.global" in ptx  # the scales of each stage
     assert "ld.local" not in ptx and "st.local" not in ptx
