@@ -5,7 +5,8 @@
 
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
 down projection 7168 -> 3584 (bf16); `ep.dispatch`; the expert stage (`experts.plan` + `experts.swiglu`, bf16
-SwiGLU, intermediate `--intermediate`); `ep.combine` with RMSNorm; up projection 3584 -> 7168 and the residual.
+SwiGLU, intermediate `--intermediate`; with `--fp8` its weights in FP8 blocks, `experts.quantize_fp8`); `ep.combine`
+with RMSNorm; up projection 3584 -> 7168 and the residual.
 
 Two cases, one GPU each:
 - `N1`: N = 1, all 896 experts local, the nvlink backend (named: "auto" would pick xla at N = 1) where it is
@@ -112,14 +113,19 @@ def make_params(shape, j, args, layers):
     import jax
     import jax.numpy as jnp
 
+    from jax_latent_ep import experts
+
     hid, lat, inter = args.hidden, shape.latent, args.intermediate
+    quantize = jax.jit(experts.quantize_fp8)
     out = []
     for li in range(layers):
         k = jax.random.split(jax.random.key(100 + li), 7)
         n = lambda key, s, fan: (jax.random.normal(key, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16)  # noqa: E731
+        # The experts' weights: bf16, or with --fp8 those quantized to FP8 blocks (`experts.quantize_fp8`).
+        e = (lambda *a: quantize(n(*a))) if args.fp8 else n
         out.append({"router": n(k[0], (hid, shape.experts), hid), "down": n(k[1], (hid, lat), hid),
-                    "w_gate": n(k[2], (j, lat, inter), lat), "w_up": n(k[3], (j, lat, inter), lat),
-                    "w_down": n(k[4], (j, inter, lat), inter), "up": n(k[5], (lat, hid), lat),
+                    "w_gate": e(k[2], (j, lat, inter), lat), "w_up": e(k[3], (j, lat, inter), lat),
+                    "w_down": e(k[4], (j, inter, lat), inter), "up": n(k[5], (lat, hid), lat),
                     "norm": (1 + 0.1 * jax.random.normal(k[6], (lat,))).astype(jnp.bfloat16)})
     return out
 
@@ -134,6 +140,7 @@ def main(argv=None):
     p.add_argument("--impl", default="ragged_dot")
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
+    p.add_argument("--fp8", action="store_true", help="the experts' weights in FP8 blocks (backend name `..-fp8`)")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
     p.add_argument("--cases", nargs="+", default=["N1", "J448"], choices=["N1", "J448"])
     p.add_argument("--layers", type=int, default=3)
@@ -150,7 +157,8 @@ def main(argv=None):
     shape = KIMI_K3
     if args.smoke:
         shape = LatentMoEShape(latent=128, experts=32, topk=4)
-        args.hidden, args.intermediate, args.tokens, args.layers, args.repeats = 64, 32, [2], 2, 1
+        # (FP8 blocks are 128 x 128: the smallest intermediate they allow)
+        args.hidden, args.intermediate, args.tokens, args.layers, args.repeats = 64, 128 if args.fp8 else 32, [2], 2, 1
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     device = dev.device_kind if gpu else "cpu"
@@ -165,7 +173,7 @@ def main(argv=None):
     rows = []
     for case in args.cases:
         j = shape.experts if case == "N1" else shape.experts // 2
-        per_layer = 3 * j * shape.latent * args.intermediate * 2
+        per_layer = 3 * j * shape.latent * args.intermediate * (1 if args.fp8 else 2)
         layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
         params = make_params(shape, j, args, layers)
         backend = "nvlink" if (case == "N1" and gpu) else "xla"
@@ -178,7 +186,7 @@ def main(argv=None):
                 print(f"# {case}: nvlink unavailable ({exc}); xla", file=sys.stderr)
                 backend = "xla"
                 used, res = run_case(case, j, backend, shape, args, t, params)
-            name = f"k3_layer/{case}/{used}/I{args.intermediate}"
+            name = f"k3_layer/{case}/{used}/I{args.intermediate}" + ("-fp8" if args.fp8 else "")
             for m, v in res.items():
                 rows.append((name, 1 if case == "N1" else 2, t, m, v))
             for kind in ("", "_device"):

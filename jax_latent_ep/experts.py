@@ -282,7 +282,11 @@ def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None
     """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
     xp = xb[pl.row]  # [C, L] bf16
     gs = pl.group_sizes
-    rd = lambda a, w: lax.ragged_dot(*_xla_operands(a, w), gs, preferred_element_type=jnp.float32)  # noqa: E731
+    def rd(a, w):
+        # FP8 weights are FP32 operands here: HIGHEST keeps XLA on GPUs from rounding them to TF32.
+        hi = lax.Precision.HIGHEST if isinstance(w, BlockScaled) else None
+        return lax.ragged_dot(*_xla_operands(a, w), gs, preferred_element_type=jnp.float32, precision=hi)
+
     gate = rd(xp, w_gate)
     up = rd(xp, w_up) if w_up is not None else None
     h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
