@@ -5,7 +5,7 @@
 
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
 down projection 7168 -> 3584 (bf16); `ep.dispatch`; the expert stage (`experts.plan` + `experts.swiglu`, bf16
-SwiGLU, intermediate `--intermediate`; with `--fp8` its weights in FP8 blocks, `experts.quantize_fp8`); `ep.combine`
+SwiGLU, intermediate `--intermediate`; with `--fp8` its weights in FP8 blocks, `experts.BlockScaled`); `ep.combine`
 with RMSNorm; up projection 3584 -> 7168 and the residual.
 
 Two cases, one GPU each:
@@ -116,13 +116,16 @@ def make_params(shape, j, args, layers):
     from jax_latent_ep import experts
 
     hid, lat, inter = args.hidden, shape.latent, args.intermediate
-    quantize = jax.jit(experts.quantize_fp8)
     out = []
     for li in range(layers):
         k = jax.random.split(jax.random.key(100 + li), 7)
         n = lambda key, s, fan: (jax.random.normal(key, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16)  # noqa: E731
-        # The experts' weights: bf16, or with --fp8 those quantized to FP8 blocks (`experts.quantize_fp8`).
-        e = (lambda *a: quantize(n(*a))) if args.fp8 else n
+        # The experts' weights: bf16, or with --fp8 FP8 values ~ N(0, 64^2) with one scale 1 / (64 sqrt(fan)) in
+        # every block (made in FP8 directly: a quantized full-size bf16 weight passes the memory at N = 1).
+        f8 = lambda key, s, fan: experts.BlockScaled(  # noqa: E731
+            (jax.random.normal(key, s, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
+            jnp.full((s[0], s[1] // 128, s[2] // 128), 1 / (64 * fan**0.5), jnp.float32))
+        e = f8 if args.fp8 else n
         out.append({"router": n(k[0], (hid, shape.experts), hid), "down": n(k[1], (hid, lat), hid),
                     "w_gate": e(k[2], (j, lat, inter), lat), "w_up": e(k[3], (j, lat, inter), lat),
                     "w_down": e(k[4], (j, inter, lat), inter), "up": n(k[5], (lat, hid), lat),
