@@ -463,41 +463,31 @@ def ldmatrix_x4_trans(smem, *, loc=None, ip=None):
     return _ldmatrix(smem, True, loc, ip)
 
 
+def _mma_16x8(op: str, acc, a, b, loc, ip):
+    """One warp-wide `mma.sync.aligned.<op>` of 4 A words, 2 B words and 4 FP32 accumulators; the 4 results."""
+    operands = [_u32(w, loc, ip) for w in a] + [_u32(w, loc, ip) for w in b] + [_f32(c, loc, ip) for c in acc]
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * 4), operands,
+                  f"mma.sync.aligned.{op} {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, {{$8, $9}}, {{$10, $11, $12, $13}};",
+                  "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
 @dsl_user_op
 def mma_bf16_16816(acc, a, b, *, loc=None, ip=None):
     """Warp-wide `mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32`: `acc` (4 FP32) += A (4 words: ldmatrix_x4 of a
     row-major 16x16 tile) x B (2 words: the k 0-7 and 8-15 halves of a 16x8 tile); FP32 accumulation in the
     tensor core's order. Returns the 4 new accumulators (rows lane/4 and +8, columns 2(lane%4), +1)."""
-    operands = [_u32(w, loc, ip) for w in a] + [_u32(w, loc, ip) for w in b] + [_f32(c, loc, ip) for c in acc]
-    struct = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        operands,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        loc,
-        ip,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+    return _mma_16x8("m16n8k16.row.col.f32.bf16.bf16.f32", acc, a, b, loc, ip)
 
 
 @dsl_user_op
 def mma_e4m3_16832(acc, a, b, *, loc=None, ip=None):
     """Warp-wide `mma.sync.m16n8k32.row.col.f32.e4m3.e4m3.f32`: `acc` (4 FP32) += A (4 words: `ldmatrix_x4` of a
     row-major 16x32 float8_e4m3fn tile, 16-byte rows 0-7 | 8-15 of bytes 0-15, then of 16-31) x B (2 words: contraction
-    rows 4 (lane % 4) .. + 3 and 16 + those of column lane / 4); the tensor core's sum of the exact products. Returns
-    the 4 new accumulators (rows lane/4 and +8, columns 2(lane%4), +1)."""
-    operands = [_u32(w, loc, ip) for w in a] + [_u32(w, loc, ip) for w in b] + [_f32(c, loc, ip) for c in acc]
-    struct = _asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        operands,
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        loc,
-        ip,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+    rows 4 (lane % 4) .. + 3 and 16 + those of column lane / 4); the tensor core's sum of the exact products (on sm_90a
+    two f16 HMMAs of the widened operands). Returns the 4 new accumulators (rows lane/4 and +8, columns 2(lane%4),
+    +1)."""
+    return _mma_16x8("m16n8k32.row.col.f32.e4m3.e4m3.f32", acc, a, b, loc, ip)
 
 
 @dsl_user_op

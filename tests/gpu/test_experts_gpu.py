@@ -23,14 +23,12 @@ def _close(got, want):
     assert np.all(np.abs(got - want) <= tol), float(np.max(np.abs(got - want) - tol))
 
 
-@pytest.mark.parametrize("impl", sorted(experts.IMPLEMENTATIONS))
-@pytest.mark.parametrize("n,t", [(2, 3), (8, 5)])
-def test_k3_sizes(impl, n, t):
-    rng = np.random.default_rng(n * 10 + t)
+def _check_k3(rng, n, t, inter, w, impl):
+    """The stage on a rank's rows at K3's sizes (padded tokens and slots, duplicates, a different live count per
+    source) with weights `w(*shape)` against the NumPy model."""
     recv = random_received(rng, ranks=n, rank=1, tokens=[t - (s % t) for s in range(n)], max_tokens=t,
                            latent=3584, experts=896, topk=16, pad_tokens=0.1, pad_slots=0.1, duplicates=0.3)
-    j, inter = 896 // n, 128
-    w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    j = 896 // n
     ws = (w(j, 3584, inter), w(j, 3584, inter), w(j, inter, 3584))
     fn = jax.jit(lambda r, a, b, c: experts.expert_stage(r, 1, a, b, c, impl=impl, max_tokens=t, ranks=n))
     got = np.asarray(fn(jax.tree.map(jnp.asarray, recv), *ws), np.float32)
@@ -38,6 +36,14 @@ def test_k3_sizes(impl, n, t):
     assert np.any(want != 0)
     assert np.all(got[np.asarray(recv.src) == -1] == 0)
     _close(got, want)
+
+
+@pytest.mark.parametrize("impl", sorted(experts.IMPLEMENTATIONS))
+@pytest.mark.parametrize("n,t", [(2, 3), (8, 5)])
+def test_k3_sizes(impl, n, t):
+    rng = np.random.default_rng(n * 10 + t)
+    w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
+    _check_k3(rng, n, t, 128, w, impl)
 
 
 @pytest.mark.parametrize("n,t,subnormal", [(2, 3, False), (8, 5, False), (8, 4, True)])
@@ -45,17 +51,8 @@ def test_fp8_weights_k3_sizes(n, t, subnormal, impl="kernel"):
     """FP8 block-scaled weights at K3's L (random codes, zeros and subnormals among them; with `subnormal` every
     weight is zero or subnormal, which a flushing widening would zero) against the NumPy model."""
     rng = np.random.default_rng(100 + n * 10 + t)
-    recv = random_received(rng, ranks=n, rank=1, tokens=[t - (s % t) for s in range(n)], max_tokens=t,
-                           latent=3584, experts=896, topk=16, pad_tokens=0.1, pad_slots=0.1, duplicates=0.3)
-    j, inter = 896 // n, 256
     w = lambda *s: jax.tree.map(jnp.asarray, random_fp8_weights(rng, *s, subnormal_only=subnormal))  # noqa: E731
-    ws = (w(j, 3584, inter), w(j, 3584, inter), w(j, inter, 3584))
-    fn = jax.jit(lambda r, a, b, c: experts.expert_stage(r, 1, a, b, c, impl=impl, max_tokens=t, ranks=n))
-    got = np.asarray(fn(jax.tree.map(jnp.asarray, recv), *ws), np.float32)
-    want = reference_swiglu(recv, 1, *ws, max_tokens=t, ranks=n).astype(np.float32)
-    assert np.any(want != 0)
-    assert np.all(got[np.asarray(recv.src) == -1] == 0)
-    _close(got, want)
+    _check_k3(rng, n, t, 256, w, impl)
 
 
 def test_pallas_triton_lowering():
