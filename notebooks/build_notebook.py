@@ -215,6 +215,18 @@ for impl, out in got.items():
     err = np.max(np.abs(out - dense)) / np.max(np.abs(dense))
     print(f"{impl:10s}: max |out - dense| / max |dense| = {err:.1e}; rows exactly equal to dense: "
           f"{np.mean(np.all(out == dense, axis=1)):.0%}; empty rows all zero: {np.all(out[np.asarray(recv.src) == -1] == 0)}")"""),
+    ("md", """FP8 block-scaled weights (`experts.BlockScaled`: float8_e4m3fn values, an FP32 scale per 128 x 128 block, the
+layout DeepSeek / Kimi checkpoints store): `experts.quantize_fp8` of bf16 weights (`I` a multiple of 128), the same
+stage on them, each implementation against the NumPy model (`h` rounded to MXFP8 before down, docs/experts.md)."""),
+    ("code", """from jax_latent_ep.testing.experts import reference_swiglu
+I8 = 128
+w8 = [experts.quantize_fp8(jnp.asarray(w(*s))) for s in ((J, L, I8), (J, L, I8), (J, I8, L))]
+print("weight bytes: bf16", 3 * J * L * I8 * 2, "FP8", sum(a.values.nbytes + a.scale.nbytes for a in w8))
+want = reference_swiglu(recv, rank, *w8, max_tokens=T, ranks=N).astype(np.float32)
+for impl in got:
+    out = np.asarray(experts.swiglu(recv_j, pl, *w8, impl=impl), np.float32)
+    print(f"{impl:10s} on FP8 weights: max |out - model| / max |model| = "
+          f"{np.max(np.abs(out - want)) / np.max(np.abs(want)):.1e}")"""),
 ]
 
 
