@@ -26,8 +26,8 @@ accumulation order is the implementation's (XLA's or the kernel's), hence a stat
 Weights are bf16, or FP8 with block scales (`BlockScaled`: float8_e4m3fn values and an FP32 scale per 128 x 128 block,
 as DeepSeek / Kimi checkpoints store them). With FP8 weights `h` is rounded to MXFP8 (the dispatch's format:
 `numerics.mxfp8_quantize`) before down, in every implementation; the kernel multiplies MXFP8 activations by the FP8
-weights on the e4m3 tensor cores, the XLA implementations dequantize both to FP32 (one rounding of `w * scale`;
-docs/experts.md).
+weights with the e4m3 MMA (exact products, FP32 sums), the XLA implementations dequantize both to FP32 (one rounding
+of `w * scale`) at HIGHEST precision (docs/experts.md).
 
 Implementations (`IMPLEMENTATIONS`, a small registry; each maps the plan and the bf16 activations to the
 per-pair FP32 outputs `y [C, L]`): "ragged_dot" (`jax.lax.ragged_dot` over the sorted pairs; how XLA lowers it
