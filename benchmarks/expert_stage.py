@@ -216,20 +216,28 @@ def child(args):
 
 
 def _layer_weights(key, j, lat, inter, fp8):
-    """One layer's (w_gate, w_up, w_down), made on the device: bf16 ~ N(0, 1 / d^2), or FP8 values ~ N(0, 64^2)
-    with one scale 1 / (64 d) in every block (`experts.BlockScaled`)."""
+    """One layer's (w_gate, w_up, w_down), made on the device ~ N(0, 1 / d^2): bf16, or FP8 (`fp8_normal`)."""
     import jax
     import jax.numpy as jnp
-
-    from jax_latent_ep import experts
 
     kg, ku, kd = jax.random.split(key, 3)
     shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
     if not fp8:
         return tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16) for kk, sh, d in shapes)
-    return tuple(experts.BlockScaled((jax.random.normal(kk, sh, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
-                                     jnp.full((sh[0], sh[1] // 128, sh[2] // 128), 1 / (64 * d), jnp.float32))
-                 for kk, sh, d in shapes)
+    return tuple(fp8_normal(kk, sh, 1 / d) for kk, sh, d in shapes)
+
+
+def fp8_normal(key, shape, std):
+    """`experts.BlockScaled` weights `[J, K, N]` ~ N(0, std^2), made in FP8 on the device (no full-size FP32 or bf16
+    copy): values ~ N(0, 64^2) in float8_e4m3fn, one scale `std / 64` in every 128 x 128 block."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_latent_ep import experts
+
+    j, k, n = shape
+    return experts.BlockScaled((jax.random.normal(key, shape, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
+                               jnp.full((j, k // 128, n // 128), std / 64, jnp.float32))
 
 
 def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):

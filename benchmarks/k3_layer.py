@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-from expert_stage import _time, device_us  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _time, device_us, fp8_normal  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def run_case(case, j, backend, shape, args, t, params):
@@ -113,19 +113,14 @@ def make_params(shape, j, args, layers):
     import jax
     import jax.numpy as jnp
 
-    from jax_latent_ep import experts
-
     hid, lat, inter = args.hidden, shape.latent, args.intermediate
     out = []
     for li in range(layers):
         k = jax.random.split(jax.random.key(100 + li), 7)
         n = lambda key, s, fan: (jax.random.normal(key, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16)  # noqa: E731
-        # The experts' weights: bf16, or with --fp8 FP8 values ~ N(0, 64^2) with one scale 1 / (64 sqrt(fan)) in
-        # every block (made in FP8 directly: a quantized full-size bf16 weight passes the memory at N = 1).
-        f8 = lambda key, s, fan: experts.BlockScaled(  # noqa: E731
-            (jax.random.normal(key, s, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
-            jnp.full((s[0], s[1] // 128, s[2] // 128), 1 / (64 * fan**0.5), jnp.float32))
-        e = f8 if args.fp8 else n
+        # The experts' weights: bf16, or with --fp8 made in FP8 (a quantized full-size bf16 weight passes the memory
+        # at N = 1).
+        e = (lambda key, s, fan: fp8_normal(key, s, fan**-0.5)) if args.fp8 else n  # noqa: E731
         out.append({"router": n(k[0], (hid, shape.experts), hid), "down": n(k[1], (hid, lat), hid),
                     "w_gate": e(k[2], (j, lat, inter), lat), "w_up": e(k[3], (j, lat, inter), lat),
                     "w_down": e(k[4], (j, inter, lat), inter), "up": n(k[5], (lat, hid), lat),

@@ -24,9 +24,9 @@ past the work item's rows.
 The FP8 variant (`GROUPED_GEMM_FP8`, the same parameters) multiplies MXFP8 activations (`a` float8_e4m3fn with an E8M0
 scale per 32 elements, `a_scale`) by float8_e4m3fn weights with an FP32 scale per 128 x 128 block (`w_scale`,
 `w_second_scale` `[G, num_k / 128, num_n / 128]`, DeepSeek's block layout) on the e4m3 MMA (`mma.sync.m16n8k32`;
-on sm_90a ptxas makes it two f16 HMMAs of widened operands: exact, at the BF16 rate, with eight conversions an
-MMA, so this variant is issue-bound; Hopper's FP8 rate is `wgmma`'s): a unit is 128 columns (each weight row a whole 128-byte line), eight warps of 16 columns; the
-`a` tile has 64-byte rows. Each warp's transposed `ldmatrix` of the weight rows, fed rows `4i, 4i + 1` and
+on sm_90a ptxas makes it two f16 HMMAs of operands widened by `F2FP`: exact, at the BF16 rate, and issue-bound;
+Hopper's FP8 rate is `wgmma`'s): a unit is 128 columns (each weight row a whole 128-byte line), eight warps of 16
+columns; the `a` tile has 64-byte rows. Each warp's transposed `ldmatrix` of the weight rows, fed rows `4i, 4i + 1` and
 `4i + 2, 4i + 3` as two matrices, gives each lane two pairs of neighbouring columns, and one byte permute (`prmt`) a
 register makes the four consecutive contraction rows of one column the MMA takes: the even columns of the warp are
 one MMA column tile, the odd ones another. Each MMA covers one 32-element scale block of `a`; its FP32 result is
