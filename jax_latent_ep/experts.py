@@ -38,6 +38,7 @@ project's grouped GEMM, `kernels/grouped_gemm.py`, NVIDIA GPUs only: `GPU_ONLY`;
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -437,6 +438,9 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
         h = _glu(_kernel_gemm(a, pl.row, True, w_gate, None, work, active), None, inter)
     elif _kernel_splits(active, inter, w_gate.shape[1], tile)[0] == 1:
         h = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
+    elif os.environ.get("EP_REDUCE", "all") == "none":
+        gu = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
+        h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
     else:
         unit = pl.unit_counters
         if unit is None or unit.size < work.shape[0] * (inter // words):  # no plan kernel's, or too few: zeros
@@ -444,7 +448,7 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
         h = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active, reduce={"reduce": 1,
                                                                               "counters": unit.reshape(-1)})
     h = mxfp8_quantize(h) if fp8 else h
-    if _kernel_splits(active, lat, inter, tile)[0] > 1:
+    if _kernel_splits(active, lat, inter, tile)[0] > 1 or os.environ.get("EP_REDUCE", "all") != "all":
         return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
     rows = pl.row_counters
     if rows is None:  # each row's pairs in every word (the plan kernel's row_counters)

@@ -59,6 +59,7 @@ from jax_latent_ep.kernels.primitives import (
     griddepcontrol_wait,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    shfl_idx,
     f32_from_bits,
     load_b32,
     load_shared_b32,
@@ -85,6 +86,8 @@ WARPS = THREADS // 32
 ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
+#: Splits the in-kernel split sum loads together (more go one at a time).
+UNROLLED_SPLITS = 8
 #: Past the ring: the reduction's word (arrivals seen last, or the split flag) and its rows (at most a work item's).
 REDUCE_BYTES = 4 * (1 + BLOCK_M)
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES) + REDUCE_BYTES
@@ -410,13 +413,13 @@ class GroupedGemm:
         warp = tid // 32
         s_n = smem_w + Uint32(self.stages * W_STAGE_BYTES + self.extra_bytes)  # [1 + BLOCK_M] words past the ring
         words_per = num_n // 64
-        fence_acq_rel_gpu()  # this thread's partials before the CTA's arrivals
         if tid == 0:
             store_shared_b32(s_n, Uint32(0))
-        cute.arch.sync_threads()
+        cute.arch.sync_threads()  # the CTA's partials are stored; thread 0's fence then releases them all
         if reduce == 1:
             # ---- The split sum and the SwiGLU: one arrival per unit; the last split's CTA reduces the tile.
             if tid == 0:
+                fence_acq_rel_gpu()
                 old = atomic_add_relaxed_gpu(counters + (Int64(item) * Int64(words_per) + Int64(tile)) * 4, Uint32(1))
                 if Int32(old) == num_splits - 1:
                     fence_acq_rel_gpu()
@@ -425,15 +428,29 @@ class GroupedGemm:
             if load_shared_b32(s_n) != Uint32(0):
                 per_row = self.tile_n // 2  # threads of one row: two columns each
                 out_n = 2 * num_n
+                split_bytes = Int64(num_rows) * Int64(out_n) * 4
                 for r in range(tid // per_row, rows, self.threads // per_row):
                     c = tile * 2 * self.tile_n + 2 * (tid % per_row)  # the gate's columns; the up's tile_n on
                     at = out + (Int64(first + r) * Int64(out_n) + Int64(c)) * 4
                     g0, g1 = load_cg_v2_f32(at)
                     u0, u1 = load_cg_v2_f32(at + Int64(self.tile_n) * 4)
-                    for sp in range(1, num_splits):  # split order, from the first split's partial
-                        at = at + Int64(num_rows) * Int64(out_n) * 4
-                        x0, x1 = load_cg_v2_f32(at)
-                        y0, y1 = load_cg_v2_f32(at + Int64(self.tile_n) * 4)
+                    # Splits 1 .. 7 loaded together (past the last split the last one's, not added), then the rest.
+                    parts = []
+                    for sp in cutlass.range_constexpr(1, UNROLLED_SPLITS):
+                        last = num_splits - 1
+                        if last > sp:
+                            last = Int32(sp)
+                        at_sp = at + Int64(last) * split_bytes
+                        parts.append(load_cg_v2_f32(at_sp) + load_cg_v2_f32(at_sp + Int64(self.tile_n) * 4))
+                    for sp in cutlass.range_constexpr(1, UNROLLED_SPLITS):
+                        x0, x1, y0, y1 = parts[sp - 1]
+                        if sp < num_splits:
+                            g0, g1 = add_rn(g0, x0), add_rn(g1, x1)
+                            u0, u1 = add_rn(u0, y0), add_rn(u1, y1)
+                    for sp in range(UNROLLED_SPLITS, num_splits):
+                        at_sp = at + Int64(sp) * split_bytes
+                        x0, x1 = load_cg_v2_f32(at_sp)
+                        y0, y1 = load_cg_v2_f32(at_sp + Int64(self.tile_n) * 4)
                         g0, g1 = add_rn(g0, x0), add_rn(g1, x1)
                         u0, u1 = add_rn(u0, y0), add_rn(u1, y1)
                     col = Int64(tile * self.tile_n + 2 * (tid % per_row))
@@ -441,6 +458,9 @@ class GroupedGemm:
                                      silu_mul(g1, u1))
         else:
             # ---- The row sum: one arrival per pair; the last pair of a row (this column tile) sums the row.
+            if tid == 0:
+                fence_acq_rel_gpu()
+            cute.arch.sync_threads()
             if tid < rows:
                 row = Int32(load_b32(pair_row + Int64(first + tid) * 4))
                 old = atomic_add_relaxed_gpu(counters + (Int64(row) * Int64(words_per) + Int64(tile)) * 4,
@@ -453,16 +473,31 @@ class GroupedGemm:
             done = Int32(load_shared_b32(s_n))
             for i in range(warp, done, self.threads // 32):
                 row = Int32(load_shared_b32(s_n + Uint32(4 * (i + 1))))
+                # Lane m: slot m's pair (M <= 32 slots) and weight, pair 0 where the slot has none (a valid address:
+                # its product is not added); then the slots' loads 16 at a time, added in ascending slot order.
+                pm = used
+                if lane < num_slots:
+                    pm = Int32(load_b32(row_pairs + (Int64(row) * Int64(num_slots) + Int64(lane)) * 4))
+                live = Int32(0)
+                if pm < used:
+                    live = Int32(1)
+                else:
+                    pm = Int32(0)
+                cm = load_b32(pair_weight + Int64(pm) * 4)
                 for h in cutlass.range_constexpr(self.tile_n // 64):  # 64 columns a warp pass, two a lane
                     col = Int64(tile * self.tile_n + h * 64 + 2 * lane)
                     s0, s1 = Float32(0.0), Float32(0.0)
-                    for m in range(num_slots):  # ascending slot order, from 0
-                        pair = Int32(load_b32(row_pairs + (Int64(row) * Int64(num_slots) + Int64(m)) * 4))
-                        if pair < used:
-                            coef = f32_from_bits(load_b32(pair_weight + Int64(pair) * 4))
-                            y0, y1 = load_cg_v2_f32(out + (Int64(pair) * Int64(num_n) + col) * 4)
-                            s0 = add_rn(s0, mul_rn(y0, coef))
-                            s1 = add_rn(s1, mul_rn(y1, coef))
+                    for half in cutlass.range_constexpr(2):
+                        if half == 0 or num_slots > 16:
+                            ys = []
+                            for m in cutlass.range_constexpr(16 * half, 16 * half + 16):
+                                pair = Int32(shfl_idx(Uint32(pm), m))
+                                ys.append(load_cg_v2_f32(out + (Int64(pair) * Int64(num_n) + col) * 4))
+                            for m in cutlass.range_constexpr(16 * half, 16 * half + 16):
+                                coef = f32_from_bits(shfl_idx(cm, m))
+                                if Int32(shfl_idx(Uint32(live), m)) != 0:
+                                    s0 = add_rn(s0, mul_rn(ys[m - 16 * half][0], coef))
+                                    s1 = add_rn(s1, mul_rn(ys[m - 16 * half][1], coef))
                     store_b32_bf16x2(reduce_out + (Int64(row) * Int64(num_n) + col) * 2, s0, s1)
 
     @cute.jit
