@@ -173,7 +173,8 @@ class GroupedGemm:
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
             # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
-            min_blocks_per_mp=2 if self.fp8 else 0,
+            # BF16: three CTAs an SM (<= 168 registers; the reductions' epilogue must not cost a CTA).
+            min_blocks_per_mp=2 if self.fp8 else 3,
         )
 
     # -----------------------------------------------------------------------------------------------------
