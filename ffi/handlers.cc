@@ -240,8 +240,7 @@ static_assert(visited_count<ep_abi::CombineParams>() == ep_abi::kCombineParamsCo
 static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, counters, pair_row, row_pairs,
-// pair_weight, count) -> (out, reduce_out, counters_out): the expert stage's GEMM
+// grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
 // (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel (MXFP8 `a`); no rank.
 
 struct GroupedGemm {
@@ -260,29 +259,18 @@ struct GroupedGemm {
         .template Arg<ffi::AnyBuffer>()          // w_scale: f32 [G, K/128, N/128] (read only with FP8 weights)
         .template Arg<ffi::AnyBuffer>()          // w_second_scale: as w_scale (FP8 weights and two_weights only)
         .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, items)
-        .template Arg<ffi::AnyBuffer>()          // counters: int32 (reduce only; aliased to counters_out)
-        .template Arg<ffi::AnyBuffer>()          // pair_row: int32 [P] (reduce 2 only)
-        .template Arg<ffi::AnyBuffer>()          // row_pairs: int32 [R_out, M] (reduce 2 only)
-        .template Arg<ffi::AnyBuffer>()          // pair_weight: f32 [P] (reduce 2 only)
-        .template Arg<ffi::AnyBuffer>()          // count: int32 [1] (reduce 2 only)
         .template Ret<ffi::AnyBuffer>()          // out: f32 [S, P, N or 2N] partials, or bf16 [P, N] with fuse_glu
-        .template Ret<ffi::AnyBuffer>()          // reduce_out: bf16 [P, N] (reduce 1), [R_out, N] (2), or [0]
-        .template Ret<ffi::AnyBuffer>()          // counters_out: the counters (reduce: aliased), or [0]
         .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
         .template Attr<int64_t>("two_weights")   // 1: gate and up (w, w_second) in one launch
         .template Attr<int64_t>("fuse_glu")      // 1: out = bf16(silu(gate) * up) (two_weights, one split)
-        .template Attr<int64_t>("k_per_split")   // contraction length of each of the S splits
-        .template Attr<int64_t>("reduce");       // 0 none, 1 split sum + SwiGLU, 2 row sum (kernels/abi.py)
+        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows,
                             ffi::AnyBuffer a_scale, ffi::AnyBuffer w, ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale,
-                            ffi::AnyBuffer w_second_scale, ffi::AnyBuffer work, ffi::AnyBuffer counters,
-                            ffi::AnyBuffer pair_row, ffi::AnyBuffer row_pairs, ffi::AnyBuffer pair_weight,
-                            ffi::AnyBuffer count, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> reduce_out, ffi::Result<ffi::AnyBuffer> counters_out,
-                            int64_t indexed, int64_t two_weights, int64_t fuse_glu, int64_t k_per_split,
-                            int64_t reduce) {
+                            ffi::AnyBuffer w_second_scale,
+                            ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
+                            int64_t fuse_glu, int64_t k_per_split) {
     const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
     const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
     l.kernel = find_kernel(kernel, ordinal);
@@ -328,36 +316,6 @@ struct GroupedGemm {
         e.failure()) {
       return e;
     }
-    // The reductions: 1 needs gate and up split (partials, S >= 2), counters of W * N / 64 words; 2 one weight in
-    // one split, counters of R_out * N / 64 words, each row's pairs in `row_pairs`.
-    int64_t R_out = 0, M = 0;
-    if (reduce != 0) {
-      auto cd = counters.dimensions(), qd = row_pairs.dimensions();
-      const int64_t words = counters.element_count(), per = N / ep_abi::kGemmBlockN;
-      if (reduce == 2 && qd.size() == 2) R_out = qd[0], M = qd[1];
-      const bool shape_ok = reduce == 1 ? (two_weights && !fuse_glu && S >= 2 && words >= W * per)
-                                        : (reduce == 2 && !two_weights && !fuse_glu && S == 1 && qd.size() == 2 &&
-                                           M >= 1 && words >= R_out * per);
-      if (!shape_ok || cd.size() == 0 || counters.untyped_data() != counters_out->untyped_data()) {
-        return ffi::Error::InvalidArgument(
-            "jax_latent_ep grouped_gemm: reduce=" + std::to_string(reduce) + " needs (1) gate and up in S >= 2 "
-            "splits with W * N / 64 counters, or (2) one weight in one split with R * N / 64 counters and "
-            "row_pairs [R, M]; counters aliased to counters_out; got S=" + std::to_string(S) + ", " +
-            std::to_string(words) + " counters");
-      }
-      ffi::Error ok = ffi::Error::Success();
-      if (ffi::Error e = first_error(
-              {expect(kWhat, "counters", counters, ffi::DataType::S32, {words}),
-               reduce == 1 ? expect(kWhat, "reduce_out", *reduce_out, ffi::DataType::BF16, {P, N})
-                           : expect(kWhat, "reduce_out", *reduce_out, ffi::DataType::BF16, {R_out, N}),
-               reduce == 2 ? expect(kWhat, "pair_row", pair_row, ffi::DataType::S32, {P}) : ok,
-               reduce == 2 ? expect(kWhat, "row_pairs", row_pairs, ffi::DataType::S32, {R_out, M}) : ok,
-               reduce == 2 ? expect(kWhat, "pair_weight", pair_weight, ffi::DataType::F32, {P}) : ok,
-               reduce == 2 ? expect(kWhat, "count", count, ffi::DataType::S32, {1}) : ok});
-          e.failure()) {
-        return e;
-      }
-    }
     const int64_t tiles = N / tile;
     // Every unit (split, item, tile) of the static shape; the CTAs that fit at once loop over the non-empty ones.
     const int64_t units = S * W * tiles;
@@ -375,21 +333,12 @@ struct GroupedGemm {
         .w_second_scale = fp8 && two_weights ? address(w_second_scale.untyped_data()) : int64_t{0},
         .work = address(work.untyped_data()),
         .out = address(out->untyped_data()),
-        .reduce_out = reduce != 0 ? address(reduce_out->untyped_data()) : int64_t{0},
-        .counters = reduce != 0 ? address(counters_out->untyped_data()) : int64_t{0},
-        .pair_row = reduce == 2 ? address(pair_row.untyped_data()) : int64_t{0},
-        .row_pairs = reduce == 2 ? address(row_pairs.untyped_data()) : int64_t{0},
-        .pair_weight = reduce == 2 ? address(pair_weight.untyped_data()) : int64_t{0},
-        .count = reduce == 2 ? address(count.untyped_data()) : int64_t{0},
         .num_k = static_cast<int32_t>(K),
         .num_n = static_cast<int32_t>(N),
         .num_rows = static_cast<int32_t>(P),
         .num_work = static_cast<int32_t>(W),
         .k_per_split = static_cast<int32_t>(k_per_split),
         .fuse_glu = fuse_glu ? 1 : 0,
-        .num_slots = static_cast<int32_t>(M),
-        .num_out_rows = static_cast<int32_t>(R_out),
-        .reduce = static_cast<int32_t>(reduce),
     });
     return ffi::Error::Success();
   }
@@ -402,9 +351,8 @@ static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCo
               "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
 
 // ---------------------------------------------------------------------------------------------------------
-// expert_plan(ids, weights, src, rank, x, sf) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs,
-// work, scratch, xb, unit_counters, row_counters): the expert stage's plan (kernels/expert_plan.py): CTA 0 plans, the
-// others dequantize the rows; no rank registration.
+// expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
+// scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
 
 struct ExpertPlan {
   static constexpr const char* kWhat = "expert_plan";
@@ -417,8 +365,6 @@ struct ExpertPlan {
         .template Arg<ffi::AnyBuffer>()             // weights: f32 [R, K]
         .template Arg<ffi::AnyBuffer>()             // src: int32 [R], -1 in empty rows
         .template Arg<ffi::AnyBuffer>()             // rank: int32 [1]
-        .template Arg<ffi::AnyBuffer>()             // x: float8_e4m3fn [R, L], the receive rows' MXFP8 elements
-        .template Arg<ffi::AnyBuffer>()             // sf: uint8 [R, L/32], their E8M0 scales
         .template Ret<ffi::AnyBuffer>()             // pair_row: int32 [C]
         .template Ret<ffi::AnyBuffer>()             // pair_expert: int32 [C]
         .template Ret<ffi::AnyBuffer>()             // pair_weight: f32 [C]
@@ -427,22 +373,16 @@ struct ExpertPlan {
         .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
         .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
         .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
-        .template Ret<ffi::AnyBuffer>()             // xb: bf16 [R, L]
-        .template Ret<ffi::AnyBuffer>()             // unit_counters: int32 [W, L/64]
-        .template Ret<ffi::AnyBuffer>()             // row_counters: int32 [R, L/64]
         .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
         .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer src,
-                            ffi::AnyBuffer rank, ffi::AnyBuffer x, ffi::AnyBuffer sf,
-                            ffi::Result<ffi::AnyBuffer> pair_row,
+                            ffi::AnyBuffer rank, ffi::Result<ffi::AnyBuffer> pair_row,
                             ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
                             ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
                             ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
-                            ffi::Result<ffi::AnyBuffer> scratch, ffi::Result<ffi::AnyBuffer> xb,
-                            ffi::Result<ffi::AnyBuffer> unit_counters, ffi::Result<ffi::AnyBuffer> row_counters,
-                            int64_t rows_per_source, int64_t max_tokens) {
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
     l.kernel = find_kernel(kWhat, ordinal);
     if (l.kernel == nullptr) {
       return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
@@ -482,24 +422,7 @@ struct ExpertPlan {
         e.failure()) {
       return e;
     }
-    auto xd = x.dimensions();
-    const int64_t L = xd.size() == 2 ? xd[1] : 0, T64 = L / ep_abi::kGemmBlockN;
-    if (L < ep_abi::kGemmBlockN || L % ep_abi::kGemmBlockN || L > (int64_t{1} << 24) || R * L >= (int64_t{1} << 31)) {
-      return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: x must be [R, L] with L a multiple of 64, got L=" +
-                                         std::to_string(L));
-    }
-    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
-                                    expect(kWhat, "sf", sf, ffi::DataType::U8, {R, L / ep_abi::kMxBlock}),
-                                    expect(kWhat, "xb", *xb, ffi::DataType::BF16, {R, L}),
-                                    expect(kWhat, "unit_counters", *unit_counters, ffi::DataType::S32, {W, T64}),
-                                    expect(kWhat, "row_counters", *row_counters, ffi::DataType::S32, {R, T64})});
-        e.failure()) {
-      return e;
-    }
-    // CTA 0 plans; the others dequantize eight elements a thread (about eight chunks each), at most two waves.
-    const int64_t chunks = R * L / 8;
-    const int64_t dequant = std::min<int64_t>(std::max<int64_t>(1, chunks / (8 * ep_abi::kPlanThreads)), 264);
-    l.grid = static_cast<unsigned>(1 + dequant);
+    l.grid = 1;
     l.params = make_params(ep_abi::ExpertPlanParams{
         .ids = address(ids.untyped_data()),
         .weights = address(weights.untyped_data()),
@@ -513,11 +436,6 @@ struct ExpertPlan {
         .row_pairs = address(row_pairs->untyped_data()),
         .work = address(work->untyped_data()),
         .scratch = address(scratch->untyped_data()),
-        .x = address(x.untyped_data()),
-        .sf = address(sf.untyped_data()),
-        .xb = address(xb->untyped_data()),
-        .unit_counters = address(unit_counters->untyped_data()),
-        .row_counters = address(row_counters->untyped_data()),
         .num_rows = static_cast<int32_t>(R),
         .topk = static_cast<int32_t>(K),
         .num_local_experts = static_cast<int32_t>(J),
@@ -525,7 +443,6 @@ struct ExpertPlan {
         .max_tokens = static_cast<int32_t>(max_tokens),
         .capacity = static_cast<int32_t>(C),
         .num_work = static_cast<int32_t>(W),
-        .num_latent = static_cast<int32_t>(L),
     });
     return ffi::Error::Success();
   }

@@ -38,7 +38,6 @@ project's grouped GEMM, `kernels/grouped_gemm.py`, NVIDIA GPUs only: `GPU_ONLY`;
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -69,11 +68,6 @@ class Plan(NamedTuple):
         its first slot, or `C` where the row has fewer (points at a zero row).
       work: int32 `[W, 4]`, the grouped GEMM kernel's work list (`work_items`) when the plan kernel built the
         plan, else None (the kernel implementation then derives it).
-      activations: bf16 `[R, L]`, the receive rows dequantized (`activations(recv)`, the same bits) when the plan
-        kernel built the plan, else None.
-      unit_counters: int32 `[W, L / 64]` zeros, and row_counters: int32 `[R, L / 64]`, each row's pairs in every
-        word: the grouped GEMM kernel's arrival counters (its in-kernel split sum and row sum) when the plan kernel
-        built the plan, else None (the kernel implementation then makes them).
     """
 
     row: jax.Array
@@ -83,9 +77,6 @@ class Plan(NamedTuple):
     count: jax.Array
     row_pairs: jax.Array
     work: jax.Array | None = None
-    activations: jax.Array | None = None
-    unit_counters: jax.Array | None = None
-    row_counters: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -237,14 +228,12 @@ def _gpus(what: str):
     return gpus
 
 
-def plan_kernel_fits(rows: int, topk: int, num_local_experts: int, latent: int = abi.GEMM_BLOCK_N) -> bool:
-    """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts and
-    latent `L = latent`: `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK`, `J * ceil(R / 32) <=
-    NUM_PLAN_BITMAP_WORDS` (its per-expert row bitmaps in shared memory; `kernels/abi.py`) and `L` a multiple of 64
-    (its counters: a word per 64 columns)."""
+def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
+    """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts:
+    `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK` and `J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS` (its
+    per-expert row bitmaps in shared memory; `kernels/abi.py`)."""
     j = num_local_experts
-    return (j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and latent % abi.GEMM_BLOCK_N == 0
-            and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS)
+    return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
 
 
 def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
@@ -252,18 +241,17 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -
     from jax_latent_ep.runtime import ffi
 
     rows, k = recv.ids.shape
-    lat = recv.x.shape[1]
-    if not plan_kernel_fits(rows, k, j, lat):
+    if not plan_kernel_fits(rows, k, j):
         raise ValueError(f"experts.plan(impl='kernel') takes J <= {abi.NUM_MAX_PLAN_EXPERTS} local experts, K <= "
-                         f"{abi.NUM_MAX_TOPK} ids, J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS} and L a multiple "
-                         f"of {KERNEL_BLOCK_N}, got J={j}, K={k}, R={rows}, L={lat}: use impl='xla'")
+                         f"{abi.NUM_MAX_TOPK} ids and J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS}, got J={j}, "
+                         f"K={k}, R={rows}: use impl='xla'")
     ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
     num_work = min(j, cap) + cap // KERNEL_BLOCK_M
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
-    row, expert, weight, sizes, count, row_pairs, work, xb, unit_counters, row_counters = ffi.expert_plan_call(
-        recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank, recv.x,
-        recv.sf, capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
-    return Plan(row, expert, weight, sizes, count[0], row_pairs, work, xb, unit_counters, row_counters)
+    row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
+        recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
+    return Plan(row, expert, weight, sizes, count[0], row_pairs, work)
 
 
 def activations(recv: Received):
@@ -377,14 +365,11 @@ def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) ->
     return -(-steps // per), per * step
 
 
-def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False,
-                 reduce: dict | None = None):
+def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
     `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
     summed in split order. `a` is bf16, or with FP8 weights MXFP8 `(q, sf)`. Pairs outside every work item hold
-    garbage (nothing reads them). `reduce` (`grouped_gemm_call`'s reduce arguments) returns the kernel's own
-    reduction instead: `reduce=1` the SwiGLU of the split sums, bf16 `[C, I]`; `reduce=2` the row sums, bf16
-    `[R, N]`."""
+    garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
     fp8 = isinstance(w, BlockScaled)
@@ -404,9 +389,6 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
                                      k_per_split=k, **scales)
     splits, per = _kernel_splits(num_active, n, k, tile)
-    if reduce is not None:
-        return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
-                                     k_per_split=per, **scales, **reduce)[1]
     parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
                                   k_per_split=per, **scales)
     total = parts[0]
@@ -417,50 +399,30 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
-    that reads each pair's row of `xb` itself and ends in the SwiGLU (bf16 `h`): in its epilogue, or with a split
-    contraction in the unit whose split arrives last, which sums the splits' partials in split order. Then down,
-    whose last pair of each row (and 64 columns) sums the row's weighted pair outputs: the result `[R, L]` itself.
-    Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The contraction
-    splits are chosen for `min(J, C, expected_pairs)` active experts. With FP8 weights the activations are MXFP8:
-    the received rows `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down. Where down's
-    contraction is split, it returns the per-pair FP32 outputs instead (`swiglu_rows` sums them)."""
+    that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
+    then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The
+    contraction splits are chosen for `min(J, C, expected_pairs)` active experts. With FP8 weights the activations
+    are MXFP8: the received rows `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
     work = pl.work if pl.work is not None else work_items(pl)
     active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
-    inter, lat = w_down.shape[1], w_down.shape[2]
+    inter = w_down.shape[1]
     tile = _kernel_tile(w_gate)
     fp8 = isinstance(w_gate, BlockScaled)
     a = (mx if mx is not None else mxfp8_quantize(xb)) if fp8 else xb
-    words = KERNEL_BLOCK_N
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
         h = _glu(_kernel_gemm(a, pl.row, True, w_gate, None, work, active), None, inter)
     elif _kernel_splits(active, inter, w_gate.shape[1], tile)[0] == 1:
         h = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active, fuse_glu=True)
-    elif os.environ.get("EP_REDUCE", "all") == "none":
+    else:
         gu = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
         h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
-    else:
-        unit = pl.unit_counters
-        if unit is None or unit.size < work.shape[0] * (inter // words):  # no plan kernel's, or too few: zeros
-            unit = jnp.zeros((work.shape[0] * (inter // words),), jnp.int32)
-        h = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active, reduce={"reduce": 1,
-                                                                              "counters": unit.reshape(-1)})
-    h = mxfp8_quantize(h) if fp8 else h
-    if _kernel_splits(active, lat, inter, tile)[0] > 1 or os.environ.get("EP_REDUCE", "all") != "all":
-        return _kernel_gemm(h, pl.row, False, w_down, None, work, active)
-    rows = pl.row_counters
-    if rows is None:  # each row's pairs in every word (the plan kernel's row_counters)
-        used = jnp.sum(pl.row_pairs < pl.count, axis=1, dtype=jnp.int32)
-        rows = jnp.broadcast_to(used[:, None], (pl.row_pairs.shape[0], lat // words))
-    return _kernel_gemm(h, pl.row, False, w_down, None, work, active,
-                        reduce={"reduce": 2, "counters": rows.reshape(-1), "row_pairs": pl.row_pairs,
-                                "pair_weight": pl.weight, "count": pl.count.reshape(1)})
+    return _kernel_gemm(mxfp8_quantize(h) if fp8 else h, pl.row, False, w_down, None, work, active)
 
 
-#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L],
-#: or the rows' bf16 result [R, L] itself, summed as `swiglu` documents (the kernel)
+#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
 #: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
 #: the kernel takes with FP8 weights; the XLA implementations ignore both).
 IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
@@ -511,8 +473,6 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
     y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)  # [C, L] f32; unused pairs: garbage
-    if y.dtype == jnp.bfloat16:  # the implementation summed the rows itself (the kernel), in the same order
-        return y
     # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
     valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
     safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
@@ -545,8 +505,8 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    xb = pl.activations if pl.activations is not None else activations(recv)
-    return swiglu_rows(pl, xb, w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs, mx=(recv.x, recv.sf))
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
+                       mx=(recv.x, recv.sf))
 
 
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
@@ -556,7 +516,7 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
     (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
     them here under uniform routing)."""
     if plan_impl is None:
-        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0], recv.x.shape[1])
+        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape

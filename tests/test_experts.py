@@ -104,12 +104,11 @@ PLAN_KERNEL_CASES = [(n, r, t, mt, e, k, 0.4) for n, r, t, mt, _, e, k, _ in CAS
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PLAN_KERNEL_CASES, ids=lambda c: f"N{c[0]}-E{c[4]}-T{c[3]}")
 def test_plan_kernel_is_the_xla_plan(case):
-    """The plan kernel's words are the XLA plan's, bit for bit (pairs, weights, group sizes, count, the way back),
-    its work list is `work_items` of the XLA plan, its activations `experts.activations` bit for bit, its unit
-    counters zero and each row's counter words the row's pairs."""
+    """The plan kernel's words are the XLA plan's, bit for bit (pairs, weights, group sizes, count, the way back)
+    and its work list is `work_items` of the XLA plan."""
     n, rank, tokens, mt, e, k, bias = case
     rng = np.random.default_rng(zlib.crc32(f"plan-kernel/{case}".encode()))
-    recv = random_received(rng, ranks=n, rank=rank, tokens=tokens, max_tokens=mt, latent=192, experts=e, topk=k,
+    recv = random_received(rng, ranks=n, rank=rank, tokens=tokens, max_tokens=mt, latent=64, experts=e, topk=k,
                            pad_tokens=0.15, pad_slots=0.2, duplicates=0.3, local_bias=bias)
     recv = jax.tree.map(jnp.asarray, recv)
     j = e // n
@@ -122,13 +121,6 @@ def test_plan_kernel_is_the_xla_plan(case):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32), err_msg=name)
     np.testing.assert_array_equal(np.asarray(got.work), np.asarray(jax.jit(experts.work_items)(want)))
-    xb, xb_want = np.asarray(got.activations), np.asarray(jax.jit(experts.activations)(recv))
-    live = np.asarray(recv.src) != -1  # empty rows' contents are unspecified
-    np.testing.assert_array_equal(xb[live].view(np.uint16), xb_want[live].view(np.uint16))
-    assert np.any(xb_want[live] != 0)
-    assert got.unit_counters.shape == (got.work.shape[0], 3) and not np.any(np.asarray(got.unit_counters))
-    pairs = np.sum(np.asarray(want.row_pairs) < int(want.count), axis=1)
-    np.testing.assert_array_equal(np.asarray(got.row_counters), np.repeat(pairs[:, None], 3, axis=1))
 
 
 def test_plan_kernel_refusals():
@@ -136,12 +128,11 @@ def test_plan_kernel_refusals():
     recv = jax.tree.map(jnp.asarray, recv)
     with pytest.raises(ValueError, match="impl='fast' must be one of"):
         experts.plan(recv, 0, 16, impl="fast")
-    with pytest.raises(ValueError, match=r"J <= 2048 local experts, K <= 32 ids, J \* ceil\(R / 32\) <= 24576 and L "
-                       "a multiple of 64, got J=4096"):
+    with pytest.raises(ValueError, match=r"J <= 2048 local experts, K <= 32 ids and J \* ceil\(R / 32\) <= 24576, "
+                       "got J=4096"):
         experts.plan(recv, 0, 4096, impl="kernel")
-    assert experts.plan_kernel_fits(1024, 16, 112) and experts.plan_kernel_fits(128, 16, 896, 3584)
+    assert experts.plan_kernel_fits(1024, 16, 112) and experts.plan_kernel_fits(128, 16, 896)
     assert not experts.plan_kernel_fits(8192, 16, 896) and not experts.plan_kernel_fits(8, 33, 8)
-    assert not experts.plan_kernel_fits(8, 16, 8, 96)  # L = 96: not whole 64-column counter words
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ValueError, match=r"experts.plan\(impl='kernel'\) runs on NVIDIA GPUs"):
             experts.plan(recv, 0, 16, impl="kernel")

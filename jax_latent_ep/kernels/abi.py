@@ -148,8 +148,7 @@ COMBINE = Kernel("combine", "ep_combine", (
 
 #: The expert stage's grouped GEMM (`kernels/grouped_gemm.py`): for the rows of each work item (pairs of one group),
 #: `a[rows] @ w[group]` (FP32 accumulation) as per-split FP32 partials, or with `fuse_glu` the SwiGLU of gate (`w`)
-#: and up (`w_second`) rounded to BF16; with `reduce`, an in-kernel reduction of the partials (the split sum and the
-#: SwiGLU, or each row's weighted sum over its pairs) by the unit that arrives last. No peers, no status record.
+#: and up (`w_second`) rounded to BF16. No peers, no status record.
 GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     _address("a", "bf16 (FP8 kernel: float8_e4m3fn, MXFP8 with `a_scale`) [R, num_k]: the activations (rows of "
              "`a_rows`, or the pairs themselves)"),
@@ -166,35 +165,21 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     _address("out", "without fuse_glu f32 [num_splits, P, num_n] (one weight) or [num_splits, P, 2 num_n] (gate and "
              "up interleaved by 64 columns, FP8 kernel 128); with fuse_glu bf16 [P, num_n]; pairs outside every work item untouched "
              "(output)"),
-    _address("reduce_out", "with `reduce` 1 bf16 [P, num_n]: bf16(silu(sum of the splits' gate) * up); with 2 bf16 "
-             "[num_out_rows, num_n]: each row's `sum_m pair_weight * out[row_pairs[row, m]]` (output)"),
-    _address("counters", "int32, with `reduce` 1 [num_work, num_n / 64] zeros; with 2 [num_out_rows, num_n / 64], "
-             "each row's pairs (the arrivals each unit's last one awaits; the kernel consumes them), or 0"),
-    _address("pair_row", "with `reduce` 2: int32 [P], the output row of each pair"),
-    _address("row_pairs", "with `reduce` 2: int32 [num_out_rows, num_slots], each row's pairs, >= `count` unused"),
-    _address("pair_weight", "with `reduce` 2: f32 [P], each pair's routing weight"),
-    _address("count", "with `reduce` 2: int32 [1], pairs used"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
     Param("num_n", "i32", False, "columns of one weight, a multiple of 64 (FP8 kernel: 128)"),
     Param("num_rows", "i32", False, "P, pairs (rows of each split of `out`)"),
     Param("num_work", "i32", False, "work items"),
     Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64 (FP8 kernel: 128)"),
     Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
-    Param("num_slots", "i32", False, "with `reduce` 2: M, pairs a row can have"),
-    Param("num_out_rows", "i32", False, "with `reduce` 2: rows of `reduce_out`"),
-    Param("reduce", "i32", False, "0: partials only; 1: the last split of each unit sums the splits in order and "
-          "stores the SwiGLU (two weights); 2: the last pair of each row and column tile stores the row's weighted "
-          "sum in ascending slot order, rows of no pair 0 (one weight, one split)"),
 ))
 
 #: The grouped GEMM of MXFP8 activations and FP8 weights with FP32 block scales (`kernels/grouped_gemm.py`, its own
 #: cubin): the same parameters, `num_k`, `num_n` and `k_per_split` multiples of 128.
 GROUPED_GEMM_FP8 = Kernel("grouped_gemm_fp8", "ep_grouped_gemm_fp8", GROUPED_GEMM.params, params_of="grouped_gemm")
 
-#: The expert stage's plan (`kernels/expert_plan.py`; CTA 0 plans, the others dequantize the rows): the (row, local
-#: expert) pairs of one rank's receive rows grouped by local expert, the way back and the grouped GEMM's work list,
-#: exactly as `experts.plan` and `experts.work_items` compute them in XLA, and the GEMM's arrival counters.
-#: C = capacity, M = min(K, J).
+#: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
+#: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
+#: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J).
 EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("ids", "int32 [R, K]: the receive rows' expert ids"),
     _address("weights", "f32 [R, K]: their routing weights"),
@@ -209,12 +194,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
     _address("scratch", "int32 [3, R*K]: each slot's local expert (or -1: no pair), rank in its row, weight (output, "
              "unused)"),
-    _address("x", "float8_e4m3fn [R, L]: the receive rows' MXFP8 elements"),
-    _address("sf", "uint8 [R, L / 32]: their E8M0 scales"),
-    _address("xb", "bf16 [R, L]: the rows dequantized, `mxfp8_dequantize(x, sf)` rounded to bf16 (output)"),
-    _address("unit_counters", "int32 [num_work, L / 64]: zeros, the grouped GEMM's split arrivals (output)"),
-    _address("row_counters", "int32 [R, L / 64]: each row's pairs in every word, the grouped GEMM's row arrivals "
-             "(output)"),
     Param("num_rows", "i32", False, "R, receive rows"),
     Param("topk", "i32", False, "K, ids per row, <= 32"),
     Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS, J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS"),
@@ -222,7 +201,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
     Param("capacity", "i32", False, "C, pairs"),
     Param("num_work", "i32", False, "work items"),
-    Param("num_latent", "i32", False, "L, a multiple of 64"),
 ))
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_PLAN)}

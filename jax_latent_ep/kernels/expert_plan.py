@@ -1,10 +1,9 @@
 """EpExpertPlan: the expert stage's plan and the grouped GEMM's work list in one CTA, the same words as the XLA plan
-(`experts.plan`, `experts.work_items`) in one launch instead of a chain of small XLA kernels, and the received rows
-dequantized to bf16 by the launch's other CTAs.
+(`experts.plan`, `experts.work_items`) in one launch instead of a chain of small XLA kernels.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.EXPERT_PLAN`. CTA 0 of `THREADS` plans; per-expert counters and per-expert row bitmaps
+Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters and per-expert row bitmaps
 (`J * ceil(R / 32)` words) live in shared memory. Phases, each ending at a CTA barrier:
   1. rows: a warp takes `32 / P` rows at a time (`P`, the power of two >= K, lanes per row; lane k of a row holds
      slot k). A slot is a pair when its id is local, its row live and no earlier slot of the row names the same
@@ -16,13 +15,8 @@ Parameters: `kernels.abi.EXPERT_PLAN`. CTA 0 of `THREADS` plans; per-expert coun
      warp over the warp totals); `group_sizes`, `count` and the work list are written from them.
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
      has one pair per expert): the XLA plan's order, expert then row. Unused pairs get row 0, expert J, weight 0.
-Phase 1 also sets each row's words of `row_counters` to its pairs (the grouped GEMM's row sum counts them down).
 Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
 once.
-
-The other CTAs (`grid - 1`, the FFI's choice) dequantize the receive rows meanwhile, `xb = bf16(x * 2^(sf - 127))`
-eight elements a thread, and zero `unit_counters` (the grouped GEMM's split arrivals): the expert stage's first
-kernel does both, so no XLA kernel runs between the plan and the gate / up GEMM.
 """
 
 from __future__ import annotations
@@ -42,8 +36,6 @@ from jax_latent_ep.kernels.primitives import (
     f32_from_bits,
     griddepcontrol_wait,
     load_b32,
-    load_u64,
-    mxfp8_to_bf16x8,
     load_shared_b32,
     match_any,
     popc,
@@ -102,11 +94,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        x: Int64,
-        sf: Int64,
-        xb: Int64,
-        unit_counters: Int64,
-        row_counters: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -114,13 +101,11 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        num_latent: Int32,
     ):
         self.kernel(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-                    scratch, x, sf, xb, unit_counters, row_counters, num_rows, topk, num_local_experts,
-                    rows_per_source, max_tokens, capacity, num_work, num_latent).launch(
-            # The FFI handler sets the grid: CTA 0 plans, the others dequantize.
-            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1)
+                    scratch, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity,
+                    num_work).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
+                                     preferred_smem_carveout=-1)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -140,11 +125,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        x: Int64,
-        sf: Int64,
-        xb: Int64,
-        unit_counters: Int64,
-        row_counters: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -152,48 +132,7 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        num_latent: Int32,
     ):
-        cta, _, _ = cute.arch.block_idx()
-        if Int32(cta) == 0:
-            self.plan(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-                      scratch, row_counters, num_rows, topk, num_local_experts, rows_per_source, max_tokens,
-                      capacity, num_work, num_latent)
-        else:
-            self.dequantize(x, sf, xb, unit_counters, num_rows, num_work, num_latent)
-
-    @cute.jit
-    def dequantize(self, x: Int64, sf: Int64, xb: Int64, unit_counters: Int64, num_rows: Int32, num_work: Int32,
-                   num_latent: Int32):
-        """CTAs 1 ..: `xb = bf16(mxfp8_dequantize(x, sf))`, eight elements a thread at a time, and zero
-        `unit_counters`."""
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        first = (Int32(cta) - 1) * THREADS + Int32(tid)
-        step = (Int32(grid) - 1) * THREADS
-        tiles = num_latent // 64
-        griddepcontrol_wait()  # the rows come from the previous kernels
-        for i in range(first, num_work * tiles, step):
-            store_b32(unit_counters + Int64(i) * 4, Uint32(0))
-        per_row = num_latent // 8
-        blocks = num_latent // 32
-        for c in range(first, num_rows * per_row, step):
-            r = c // per_row
-            e0 = (c - r * per_row) * 8
-            at = Int64(r) * Int64(num_latent) + Int64(e0)
-            q = load_u64(x + at)
-            s_idx = r * blocks + e0 // 32
-            word = load_b32(sf + Int64(s_idx // 4 * 4))
-            e = (word >> Uint32((s_idx % 4) * 8)) & Uint32(0xFF)
-            store_v4(xb + at * 2, mxfp8_to_bf16x8(q, f32_from_bits(e << Uint32(23))))
-
-    @cute.jit
-    def plan(self, ids: Int64, weights: Int64, src: Int64, rank: Int64, pair_row: Int64, pair_expert: Int64,
-             pair_weight: Int64, group_sizes: Int64, count: Int64, row_pairs: Int64, work: Int64, scratch: Int64,
-             row_counters: Int64, num_rows: Int32, topk: Int32, num_local_experts: Int32, rows_per_source: Int32,
-             max_tokens: Int32, capacity: Int32, num_work: Int32, num_latent: Int32):
-        """CTA 0: the plan's three phases (module docstring)."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         lane = tid % 32
@@ -254,9 +193,6 @@ class ExpertPlan:
                 if slot_id >= first_id and slot_id < first_id + j and (same & below) == zero:
                     is_pair = Int32(1)
             pairs = ballot(is_pair) & row_slots
-            if r < num_rows:  # every word of the row's arrival counters: its pairs
-                for t in range(slot, num_latent // 64, lanes):
-                    store_b32(row_counters + (Int64(r) * Int64(num_latent // 64) + Int64(t)) * 4, popc(pairs))
             repeats = Int32(0)
             if holds != 0 and popc(same) > Uint32(1):
                 repeats = Int32(1)

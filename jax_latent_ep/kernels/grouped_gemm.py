@@ -37,19 +37,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
-    add_rn,
-    atomic_add_relaxed_gpu,
-    atomic_add_shared,
-    fence_acq_rel_gpu,
-    load_cg_v2_f32,
-    mul_rn,
-    store_shared_b32,
-    store_v4,
     cp_async_4,
     cp_async_16,
     cp_async_commit,
@@ -59,7 +51,6 @@ from jax_latent_ep.kernels.primitives import (
     griddepcontrol_wait,
     ldmatrix_x4,
     ldmatrix_x4_trans,
-    shfl_idx,
     f32_from_bits,
     load_b32,
     load_shared_b32,
@@ -86,11 +77,7 @@ WARPS = THREADS // 32
 ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
-#: Splits the in-kernel split sum loads together (more go one at a time).
-UNROLLED_SPLITS = 8
-#: Past the ring: the reduction's word (arrivals seen last, or the split flag) and its rows (at most a work item's).
-REDUCE_BYTES = 4 * (1 + BLOCK_M)
-SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES) + REDUCE_BYTES
+SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
@@ -103,7 +90,7 @@ FP8_STAGES = 6
 FP8_A_ROW_BYTES = BLOCK_K
 FP8_A_STAGE_BYTES = BLOCK_M * FP8_A_ROW_BYTES
 FP8_SF_STAGE_BYTES = BLOCK_M * 4
-FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16) + REDUCE_BYTES
+FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16)
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
@@ -136,8 +123,6 @@ class GroupedGemm:
         self.stages = FP8_STAGES if fp8 else STAGES
         self.a_stage_bytes = FP8_A_STAGE_BYTES if fp8 else A_STAGE_BYTES
         self.smem_bytes = FP8_SMEM_BYTES if fp8 else SMEM_BYTES
-        # Bytes between the weight stages and the reduction's words (FP8: the scales).
-        self.extra_bytes = FP8_STAGES * (FP8_SF_STAGE_BYTES + 16) if fp8 else 0
 
     @cute.jit
     def launch(
@@ -151,30 +136,19 @@ class GroupedGemm:
         w_second_scale: Int64,
         work: Int64,
         out: Int64,
-        reduce_out: Int64,
-        counters: Int64,
-        pair_row: Int64,
-        row_pairs: Int64,
-        pair_weight: Int64,
-        count: Int64,
         num_k: Int32,
         num_n: Int32,
         num_rows: Int32,
         num_work: Int32,
         k_per_split: Int32,
         fuse_glu: Int32,
-        num_slots: Int32,
-        num_out_rows: Int32,
-        reduce: Int32,
     ):
-        self.kernel(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, reduce_out, counters,
-                    pair_row, row_pairs, pair_weight, count, num_k, num_n, num_rows, num_work, k_per_split, fuse_glu,
-                    num_slots, num_out_rows, reduce).launch(
+        self.kernel(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                    num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
             # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
-            # BF16: three CTAs an SM (<= 168 registers; the reductions' epilogue must not cost a CTA).
-            min_blocks_per_mp=2 if self.fp8 else 3,
+            min_blocks_per_mp=2 if self.fp8 else 0,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -192,21 +166,12 @@ class GroupedGemm:
         w_second_scale: Int64,
         work: Int64,
         out: Int64,
-        reduce_out: Int64,
-        counters: Int64,
-        pair_row: Int64,
-        row_pairs: Int64,
-        pair_weight: Int64,
-        count: Int64,
         num_k: Int32,
         num_n: Int32,
         num_rows: Int32,
         num_work: Int32,
         k_per_split: Int32,
         fuse_glu: Int32,
-        num_slots: Int32,
-        num_out_rows: Int32,
-        reduce: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -232,37 +197,15 @@ class GroupedGemm:
         # last round of a few CTAs streams at their few loads' rate); the others exit at once.
         rounds = (num_units + Int32(grid) - 1) // Int32(grid)
         stride = (num_units + rounds - 1) // rounds
-        # The row sum's first row of this CTA (rows `cta, cta + grid, ..` of no pair it zeroes at the end): its
-        # first pair, loaded now and used after the units.
-        used = Int32(0)
-        row_first = Int32(0)
-        if reduce == 2:
-            used = Int32(load_b32(count))
-            if cta < num_out_rows:
-                row_first = Int32(load_b32(row_pairs + Int64(cta) * Int64(num_slots) * 4))
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
-                self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, reduce_out, counters,
-                          pair_row, row_pairs, pair_weight, used, num_k, num_n, num_rows, k_per_split, fuse_glu,
-                          num_slots, reduce, num_splits, unit_idx, num_items, smem_a, smem_w, tid)
+                self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
-        if reduce == 2:
-            # Rows of no pair (no arrival ever reaches them) are zero.
-            r = cta
-            while r < num_out_rows:
-                if row_first >= used:
-                    for c in range(tid, num_n // 8, self.threads):
-                        store_v4(reduce_out + (Int64(r) * Int64(num_n) + Int64(c * 8)) * 2,
-                                 (Uint32(0), Uint32(0), Uint32(0), Uint32(0)))
-                r = r + Int32(grid)
-                if r < num_out_rows:
-                    row_first = Int32(load_b32(row_pairs + Int64(r) * Int64(num_slots) * 4))
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
-             w_second_scale: Int64, work: Int64, out: Int64, reduce_out: Int64, counters: Int64, pair_row: Int64,
-             row_pairs: Int64, pair_weight: Int64, used: Int32, num_k: Int32, num_n: Int32, num_rows: Int32,
-             k_per_split: Int32, fuse_glu: Int32, num_slots: Int32, reduce: Int32, num_splits: Int32,
+             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
              unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
         """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
         lane = tid % 32
@@ -397,109 +340,6 @@ class GroupedGemm:
                                     store_v2_f32(addr, acc[i], acc[j])
                                     if two:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
-                if reduce != 0:
-                    self.reduce_unit(out, reduce_out, counters, pair_row, row_pairs, pair_weight, used, num_n,
-                                     num_rows, num_slots, reduce, num_splits, item, tile, first, rows, smem_w, tid)
-
-    @cute.jit
-    def reduce_unit(self, out: Int64, reduce_out: Int64, counters: Int64, pair_row: Int64, row_pairs: Int64,
-                    pair_weight: Int64, used: Int32, num_n: Int32, num_rows: Int32, num_slots: Int32, reduce: Int32,
-                    num_splits: Int32, item: Int32, tile: Int32, first: Int32, rows: Int32, smem_w: Uint32,
-                    tid: Int32):
-        """After a unit's partials are stored: its arrivals, and the reduction where it arrives last (`abi`'s
-        `reduce`). Counters are one word per 64 columns (`num_n / 64` a row or item, the FP8 tiles the even
-        ones). Invariant: a reducer reads only partials whose writers fenced before their arrival, after its own
-        fence on seeing the last one."""
-        lane = tid % 32
-        warp = tid // 32
-        s_n = smem_w + Uint32(self.stages * W_STAGE_BYTES + self.extra_bytes)  # [1 + BLOCK_M] words past the ring
-        words_per = num_n // 64
-        if tid == 0:
-            store_shared_b32(s_n, Uint32(0))
-        cute.arch.sync_threads()  # the CTA's partials are stored; thread 0's fence then releases them all
-        if reduce == 1:
-            # ---- The split sum and the SwiGLU: one arrival per unit; the last split's CTA reduces the tile.
-            if tid == 0:
-                fence_acq_rel_gpu()
-                old = atomic_add_relaxed_gpu(counters + (Int64(item) * Int64(words_per) + Int64(tile)) * 4, Uint32(1))
-                if Int32(old) == num_splits - 1:
-                    fence_acq_rel_gpu()
-                    store_shared_b32(s_n, Uint32(1))
-            cute.arch.sync_threads()
-            if load_shared_b32(s_n) != Uint32(0):
-                per_row = self.tile_n // 2  # threads of one row: two columns each
-                out_n = 2 * num_n
-                split_bytes = Int64(num_rows) * Int64(out_n) * 4
-                for r in range(tid // per_row, rows, self.threads // per_row):
-                    c = tile * 2 * self.tile_n + 2 * (tid % per_row)  # the gate's columns; the up's tile_n on
-                    at = out + (Int64(first + r) * Int64(out_n) + Int64(c)) * 4
-                    g0, g1 = load_cg_v2_f32(at)
-                    u0, u1 = load_cg_v2_f32(at + Int64(self.tile_n) * 4)
-                    # Splits 1 .. 7 loaded together (past the last split the last one's, not added), then the rest.
-                    parts = []
-                    for sp in cutlass.range_constexpr(1, UNROLLED_SPLITS):
-                        last = num_splits - 1
-                        if last > sp:
-                            last = Int32(sp)
-                        at_sp = at + Int64(last) * split_bytes
-                        parts.append(load_cg_v2_f32(at_sp) + load_cg_v2_f32(at_sp + Int64(self.tile_n) * 4))
-                    for sp in cutlass.range_constexpr(1, UNROLLED_SPLITS):
-                        x0, x1, y0, y1 = parts[sp - 1]
-                        if sp < num_splits:
-                            g0, g1 = add_rn(g0, x0), add_rn(g1, x1)
-                            u0, u1 = add_rn(u0, y0), add_rn(u1, y1)
-                    for sp in range(UNROLLED_SPLITS, num_splits):
-                        at_sp = at + Int64(sp) * split_bytes
-                        x0, x1 = load_cg_v2_f32(at_sp)
-                        y0, y1 = load_cg_v2_f32(at_sp + Int64(self.tile_n) * 4)
-                        g0, g1 = add_rn(g0, x0), add_rn(g1, x1)
-                        u0, u1 = add_rn(u0, y0), add_rn(u1, y1)
-                    col = Int64(tile * self.tile_n + 2 * (tid % per_row))
-                    store_b32_bf16x2(reduce_out + (Int64(first + r) * Int64(num_n) + col) * 2, silu_mul(g0, u0),
-                                     silu_mul(g1, u1))
-        else:
-            # ---- The row sum: one arrival per pair; the last pair of a row (this column tile) sums the row.
-            if tid == 0:
-                fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if tid < rows:
-                row = Int32(load_b32(pair_row + Int64(first + tid) * 4))
-                old = atomic_add_relaxed_gpu(counters + (Int64(row) * Int64(words_per) + Int64(tile)) * 4,
-                                             Uint32(0xFFFFFFFF))
-                if old == Uint32(1):
-                    fence_acq_rel_gpu()
-                    at = atomic_add_shared(s_n, Uint32(1))
-                    store_shared_b32(s_n + Uint32(4) * (at + Uint32(1)), Uint32(row))
-            cute.arch.sync_threads()
-            done = Int32(load_shared_b32(s_n))
-            for i in range(warp, done, self.threads // 32):
-                row = Int32(load_shared_b32(s_n + Uint32(4 * (i + 1))))
-                # Lane m: slot m's pair (M <= 32 slots) and weight, pair 0 where the slot has none (a valid address:
-                # its product is not added); then the slots' loads 16 at a time, added in ascending slot order.
-                pm = used
-                if lane < num_slots:
-                    pm = Int32(load_b32(row_pairs + (Int64(row) * Int64(num_slots) + Int64(lane)) * 4))
-                live = Int32(0)
-                if pm < used:
-                    live = Int32(1)
-                else:
-                    pm = Int32(0)
-                cm = load_b32(pair_weight + Int64(pm) * 4)
-                for h in cutlass.range_constexpr(self.tile_n // 64):  # 64 columns a warp pass, two a lane
-                    col = Int64(tile * self.tile_n + h * 64 + 2 * lane)
-                    s0, s1 = Float32(0.0), Float32(0.0)
-                    for half in cutlass.range_constexpr(2):
-                        if half == 0 or num_slots > 16:
-                            ys = []
-                            for m in cutlass.range_constexpr(16 * half, 16 * half + 16):
-                                pair = Int32(shfl_idx(Uint32(pm), m))
-                                ys.append(load_cg_v2_f32(out + (Int64(pair) * Int64(num_n) + col) * 4))
-                            for m in cutlass.range_constexpr(16 * half, 16 * half + 16):
-                                coef = f32_from_bits(shfl_idx(cm, m))
-                                if Int32(shfl_idx(Uint32(live), m)) != 0:
-                                    s0 = add_rn(s0, mul_rn(ys[m - 16 * half][0], coef))
-                                    s1 = add_rn(s1, mul_rn(ys[m - 16 * half][1], coef))
-                    store_b32_bf16x2(reduce_out + (Int64(row) * Int64(num_n) + col) * 2, s0, s1)
 
     @cute.jit
     def fragment_columns(self, tile: Int32, warp: Int32, lane: Int32, mt: int, nt: int, h: int):

@@ -460,37 +460,28 @@ def load_expert_kernels(devices) -> None:
             _expert_devices.add(device.id)
 
 
-def expert_plan_call(ids, weights, src, rank, x, sf, *, capacity: int, num_local_experts: int, num_work: int,
+def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_experts: int, num_work: int,
                      rows_per_source: int, max_tokens: int):
     """The expert plan custom call (`kernels/abi.py` EXPERT_PLAN, whose table says what each operand holds):
-    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work, xb, unit_counters,
-    row_counters)`; `rank` int32 `[1]`, `x`, `sf` the receive rows' MXFP8 elements and scales."""
+    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`."""
     rows, k = ids.shape
     m = min(k, num_local_experts)
-    words = x.shape[1] // abi.GEMM_BLOCK_N
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_types = (i32(capacity), i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.float32),
-                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k),
-                 jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), i32(num_work, words), i32(rows, words))
+                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k))
     target, extra = _expert_target("expert_plan")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
-    outs = call(ids, weights, src, rank, x, sf, rows_per_source=np.int64(rows_per_source),
-                max_tokens=np.int64(max_tokens), **extra)
-    return outs[:7] + outs[8:]
+    return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
+                max_tokens=np.int64(max_tokens), **extra)[:7]
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
-                      k_per_split: int, a_scale=None, w_scale=None, w_second_scale=None, reduce: int = 0,
-                      counters=None, row_pairs=None, pair_weight=None, count=None):
+                      k_per_split: int, a_scale=None, w_scale=None, w_second_scale=None):
     """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
     FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by the kernel's column tile, 64 or
     with FP8 weights 128, with `w_second`), or with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only
-    when `indexed` (with `reduce=2` it is each pair's output row); float8_e4m3fn weights take MXFP8 activations
-    (`a` float8_e4m3fn, `a_scale` uint8) and their FP32 block scales `w_scale` (and `w_second_scale`).
-
-    `reduce` 1 (gate and up, `splits >= 2`, `counters` int32 zeros of at least `W * N / 64`) or 2 (one weight, one
-    split, `counters` `[R, N / 64]` of each row's pairs, `row_pairs` `[R, M]`, `pair_weight` `[P]`, `count` `[1]`)
-    returns `(partials, reduced bf16)`: `[P, N]` SwiGLU of the split sums, or `[R, N]` row sums (`abi`)."""
+    when `indexed`; float8_e4m3fn weights take MXFP8 activations (`a` float8_e4m3fn, `a_scale` uint8) and their
+    FP32 block scales `w_scale` (and `w_second_scale`)."""
     two = w_second is not None
     n = w.shape[2]
     p = a_rows.shape[0]
@@ -498,18 +489,10 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
         out_type = jax.ShapeDtypeStruct((p, n), jnp.bfloat16)
     else:
         out_type = jax.ShapeDtypeStruct((splits, p, n * (2 if two else 1)), jnp.float32)
-    rows = p if reduce == 1 else (row_pairs.shape[0] if reduce == 2 else 0)
-    reduced = jax.ShapeDtypeStruct((rows, n) if reduce else (0,), jnp.bfloat16)
-    left = jax.ShapeDtypeStruct(counters.shape if reduce else (0,), jnp.int32)
     target, extra = _expert_target("grouped_gemm")
-    # The counters are consumed in place: an input aliased to the third output.
-    call = jax.ffi.ffi_call(target, (out_type, reduced, left), has_side_effect=False,
-                            input_output_aliases={8: 2} if reduce else None)
-    unread = work  # an operand the kernel does not read (no scales of BF16 weights, no second weight, no reduce)
-    pick = lambda v: unread if v is None else v  # noqa: E731
-    out, red, _ = call(a, a_rows, pick(a_scale), w, w if w_second is None else w_second, pick(w_scale),
-                       pick(w_second_scale), work, counters if reduce else unread, a_rows, pick(row_pairs),
-                       pick(pair_weight), pick(count), indexed=np.int64(indexed), two_weights=np.int64(two),
-                       fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), reduce=np.int64(reduce),
-                       **extra)
-    return (out, red) if reduce else out
+    call = jax.ffi.ffi_call(target, out_type, has_side_effect=False)
+    unread = work  # an operand the kernel does not read (no scales of BF16 weights, no second weight)
+    return call(a, a_rows, unread if a_scale is None else a_scale, w, w if w_second is None else w_second,
+                unread if w_scale is None else w_scale,
+                unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
+                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)
