@@ -148,8 +148,7 @@ class GroupedGemm:
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
             # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
-            # BF16: three CTAs an SM (<= 168 registers, the next unit's operands held beside this one's).
-            min_blocks_per_mp=2 if self.fp8 else 3,
+            min_blocks_per_mp=2 if self.fp8 else 0,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -199,23 +198,19 @@ class GroupedGemm:
         rounds = (num_units + Int32(grid) - 1) // Int32(grid)
         stride = (num_units + rounds - 1) // rounds
         if cta < stride:
-            # `base`: ring stages this CTA has used (a unit's stage c is in slot (base + c) % stages); `ahead`: 1
-            # where the unit before issued this unit's first `stages - 1` stages (BF16, module docstring).
-            base = Int32(0)
-            ahead = Int32(0)
             for unit_idx in range(cta, num_units, stride):
-                base, ahead = self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k,
-                                        num_n, num_rows, k_per_split, fuse_glu, unit_idx, unit_idx + stride,
-                                        num_units, num_items, smem_a, smem_w, tid, base, ahead)
-                cute.arch.sync_threads()  # every warp is done with the unit's stages before the next unit's loads
+                self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
+                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
+                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
-    def describe(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
-                 w_second_scale: Int64, work: Int64, num_k: Int32, num_n: Int32, k_per_split: Int32, unit_idx: Int32,
-                 num_items: Int32, tid: Int32):
-        """Unit `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring): `(tile, split, first,
-        rows, k_begin, steps, weights, a)`, `weights` this thread's chunk of the unit's columns of `w`, `w_second` and
-        their scales, `a` its `a` copies (sources, sizes, whether copied)."""
+    def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
+             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
+             unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
+        """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
+        lane = tid % 32
+        warp = tid // 32
+        two = w_second != Int64(0)
         column_tiles = num_n // self.tile_n
         tile = unit_idx % column_tiles
         rest = unit_idx // column_tiles
@@ -224,152 +219,98 @@ class GroupedGemm:
         group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
         first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
         rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
-        k_begin = split * k_per_split
-        k_end = k_begin + k_per_split
-        if k_end > num_k:
-            k_end = num_k
-        steps = (k_end - k_begin) // BLOCK_K
-        if rows <= 0:
-            steps = Int32(0)
-        rows_padded = (rows + 15) // 16 * 16
-        # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + (threads / 8) i;
-        # the 128 bytes of columns `tile * tile_n ..` of the group's weight (and of the second weight: the same
-        # offset).
-        chunk = tid % 8
-        w_offset = Int64(group) * Int64(num_k) * Int64(num_n) * self.elem + Int64(tile * ROW_BYTES + chunk * 16)
-        # FP8: the scales of this unit's column block, one per 128 contraction rows (`scale_k` words apart).
-        scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
-        s_offset = (Int64(group) * Int64((num_k + FP8_BLOCK_N - 1) // FP8_BLOCK_N) * Int64(scale_k)
-                    + Int64(tile)) * 4
-        weights = (w + w_offset, w_second + w_offset, w_scale + s_offset, w_second_scale + s_offset)
-        # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero row past
-        # the item's pairs) and whether they are copied at all (not past the 16-row tile). BF16: chunk tid % 8 of
-        # rows tid / 8 + 16 i; FP8: chunk tid % 4 of row tid / 4, and thread r < 64 copies row r's scales.
-        a_src, a_size, a_live = [], [], []
-        if cutlass.const_expr(self.fp8):
-            row, size = self.pair_row(a_rows, first, tid // 4, rows)
-            a_src.append(a + Int64(row) * Int64(num_k) + Int64((tid % 4) * 16))
-            a_size.append(size)
-            a_live.append(tid // 4 < rows_padded)
-            row, size = self.pair_row(a_rows, first, tid, rows)
-            a_src.append(a_scale + Int64(row) * Int64(num_k // 32))
-            a_size.append(size // Uint32(4))
-            a_live.append(tid < rows_padded)
-        else:
-            for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
-                r = tid // 8 + i * (self.threads // 8)
-                row, size = self.pair_row(a_rows, first, r, rows)
-                a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+        if rows > 0:
+            k_begin = split * k_per_split
+            k_end = k_begin + k_per_split
+            if k_end > num_k:
+                k_end = num_k
+            steps = (k_end - k_begin) // BLOCK_K
+            rows_padded = (rows + 15) // 16 * 16
+            # This thread's 16-byte chunk of every shared row it fills: chunk tid % 8 of rows tid / 8 + (threads
+            # / 8) i; the 128 bytes of columns `tile * tile_n ..` of the group's weight (and of the second weight:
+            # the same offset).
+            chunk = tid % 8
+            w_offset = Int64(group) * Int64(num_k) * Int64(num_n) * self.elem + Int64(tile * ROW_BYTES + chunk * 16)
+            w_col = w + w_offset
+            u_col = w_second + w_offset
+            # FP8: the scales of this unit's column block, one per 128 contraction rows (`scale_k` words apart).
+            scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
+            s_offset = (Int64(group) * Int64((num_k + FP8_BLOCK_N - 1) // FP8_BLOCK_N) * Int64(scale_k)
+                        + Int64(tile)) * 4
+            w_sc = w_scale + s_offset
+            u_sc = w_second_scale + s_offset
+            # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
+            # row past the item's pairs) and whether they are copied at all (not past the 16-row tile). BF16: chunk
+            # tid % 8 of rows tid / 8 + 16 i; FP8: chunk tid % 4 of row tid / 4, and thread r < 64 copies row r's
+            # scales.
+            a_src, a_size, a_live = [], [], []
+            if cutlass.const_expr(self.fp8):
+                row, size = self.pair_row(a_rows, first, tid // 4, rows)
+                a_src.append(a + Int64(row) * Int64(num_k) + Int64((tid % 4) * 16))
                 a_size.append(size)
-                a_live.append(r < rows_padded)
-        return tile, split, first, rows, k_begin, steps, weights, (a_src, a_size, a_live)
-
-    @cute.jit
-    def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
-             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
-             k_per_split: Int32, fuse_glu: Int32, unit_idx: Int32, next_idx: Int32, num_units: Int32,
-             num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32, base: Int32, ahead: Int32):
-        """One unit (`describe`); returns `(base, ahead)` for the next: the ring stages used, and 1 where this unit
-        issued the next unit's first `stages - 1` stages (BF16: the next unit's loads start while this one ends)."""
-        lane = tid % 32
-        warp = tid // 32
-        two = w_second != Int64(0)
-        chunk = tid % 8
-        stages = self.stages
-        args = (a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, num_k, num_n, k_per_split)
-        tile, split, first, rows, k_begin, steps, wts, a_ops = self.describe(*args, unit_idx, num_items, tid)
-        w_col, u_col, w_sc, u_sc = wts
-        a_src, a_size, a_live = a_ops
-        # The next unit of this CTA (the last one's own descriptors where there is none: never loaded).
-        stages_used = steps
-        if two:
-            stages_used = 2 * steps
-        go_on = Int32(0)
-        if cutlass.const_expr(self.fp8):  # FP8: every unit its own prologue (its registers are spent)
-            n_k_begin, n_steps, n_wts, n_a_ops = k_begin, Int32(0), wts, a_ops
-        else:
-            if next_idx >= num_units:
-                next_idx = unit_idx
+                a_live.append(tid // 4 < rows_padded)
+                row, size = self.pair_row(a_rows, first, tid, rows)
+                a_src.append(a_scale + Int64(row) * Int64(num_k // 32))
+                a_size.append(size // Uint32(4))
+                a_live.append(tid < rows_padded)
             else:
-                if stages_used >= stages - 1:
-                    go_on = Int32(1)
-            _, _, _, _, n_k_begin, n_steps, n_wts, n_a_ops = self.describe(*args, next_idx, num_items, tid)
-        n_src, n_size, n_live = n_a_ops
-        if ahead != 0 and steps == 0:
-            # Stages issued for a unit of no rows (a work list of another shape): let them land before the next
-            # unit's prologue reuses their slots.
-            cp_async_wait(0)
-            cute.arch.sync_threads()
-        if steps > 0:
+                for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
+                    r = tid // 8 + i * (self.threads // 8)
+                    row, size = self.pair_row(a_rows, first, r, rows)
+                    a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+                    a_size.append(size)
+                    a_live.append(r < rows_padded)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc_up.fill(0.0)
 
-            n_w, n_u, n_ws, n_us = n_wts
+            stages = self.stages
             if two:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
-                # step c // 2, in slot (base + c) % stages. Prologue (unless the unit before issued it): stages
-                # 0 .. stages - 2 in flight.
-                if ahead == 0:
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c // 2 < steps:
-                            self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src,
-                                            a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K,
-                                            (base + c) % stages, num_n, tid, chunk)
-                        cp_async_commit()
+                # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c // 2 < steps:
+                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
+                                        a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
+                                        chunk)
+                    cp_async_commit()
                 # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
-                # 2 kt + h + stages - 1 (its weight and step fixed by h; past this unit's stages, the next unit's
-                # with `go_on`: 2 * steps is even, so the weight is the same), multiply.
+                # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
                     for h in cutlass.range_constexpr(2):
                         cp_async_wait(stages - 2)
                         cute.arch.sync_threads()
-                        lead = h + stages - 1  # stages ahead of 2 kt: weight lead % 2, step kt + lead // 2
-                        slot = (base + 2 * kt + lead) % stages
-                        step = kt + lead // 2
-                        if step < steps:
-                            self.load_stage(w_col if lead % 2 == 0 else u_col, w_sc if lead % 2 == 0 else u_sc,
-                                            a_src, a_size, a_live, smem_a, smem_w, k_begin + step * BLOCK_K, slot,
-                                            num_n, tid, chunk)
-                        elif go_on != 0:
-                            if step - steps < n_steps:
-                                self.load_stage(n_w if lead % 2 == 0 else n_u, n_ws if lead % 2 == 0 else n_us,
-                                                n_src, n_size, n_live, smem_a, smem_w,
-                                                n_k_begin + (step - steps) * BLOCK_K, slot, num_n, tid, chunk)
+                        ahead = h + stages - 1  # stages ahead of 2 kt: weight ahead % 2, step kt + ahead // 2
+                        if kt + ahead // 2 < steps:
+                            self.load_stage(w_col if ahead % 2 == 0 else u_col, w_sc if ahead % 2 == 0 else u_sc,
+                                            a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
+                                            (2 * kt + ahead) % stages, num_n, tid, chunk)
                         cp_async_commit()
-                        self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (base + 2 * kt + h) % stages,
-                                      kt % 2, rows, warp, lane)
+                        self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
+                                      warp, lane)
             else:
-                # ---- One weight, stage c in slot (base + c) % stages. Prologue (unless the unit before issued
-                # it): stages 0 .. stages - 2 in flight.
-                if ahead == 0:
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c < steps:
-                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                            (base + c) % stages, num_n, tid, chunk)
-                        cp_async_commit()
-                # Main loop: wait for stage kt, refill the slot the previous step freed (past this unit's stages,
-                # with the next unit's first ones with `go_on`), multiply stage kt.
+                # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c < steps:
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                        Int32(c), num_n, tid, chunk)
+                    cp_async_commit()
+                # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
                     cute.arch.sync_threads()
                     nxt = kt + (stages - 1)
-                    slot = (base + nxt) % stages
                     if nxt < steps:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
-                                        slot, num_n, tid, chunk)
-                    elif go_on != 0:
-                        if nxt - steps < n_steps:
-                            self.load_stage(n_w, n_ws, n_src, n_size, n_live, smem_a, smem_w,
-                                            n_k_begin + (nxt - steps) * BLOCK_K, slot, num_n, tid, chunk)
+                                        nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, smem_a, smem_w, (base + kt) % stages, kt % 2, rows, warp, lane)
+                    self.multiply(acc, smem_a, smem_w, kt % stages, kt % 2, rows, warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
                 # bf16(silu(gate) * up) of the work item's rows.
-                dst = out + Int64(first) * Int64(num_n) * 2
+                base = out + Int64(first) * Int64(num_n) * 2
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for h in cutlass.range_constexpr(2):  # rows lane / 4 and + 8
@@ -377,7 +318,7 @@ class GroupedGemm:
                             if pr < rows:
                                 for nt in cutlass.range_constexpr(2):
                                     col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
-                                    store_b32_bf16x2(dst + (Int64(pr) * Int64(num_n) + col) * 2,
+                                    store_b32_bf16x2(base + (Int64(pr) * Int64(num_n) + col) * 2,
                                                      silu_mul(acc[i], acc_up[i]), silu_mul(acc[j], acc_up[j]))
             else:
                 # ---- Epilogue, partials: FP32 of the work item's rows, columns `tile * tile_n ..` of `out` (with
@@ -385,7 +326,7 @@ class GroupedGemm:
                 out_n = num_n
                 if two:
                     out_n = 2 * num_n
-                dst = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
+                base = out + (Int64(split) * Int64(num_rows) + Int64(first)) * Int64(out_n) * 4
                 for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         for h in cutlass.range_constexpr(2):
@@ -395,11 +336,10 @@ class GroupedGemm:
                                     col, i, j = self.fragment_columns(tile, warp, lane, mt, nt, h)
                                     if two:
                                         col = col + Int64(tile * self.tile_n)  # the tile's pair of column blocks
-                                    addr = dst + (Int64(pr) * Int64(out_n) + col) * 4
+                                    addr = base + (Int64(pr) * Int64(out_n) + col) * 4
                                     store_v2_f32(addr, acc[i], acc[j])
                                     if two:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
-        return base + stages_used, go_on
 
     @cute.jit
     def fragment_columns(self, tile: Int32, warp: Int32, lane: Int32, mt: int, nt: int, h: int):
