@@ -176,14 +176,18 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
 
+    from jax_latent_ep import experts
     from jax_latent_ep.testing.experts import random_received
 
+    if args.min_units:  # the kernel path's contraction split target (`experts.KERNEL_MIN_UNITS`)
+        experts.KERNEL_MIN_UNITS = args.min_units
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
     lat, e, k = args.latent, args.experts, args.topk
     if args.group == "default":
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
+        out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_MIN_UNITS)
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -435,6 +439,9 @@ def main(argv=None):
     p.add_argument("--pipelined", action="store_true",
                    help="also the time per layer of calls issued back to back (`pipelined_us_per_layer`: the program's "
                         "host-side cost overlaps the GPU's work on the call before)")
+    p.add_argument("--min-units", type=int, default=0,
+                   help="the kernel path's contraction split aims at this many units a launch (default "
+                        "`experts.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
