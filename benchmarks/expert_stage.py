@@ -444,6 +444,8 @@ def main(argv=None):
                         "`experts.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.min_units < 0:
+        p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
     if args.smoke:
         args.latent, args.experts, args.topk = 128, 32, 4
         args.local, args.intermediate, args.tokens = [16], [32], [1, 4]
