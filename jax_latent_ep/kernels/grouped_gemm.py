@@ -16,10 +16,8 @@ rows), over the `num_items` non-empty work items only (word 3 of the work list; 
 the capacity's empty items.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
-every row of its work item; the rows and the weights go through a `cp.async` ring in shared memory, 7, 6 or 4 stages
-deep for items of up to 16, 32 or 64 rows (`RINGS`; FP8: `FP8_STAGES`), so that the weight bytes in flight, which
-set the stream's rate, grow as the rows shrink (swizzled 128-byte rows: the `ldmatrix` reads of 8 rows hit 8
-different bank groups), and each warp multiplies its
+every row of its work item; the rows and the weights go through a `STAGES`-deep (FP8: `FP8_STAGES`) `cp.async` ring in shared memory
+(swizzled 128-byte rows: the `ldmatrix` reads of 8 rows hit 8 different bank groups), and each warp multiplies its
 16 columns by up to four 16-row tiles with `mma.sync.m16n8k16` (BF16 in, FP32 accumulators), skipping row tiles
 past the work item's rows.
 
@@ -79,11 +77,7 @@ WARPS = THREADS // 32
 ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
-#: The BF16 ring's geometries, chosen per unit by its work item's rows (16, 32, else 64): `(stages, a bytes of a
-#: stage, 16-row tiles)`. Fewer `a` rows leave room for more stages in the same shared memory: at decode an item
-#: holds a few rows and the stream is bound by the weight bytes in flight (3 CTAs an SM: 18 / 15 / 9 stages of 8 KB).
-RINGS = ((7, 16 * ROW_BYTES, 1), (6, 32 * ROW_BYTES, 2), (STAGES, A_STAGE_BYTES, BLOCK_M // 16))
-SMEM_BYTES = max(stages * (a_bytes + W_STAGE_BYTES) for stages, a_bytes, _ in RINGS)
+SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
@@ -153,8 +147,8 @@ class GroupedGemm:
                     num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
-            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's three.
-            min_blocks_per_mp=2 if self.fp8 else 3,
+            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
+            min_blocks_per_mp=2 if self.fp8 else 0,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -185,7 +179,8 @@ class GroupedGemm:
         cta = Int32(cta)
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 128)
-        smem_a = Uint32(ring.iterator.toint())  # the ring: its `a` slots, then its weight slots (`pipeline`)
+        smem_a = Uint32(ring.iterator.toint())
+        smem_w = smem_a + Uint32(self.stages * self.a_stage_bytes)  # then, FP8: the slots' a scales and weight scales
 
         # ---- The units this CTA computes: (split, item, column tile) for u = cta, cta + grid, ... over the
         # non-empty items only (work word 3; they come first), so a grid of resident CTAs does every unit and no
@@ -205,13 +200,13 @@ class GroupedGemm:
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
                 self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
-                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, tid)
+                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
              w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
-             unit_idx: Int32, num_items: Int32, smem_a: Uint32, tid: Int32):
+             unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
         """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
         lane = tid % 32
         warp = tid // 32
@@ -270,20 +265,47 @@ class GroupedGemm:
             acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc_up.fill(0.0)
 
-            if cutlass.const_expr(self.fp8):
-                self.pipeline(acc, acc_up, two, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, k_begin,
-                              steps, num_n, rows, tid, chunk, warp, lane,
-                              (self.stages, self.a_stage_bytes, BLOCK_M // 16))
+            stages = self.stages
+            if two:
+                # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
+                # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c // 2 < steps:
+                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
+                                        a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
+                                        chunk)
+                    cp_async_commit()
+                # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
+                # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
+                for kt in range(steps):
+                    for h in cutlass.range_constexpr(2):
+                        cp_async_wait(stages - 2)
+                        cute.arch.sync_threads()
+                        ahead = h + stages - 1  # stages ahead of 2 kt: weight ahead % 2, step kt + ahead // 2
+                        if kt + ahead // 2 < steps:
+                            self.load_stage(w_col if ahead % 2 == 0 else u_col, w_sc if ahead % 2 == 0 else u_sc,
+                                            a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
+                                            (2 * kt + ahead) % stages, num_n, tid, chunk)
+                        cp_async_commit()
+                        self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
+                                      warp, lane)
             else:
-                if rows_padded <= 16:
-                    self.pipeline(acc, acc_up, two, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, k_begin,
-                                  steps, num_n, rows, tid, chunk, warp, lane, RINGS[0])
-                elif rows_padded <= 32:
-                    self.pipeline(acc, acc_up, two, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, k_begin,
-                                  steps, num_n, rows, tid, chunk, warp, lane, RINGS[1])
-                else:
-                    self.pipeline(acc, acc_up, two, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, k_begin,
-                                  steps, num_n, rows, tid, chunk, warp, lane, RINGS[2])
+                # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c < steps:
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                        Int32(c), num_n, tid, chunk)
+                    cp_async_commit()
+                # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
+                for kt in range(steps):
+                    cp_async_wait(stages - 2)
+                    cute.arch.sync_threads()
+                    nxt = kt + (stages - 1)
+                    if nxt < steps:
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
+                                        nxt % stages, num_n, tid, chunk)
+                    cp_async_commit()
+                    self.multiply(acc, smem_a, smem_w, kt % stages, kt % 2, rows, warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
@@ -318,55 +340,6 @@ class GroupedGemm:
                                     store_v2_f32(addr, acc[i], acc[j])
                                     if two:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
-
-    @cute.jit
-    def pipeline(self, acc, acc_up, two, w_col: Int64, u_col: Int64, w_sc: Int64, u_sc: Int64, a_src, a_size, a_live,
-                 smem_a: Uint32, k_begin: Int32, steps: Int32, num_n: Int32, rows: Int32, tid: Int32, chunk: Int32,
-                 warp: Int32, lane: Int32, ring):
-        """The unit's `steps` contraction steps from `k_begin` through a shared-memory ring of geometry `ring`
-        (`RINGS`; FP8 its own): `acc` (and with two weights `acc_up`) += the item's rows times the unit's columns."""
-        stages, a_stage_bytes, _ = ring
-        smem_w = smem_a + Uint32(stages * a_stage_bytes)  # then, FP8: the slots' a scales and weight scales
-        if two:
-            # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
-            # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
-            for c in cutlass.range_constexpr(stages - 1):
-                if c // 2 < steps:
-                    self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
-                                    a_live, smem_a, smem_w, ring, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
-                                    chunk)
-                cp_async_commit()
-            # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
-            # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
-            for kt in range(steps):
-                for h in cutlass.range_constexpr(2):
-                    cp_async_wait(stages - 2)
-                    cute.arch.sync_threads()
-                    ahead = h + stages - 1  # stages ahead of 2 kt: weight ahead % 2, step kt + ahead // 2
-                    if kt + ahead // 2 < steps:
-                        self.load_stage(w_col if ahead % 2 == 0 else u_col, w_sc if ahead % 2 == 0 else u_sc,
-                                        a_src, a_size, a_live, smem_a, smem_w, ring, k_begin + (kt + ahead // 2) * BLOCK_K,
-                                        (2 * kt + ahead) % stages, num_n, tid, chunk)
-                    cp_async_commit()
-                    self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, ring, (2 * kt + h) % stages, kt % 2, rows,
-                                  warp, lane)
-        else:
-            # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
-            for c in cutlass.range_constexpr(stages - 1):
-                if c < steps:
-                    self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, ring, k_begin + c * BLOCK_K,
-                                    Int32(c), num_n, tid, chunk)
-                cp_async_commit()
-            # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
-            for kt in range(steps):
-                cp_async_wait(stages - 2)
-                cute.arch.sync_threads()
-                nxt = kt + (stages - 1)
-                if nxt < steps:
-                    self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, ring, k_begin + nxt * BLOCK_K,
-                                    nxt % stages, num_n, tid, chunk)
-                cp_async_commit()
-                self.multiply(acc, smem_a, smem_w, ring, kt % stages, kt % 2, rows, warp, lane)
 
     @cute.jit
     def fragment_columns(self, tile: Int32, warp: Int32, lane: Int32, mt: int, nt: int, h: int):
@@ -404,15 +377,14 @@ class GroupedGemm:
         return r % 8
 
     @cute.jit
-    def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, ring,
-                   k0: Int32, slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
+    def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
+                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
         """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
         its chunk of weight rows `k0 + tid / 8 + (threads / 8) i` and of the work item's `a` rows (`a_src`;
         zero-filled past the item's pairs, not copied past their 16-row tile); FP8 also row `tid`'s 4 E8M0 scales of
         the 128-element block (threads < 64) and (thread 0) the weight block's scale (`w_sc`: this unit's, block
         row 0)."""
-        _, a_stage_bytes, a_tiles = ring
-        a_slot = smem_a + Uint32(slot) * Uint32(a_stage_bytes)
+        a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
             r = tid // 8 + i * (self.threads // 8)
@@ -432,7 +404,7 @@ class GroupedGemm:
                 scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
                 cp_async_4(ws_slot, w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4, Uint32(4))
         else:
-            for i in cutlass.range_constexpr(a_tiles * 16 // (self.threads // 8)):  # the ring's rows only
+            for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 if a_live[i]:
                     cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
@@ -446,13 +418,12 @@ class GroupedGemm:
         return sf + Uint32(slot) * Uint32(FP8_SF_STAGE_BYTES), ws + Uint32(slot) * Uint32(16)
 
     @cute.jit
-    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, ring, slot: Int32, half: Int32, rows: Int32, warp: Int32,
+    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, slot: Int32, half: Int32, rows: Int32, warp: Int32,
                  lane: Int32):
         """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage, row tiles past `rows` skipped
         (warp-uniform). BF16: BLOCK_K / 16 MMA steps. FP8: two e4m3 MMAs of 32 contraction rows per row tile and
         column tile, each result times its scales; `half` (0, 1) is the stage's half of its 128-row scale block."""
-        _, a_stage_bytes, a_tiles = ring
-        a_slot = smem_a + Uint32(slot) * Uint32(a_stage_bytes)
+        a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         q = lane // 8
         i8 = lane % 8
@@ -469,7 +440,7 @@ class GroupedGemm:
                 tiles = ((prmt(b[0], b[1], 0x6420), prmt(b[2], b[3], 0x6420)),  # even columns
                          (prmt(b[0], b[1], 0x7531), prmt(b[2], b[3], 0x7531)))  # odd columns
                 shift = Uint32(8 * (2 * half + kb))  # this 32-block's byte of the rows' scale words
-                for mt in cutlass.range_constexpr(a_tiles):  # the ring's row tiles
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         a_row = mt * 16 + (q % 2) * 8 + i8
                         a_chunk = kb * 2 + q // 2
@@ -490,7 +461,7 @@ class GroupedGemm:
                 k_row = kk * 16 + (q % 2) * 8 + i8
                 w_chunk = warp * 2 + q // 2
                 b = ldmatrix_x4_trans(w_slot + Uint32(k_row * ROW_BYTES + ((w_chunk ^ (k_row % 8)) * 16)))
-                for mt in cutlass.range_constexpr(a_tiles):  # the ring's row tiles
+                for mt in cutlass.range_constexpr(BLOCK_M // 16):
                     if mt * 16 < rows:
                         frag = self.a_fragment(a_slot, mt, kk, q, i8)
                         for nt in cutlass.range_constexpr(2):
