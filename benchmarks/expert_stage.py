@@ -103,10 +103,11 @@ def _time_pipelined(fn, args, repeats, calls=4):
     return _median(samples)
 
 
-def device_times(fn, args):
+def device_times(fn, args, per_kernel=None):
     """`(busy, span)` of one call of `fn` on the GPU, microseconds, from a profiler trace: the sum of its kernel
     events, and first kernel start to last kernel end (the busy time plus the gaps between kernels). Both leave
-    out the program's host-side dispatch and synchronization."""
+    out the program's host-side dispatch and synchronization. A dict `per_kernel` gets each kernel name's summed
+    time, microseconds."""
     import glob
     import shutil
     import tempfile
@@ -125,6 +126,9 @@ def device_times(fn, args):
                         key=lambda p: p.name)
         events = [e for line in planes[0].lines for e in line.events]
         busy = sum(e.duration_ns for e in events) / 1e3
+        if per_kernel is not None:
+            for e in events:
+                per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.duration_ns / 1e3
         span = (max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)) / 1e3
         return busy, span
     finally:
@@ -290,7 +294,10 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
                 value=1e6 * _time_pipelined(fn, (recvs, ws), args.repeats) / layers)
         if args.device_time and dev.platform == "gpu":
-            busy, span = device_times(fn, (recvs, ws))
+            kernels = {} if args.kernel_times else None
+            busy, span = device_times(fn, (recvs, ws), kernels)
+            for kname, us in sorted((kernels or {}).items()):  # each kernel's share of a layer, by its name
+                out(backend=f"{path}/{name}", ranks=n, tokens=t, metric=f"kernel_us:{kname[:60]}", value=us / layers)
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
                 value=busy / layers)
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
@@ -436,6 +443,8 @@ def main(argv=None):
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's time per layer from a profiler trace of one call: `device_us_per_layer` (kernels), "
                         "`span_us_per_layer` (first kernel start to last kernel end)")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="with --device-time: each kernel's GPU time per layer, a `kernel_us:<kernel name>` row each")
     p.add_argument("--pipelined", action="store_true",
                    help="also the time per layer of calls issued back to back (`pipelined_us_per_layer`: the program's "
                         "host-side cost overlaps the GPU's work on the call before)")
