@@ -268,10 +268,10 @@ class GroupedGemm:
                     if c < steps:
                         self.load_stage(w_col, w_sc, [], [], [], smem_a, smem_w, k_begin + c * BLOCK_K, Int32(c), num_n,
                                         tid, chunk, LOAD_WEIGHTS)
-            # `a` is the previous grid's output; our dependents may launch from here (they wait for our end), and
-            # only after this wait, so a work_ready launch of them finds the work list complete.
+            # `a` is the previous grid's output. No early trigger: our dependents launch as our CTAs exit, so a
+            # work_ready launch of them finds the work list complete (an early trigger cost 3-7 %: the XLA
+            # kernels after us then sit resident, waiting).
             griddepcontrol_wait_after(1, [w_col])
-            cute.arch.griddepcontrol_launch_dependents()
             # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
             # row past the item's pairs) and whether they are copied at all (not past the 16-row tile). BF16: chunk
             # tid % 8 of rows tid / 8 + 16 i; FP8: chunk tid % 4 of row tid / 4, and thread r < 64 copies row r's
