@@ -263,15 +263,14 @@ struct GroupedGemm {
         .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
         .template Attr<int64_t>("two_weights")   // 1: gate and up (w, w_second) in one launch
         .template Attr<int64_t>("fuse_glu")      // 1: out = bf16(silu(gate) * up) (two_weights, one split)
-        .template Attr<int64_t>("k_per_split")   // contraction length of each of the S splits
-        .template Attr<int64_t>("work_ready");   // 1: work was complete before the previous kernel began
+        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows,
                             ffi::AnyBuffer a_scale, ffi::AnyBuffer w, ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale,
                             ffi::AnyBuffer w_second_scale,
                             ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
-                            int64_t fuse_glu, int64_t k_per_split, int64_t work_ready) {
+                            int64_t fuse_glu, int64_t k_per_split) {
     const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
     const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
     l.kernel = find_kernel(kernel, ordinal);
@@ -340,7 +339,6 @@ struct GroupedGemm {
         .num_work = static_cast<int32_t>(W),
         .k_per_split = static_cast<int32_t>(k_per_split),
         .fuse_glu = fuse_glu ? 1 : 0,
-        .work_ready = work_ready ? 1 : 0,
     });
     return ffi::Error::Success();
   }

@@ -365,12 +365,11 @@ def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) ->
     return -(-steps // per), per * step
 
 
-def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False,
-                 work_ready: bool = False):
+def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
     `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
     summed in split order. `a` is bf16, or with FP8 weights MXFP8 `(q, sf)`. Pairs outside every work item hold
-    garbage (nothing reads them). `work_ready`: a launch over `work` ran since it was written (`ffi.grouped_gemm_call`)."""
+    garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
     fp8 = isinstance(w, BlockScaled)
@@ -388,10 +387,10 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
         w, w_second = w.values, (w_second.values if w_second is not None else None)
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
-                                     k_per_split=k, work_ready=work_ready, **scales)
+                                     k_per_split=k, **scales)
     splits, per = _kernel_splits(num_active, n, k, tile)
     parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
-                                  k_per_split=per, work_ready=work_ready, **scales)
+                                  k_per_split=per, **scales)
     total = parts[0]
     for s in range(1, splits):  # a fixed order
         total = total + parts[s]
@@ -420,8 +419,7 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     else:
         gu = _kernel_gemm(a, pl.row, True, w_gate, w_up, work, active).reshape(-1, inter // tile, 2, tile)
         h = _glu(gu[:, :, 0].reshape(-1, inter), gu[:, :, 1].reshape(-1, inter), inter)
-    # down: the gate / up launch above read the same work list, so down may read it (and its first weights) early
-    return _kernel_gemm(mxfp8_quantize(h) if fp8 else h, pl.row, False, w_down, None, work, active, work_ready=True)
+    return _kernel_gemm(mxfp8_quantize(h) if fp8 else h, pl.row, False, w_down, None, work, active)
 
 
 #: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]

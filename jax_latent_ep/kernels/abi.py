@@ -171,8 +171,6 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
     Param("num_work", "i32", False, "work items"),
     Param("k_per_split", "i32", False, "contraction length of each split, a multiple of 64 (FP8 kernel: 128)"),
     Param("fuse_glu", "i32", False, "1: `out` = bf16(silu(gate) * up) (needs w_second and one split), 0: partials"),
-    Param("work_ready", "i32", False, "1: `work` was complete before the previous kernel began (a grouped GEMM over "
-          "it ran in between), so it and the first stages' weights are read before griddepcontrol.wait; 0: after"),
 ))
 
 #: The grouped GEMM of MXFP8 activations and FP8 weights with FP32 block scales (`kernels/grouped_gemm.py`, its own

@@ -49,8 +49,6 @@ from jax_latent_ep.kernels.primitives import (
     prmt,
     cp_async_wait,
     griddepcontrol_wait,
-    griddepcontrol_wait_after,
-    load_relaxed_sys,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     f32_from_bits,
@@ -80,8 +78,6 @@ ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
-#: `load_stage` parts: a stage's weight rows (and FP8 block scale), its `a` rows (and FP8 scales).
-LOAD_WEIGHTS, LOAD_A = 1, 2
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
@@ -146,10 +142,9 @@ class GroupedGemm:
         num_work: Int32,
         k_per_split: Int32,
         fuse_glu: Int32,
-        work_ready: Int32,
     ):
         self.kernel(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
-                    num_work, k_per_split, fuse_glu, work_ready).launch(
+                    num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
             # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
@@ -177,7 +172,6 @@ class GroupedGemm:
         num_work: Int32,
         k_per_split: Int32,
         fuse_glu: Int32,
-        work_ready: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -193,11 +187,8 @@ class GroupedGemm:
         # CTA starts for an empty item. A tile is 64 columns (FP8: 128) of each weight.
         column_tiles = num_n // self.tile_n
         grid, _, _ = cute.arch.grid_dim()
-        if work_ready == 0:
-            griddepcontrol_wait()  # the work list comes from the previous kernels
-        # With work_ready it was complete before the previous grid began: read now (fresh reads, not L1), and
-        # each unit issues its first stages' weights before it waits for `a` (`unit`).
-        num_items = Int32(load_relaxed_sys(work + 12))
+        griddepcontrol_wait()  # the work list and `a` come from the previous kernels
+        num_items = Int32(load_b32(work + 12))
         if num_items > num_work:  # a work list of another shape: never past its items
             num_items = num_work
         num_splits = (num_k + k_per_split - 1) // k_per_split
@@ -225,9 +216,9 @@ class GroupedGemm:
         rest = unit_idx // column_tiles
         item = rest % num_items
         split = rest // num_items
-        group = Int32(load_relaxed_sys(work + Int64(item) * (4 * WORK_WORDS)))
-        first = Int32(load_relaxed_sys(work + Int64(item) * (4 * WORK_WORDS) + 4))
-        rows = Int32(load_relaxed_sys(work + Int64(item) * (4 * WORK_WORDS) + 8))
+        group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
+        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
         if rows > 0:
             k_begin = split * k_per_split
             k_end = k_begin + k_per_split
@@ -248,30 +239,6 @@ class GroupedGemm:
                         + Int64(tile)) * 4
             w_sc = w_scale + s_offset
             u_sc = w_second_scale + s_offset
-            acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
-            acc.fill(0.0)
-            acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
-            acc_up.fill(0.0)
-
-            # ---- Prologue, stages 0 .. stages - 2 in flight (two weights: stage c holds weight c % 2 of contraction
-            # step c // 2; one weight: step c). Their weight rows first: they need only the work item, so they are
-            # issued before the wait for the previous grid (with work_ready) and before the pairs' rows are read.
-            stages = self.stages
-            if two:
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c // 2 < steps:
-                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, [], [], [],
-                                        smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid, chunk,
-                                        LOAD_WEIGHTS)
-            else:
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c < steps:
-                        self.load_stage(w_col, w_sc, [], [], [], smem_a, smem_w, k_begin + c * BLOCK_K, Int32(c), num_n,
-                                        tid, chunk, LOAD_WEIGHTS)
-            # `a` is the previous grid's output. No early trigger: our dependents launch as our CTAs exit, so a
-            # work_ready launch of them finds the work list complete (an early trigger cost 3-7 %: the XLA
-            # kernels after us then sit resident, waiting).
-            griddepcontrol_wait_after(1, [w_col])
             # The `a` rows of this thread's chunks (the pair's row through `a_rows`), their copy size (0: a zero
             # row past the item's pairs) and whether they are copied at all (not past the 16-row tile). BF16: chunk
             # tid % 8 of rows tid / 8 + 16 i; FP8: chunk tid % 4 of row tid / 4, and thread r < 64 copies row r's
@@ -293,23 +260,21 @@ class GroupedGemm:
                     a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
                     a_size.append(size)
                     a_live.append(r < rows_padded)
-            # Then the prologue stages' `a` rows, a commit group each (group 0 also holds every prologue weight row).
-            if two:
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c // 2 < steps:
-                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
-                                        k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid, chunk, LOAD_A)
-                    cp_async_commit()
-            else:
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c < steps:
-                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                        Int32(c), num_n, tid, chunk, LOAD_A)
-                    cp_async_commit()
+            acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
+            acc.fill(0.0)
+            acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
+            acc_up.fill(0.0)
+
+            stages = self.stages
             if two:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
                 # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
-                # (the prologue: above)
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c // 2 < steps:
+                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
+                                        a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
+                                        chunk)
+                    cp_async_commit()
                 # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
                 # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
@@ -320,13 +285,17 @@ class GroupedGemm:
                         if kt + ahead // 2 < steps:
                             self.load_stage(w_col if ahead % 2 == 0 else u_col, w_sc if ahead % 2 == 0 else u_sc,
                                             a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
-                                            (2 * kt + ahead) % stages, num_n, tid, chunk, LOAD_WEIGHTS | LOAD_A)
+                                            (2 * kt + ahead) % stages, num_n, tid, chunk)
                         cp_async_commit()
                         self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
                                       warp, lane)
             else:
                 # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
-                # (the prologue: above)
+                for c in cutlass.range_constexpr(stages - 1):
+                    if c < steps:
+                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                        Int32(c), num_n, tid, chunk)
+                    cp_async_commit()
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
@@ -334,7 +303,7 @@ class GroupedGemm:
                     nxt = kt + (stages - 1)
                     if nxt < steps:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
-                                        nxt % stages, num_n, tid, chunk, LOAD_WEIGHTS | LOAD_A)
+                                        nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
                     self.multiply(acc, smem_a, smem_w, kt % stages, kt % 2, rows, warp, lane)
 
@@ -409,36 +378,32 @@ class GroupedGemm:
 
     @cute.jit
     def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
-                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32, part: int):
+                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
         """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
         its chunk of weight rows `k0 + tid / 8 + (threads / 8) i` and of the work item's `a` rows (`a_src`;
         zero-filled past the item's pairs, not copied past their 16-row tile); FP8 also row `tid`'s 4 E8M0 scales of
         the 128-element block (threads < 64) and (thread 0) the weight block's scale (`w_sc`: this unit's, block
-        row 0). `part` (`LOAD_WEIGHTS`, `LOAD_A`, both) says which: the weight rows and scale, the `a` rows and
-        scales."""
+        row 0)."""
         a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
-        if cutlass.const_expr(part & LOAD_WEIGHTS):
-            for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
-                r = tid // 8 + i * (self.threads // 8)
-                src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
-                cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
+        for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
+            r = tid // 8 + i * (self.threads // 8)
+            src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
+            cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
         if cutlass.const_expr(self.fp8):
+            r = tid // 4
+            if a_live[0]:
+                cp_async_16(a_slot + Uint32(r * FP8_A_ROW_BYTES + (((tid % 4) ^ ((r >> 1) & 3)) * 16)),
+                            a_src[0] + Int64(k0), a_size[0])
             sf_slot, ws_slot = self.scale_slots(smem_w, slot)
-            if cutlass.const_expr(part & LOAD_A):
-                r = tid // 4
-                if a_live[0]:
-                    cp_async_16(a_slot + Uint32(r * FP8_A_ROW_BYTES + (((tid % 4) ^ ((r >> 1) & 3)) * 16)),
-                                a_src[0] + Int64(k0), a_size[0])
-                if tid < BLOCK_M:
-                    if a_live[1]:
-                        cp_async_4(sf_slot + Uint32(tid * 4), a_src[1] + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * 4,
-                                   a_size[1])
-            if cutlass.const_expr(part & LOAD_WEIGHTS):
-                if tid == 0:
-                    scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
-                    cp_async_4(ws_slot, w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4, Uint32(4))
-        elif cutlass.const_expr(part & LOAD_A):
+            if tid < BLOCK_M:
+                if a_live[1]:
+                    cp_async_4(sf_slot + Uint32(tid * 4), a_src[1] + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * 4,
+                               a_size[1])
+            if tid == 0:
+                scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
+                cp_async_4(ws_slot, w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4, Uint32(4))
+        else:
             for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 if a_live[i]:

@@ -476,14 +476,12 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
-                      k_per_split: int, a_scale=None, w_scale=None, w_second_scale=None, work_ready: bool = False):
+                      k_per_split: int, a_scale=None, w_scale=None, w_second_scale=None):
     """The grouped GEMM custom call (`kernels/abi.py` GROUPED_GEMM, whose table says what each operand holds):
     FP32 `[splits, P, N]` partials (`[splits, P, 2N]`, gate and up interleaved by the kernel's column tile, 64 or
     with FP8 weights 128, with `w_second`), or with `fuse_glu` bf16 `[P, N]`. `a_rows` int32 `[P]` is read only
     when `indexed`; float8_e4m3fn weights take MXFP8 activations (`a` float8_e4m3fn, `a_scale` uint8) and their
-    FP32 block scales `w_scale` (and `w_second_scale`). `work_ready`: the caller promises that a grouped GEMM over
-    `work` runs between the kernel that writes `work` and this one (the kernel then reads it, and its first weights,
-    while the previous kernel still runs)."""
+    FP32 block scales `w_scale` (and `w_second_scale`)."""
     two = w_second is not None
     n = w.shape[2]
     p = a_rows.shape[0]
@@ -497,5 +495,4 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
     return call(a, a_rows, unread if a_scale is None else a_scale, w, w if w_second is None else w_second,
                 unread if w_scale is None else w_scale,
                 unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
-                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split),
-                work_ready=np.int64(work_ready), **extra)
+                two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)
