@@ -19,7 +19,9 @@ on the XLA plan),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
 gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
 local expert on every row, FP32: the checker; skipped past `--dense-gb`). Rows: `us_per_layer`, `ratio` (to the
-floor), `floor/..` `us` and `active_experts`, `hbm_GBps` (a device copy, bytes read + written). A path that fails
+floor), `floor/..` `us` and `active_experts`, `hbm_GBps` (a device copy, bytes read + written); with `--device-time`
+the GPU's kernel time and span per layer, with `--kernel-times` too each kernel's (`kernel_us:<name>`: where kernels
+overlap, as with an early PDL trigger, only the span is the GPU's time). A path that fails
 (an unknown flag, a lowering that refuses) is reported in the table and has no rows.
 """
 
