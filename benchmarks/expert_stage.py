@@ -299,7 +299,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
             kernels = {} if args.kernel_times else None
             busy, span = device_times(fn, (recvs, ws), kernels)
             for kname, us in sorted((kernels or {}).items()):  # each kernel's share of a layer, by its name
-                out(backend=f"{path}/{name}", ranks=n, tokens=t, metric=f"kernel_us:{kname[:60]}", value=us / layers)
+                out(backend=f"{path}/{name}", ranks=n, tokens=t, metric=f"kernel_us:{kname}", value=us / layers)
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",
                 value=busy / layers)
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="span_us_per_layer",
