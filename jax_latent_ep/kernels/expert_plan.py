@@ -10,7 +10,8 @@ Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters
      id (`match.any`); its weight is the FP32 sum, from 0 in ascending slot order, of the row's weights of that
      id (the XLA plan's adds: with no duplicate in the warp that is `0 + w`, else one `add.rn` a slot). A pair
      adds one to its expert's count and sets its row's bit in the expert's bitmap; each slot leaves (expert or
-     -1, rank among its row's pairs, weight) in `scratch`; the row's unused `row_pairs` entries get `C`.
+     -1, rank among its row's pairs, weight) in its thread's registers when the rows take one pass of the CTA
+     (`R * P <= THREADS`: decode), else in `scratch`; the row's unused `row_pairs` entries get `C`.
   2. scan: exclusive prefix sums of the pairs and of the 64-pair work items per expert (warp shuffles, then one
      warp over the warp totals); `group_sizes`, `count` and the work list are written from them.
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
@@ -157,7 +158,6 @@ class ExpertPlan:
         for i in range(tid, j * row_words, THREADS):
             store_shared_b32(s_bits + Uint32(4 * i), zero)
         griddepcontrol_wait()  # ids, weights, src and rank come from the previous kernels
-        first_id = Int32(load_b32(rank)) * j
         # Lanes per row: the power of two >= K; a warp takes 32 / lanes rows at a time.
         lanes = Int32(1)
         while lanes < topk:
@@ -170,6 +170,15 @@ class ExpertPlan:
         row_slots = row_slots << Uint32(seg * lanes)
         below = (Uint32(1) << Uint32(lane)) - Uint32(1)
         rows_per_warp = 32 // lanes
+        # One pass over the rows (R <= 1024 / lanes): each thread keeps its slot's (expert or -1, rank, weight) in
+        # registers for phase 3 instead of a round trip through `scratch`.
+        one_pass = Int32(0)
+        if num_rows <= WARPS * rows_per_warp:
+            one_pass = Int32(1)
+        kept_expert = Int32(-1)
+        kept_rank = Int32(0)
+        kept_weight = Uint32(0)
+        kept_row = Int32(0)
         cute.arch.sync_threads()
 
         # ---- Phase 1: each slot of each row; count each expert's pairs and set their rows' bits.
@@ -187,6 +196,8 @@ class ExpertPlan:
                 src_word = Int32(load_b32(src + Int64(r) * 4))
                 slot_id = Int32(load_b32(ids + at))
                 w_bits = load_b32(weights + at)
+            # The rank's word with the row's loads (in flight together; before them it was a round trip alone).
+            first_id = Int32(load_b32(rank)) * j
             same = match_any(slot_id) & row_slots
             is_pair = Int32(0)
             if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
@@ -217,9 +228,15 @@ class ExpertPlan:
                     expert_or_none = e
                     atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
                     atomic_or_shared(s_bits + Uint32(4 * (e * row_words + r // 32)), Uint32(1) << Uint32(r % 32))
-                store_b32(scratch + at * 4, Uint32(expert_or_none))
-                store_b32(scratch + (Int64(entries) + at) * 4, Uint32(m))
-                store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
+                if one_pass != 0:
+                    kept_expert = expert_or_none
+                    kept_rank = m
+                    kept_weight = bits_from_f32(coef)
+                    kept_row = r
+                else:
+                    store_b32(scratch + at * 4, Uint32(expert_or_none))
+                    store_b32(scratch + (Int64(entries) + at) * 4, Uint32(m))
+                    store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
                 if slot >= Int32(popc(pairs)) and slot < m_slots:
                     store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(slot)) * 4, Uint32(capacity))
         cute.arch.sync_threads()
@@ -297,26 +314,40 @@ class ExpertPlan:
             store_v4(work + Int64(item) * 16, (Uint32(j - 1), Uint32(first_pair), zero, Uint32(total_items)))
 
         # ---- Phase 3: every pair at its place (expert, then row); unused pairs empty.
-        for x in range(tid, entries, THREADS):
-            e = Int32(load_b32(scratch + Int64(x) * 4))
-            m = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
-            w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
-            if e >= 0:
-                r = x // topk
-                bits = s_bits + Uint32(4 * e * row_words)
-                place = Int32(load_shared_b32(s_offset + Uint32(4 * e)))
-                for wd in range(r // 32):
-                    place = place + Int32(popc(load_shared_b32(bits + Uint32(4 * wd))))
-                own = load_shared_b32(bits + Uint32(4 * (r // 32)))
-                place = place + Int32(popc(own & ((Uint32(1) << Uint32(r % 32)) - Uint32(1))))
-                store_b32(pair_row + Int64(place) * 4, Uint32(r))
-                store_b32(pair_expert + Int64(place) * 4, Uint32(e))
-                store_b32(pair_weight + Int64(place) * 4, w_bits)
-                store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(m)) * 4, Uint32(place))
+        if one_pass != 0:
+            if kept_expert >= 0:
+                self.place_pair(kept_expert, kept_row, kept_rank, kept_weight, s_bits, s_offset, row_words, m_slots,
+                                pair_row, pair_expert, pair_weight, row_pairs)
+        else:
+            for x in range(tid, entries, THREADS):
+                e = Int32(load_b32(scratch + Int64(x) * 4))
+                m = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
+                w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
+                if e >= 0:
+                    self.place_pair(e, x // topk, m, w_bits, s_bits, s_offset, row_words, m_slots, pair_row,
+                                    pair_expert, pair_weight, row_pairs)
         for p in range(total_pairs + tid, capacity, THREADS):
             store_b32(pair_row + Int64(p) * 4, zero)
             store_b32(pair_expert + Int64(p) * 4, Uint32(j))
             store_b32(pair_weight + Int64(p) * 4, zero)
+
+
+    @cute.jit
+    def place_pair(self, e: Int32, r: Int32, m: Int32, w_bits: Uint32, s_bits: Uint32, s_offset: Uint32,
+                   row_words: Int32, m_slots: Int32, pair_row: Int64, pair_expert: Int64, pair_weight: Int64,
+                   row_pairs: Int64):
+        """Stores the pair of row `r`, local expert `e` (the row's `m`-th pair, weight bits `w_bits`) at its place:
+        its expert's offset plus the rows before `r` in the expert's bitmap."""
+        bits = s_bits + Uint32(4 * e * row_words)
+        place = Int32(load_shared_b32(s_offset + Uint32(4 * e)))
+        for wd in range(r // 32):
+            place = place + Int32(popc(load_shared_b32(bits + Uint32(4 * wd))))
+        own = load_shared_b32(bits + Uint32(4 * (r // 32)))
+        place = place + Int32(popc(own & ((Uint32(1) << Uint32(r % 32)) - Uint32(1))))
+        store_b32(pair_row + Int64(place) * 4, Uint32(r))
+        store_b32(pair_expert + Int64(place) * 4, Uint32(e))
+        store_b32(pair_weight + Int64(place) * 4, w_bits)
+        store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(m)) * 4, Uint32(place))
 
 
 #: The cubin's one kernel symbol.

@@ -57,6 +57,7 @@ from jax_latent_ep.kernels.primitives import (
     mma_bf16_16816,
     silu_mul,
     store_b32_bf16x2,
+    store_shared_mxfp8_as_bf16,
     store_v2_f32,
 )
 
@@ -147,8 +148,8 @@ class GroupedGemm:
                     num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
-            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
-            min_blocks_per_mp=2 if self.fp8 else 0,
+            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's three.
+            min_blocks_per_mp=2 if self.fp8 else 3,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -254,10 +255,17 @@ class GroupedGemm:
                 a_size.append(size // Uint32(4))
                 a_live.append(tid < rows_padded)
             else:
+                # With `a_scale` (MXFP8 `a`): chunk tid % 8 of a row is its 8 e4m3 bytes there and their scale byte.
                 for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                     r = tid // 8 + i * (self.threads // 8)
                     row, size = self.pair_row(a_rows, first, r, rows)
-                    a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
+                    src = a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16)
+                    scale = Int64(0)
+                    if a_scale != Int64(0):
+                        src = a + Int64(row) * Int64(num_k) + Int64(chunk * 8)
+                        scale = a_scale + Int64(row) * Int64(num_k // 32) + Int64(chunk // 4)
+                    a_src.append(src)
+                    a_src.append(scale)
                     a_size.append(size)
                     a_live.append(r < rows_padded)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
@@ -407,8 +415,12 @@ class GroupedGemm:
             for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 if a_live[i]:
-                    cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
-                                a_size[i])
+                    dst = a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16))
+                    if a_src[2 * i + 1] != Int64(0):  # MXFP8 `a`: dequantized on the way (its loads wait here)
+                        store_shared_mxfp8_as_bf16(dst, a_src[2 * i] + Int64(k0), a_src[2 * i + 1] + Int64(k0 // 32),
+                                                   a_size[i])
+                    else:
+                        cp_async_16(dst, a_src[2 * i] + Int64(k0) * 2, a_size[i])
 
     @cute.jit
     def scale_slots(self, smem_w: Uint32, slot: Int32):

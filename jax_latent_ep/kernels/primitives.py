@@ -536,6 +536,36 @@ def store_b32_bf16x2(addr, lo, hi, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_shared_mxfp8_as_bf16(smem, q_addr, s_addr, src_bytes, *, loc=None, ip=None) -> None:
+    """Eight MXFP8 elements as BF16 into shared memory: loads 8 float8_e4m3fn bytes at `q_addr` and their E8M0 scale
+    byte `e` at `s_addr` (`ld.global.nc`), stores `bf16(f32(q) * 2^(e - 127))` (one `mul.rn.f32`, then nearest even:
+    `numerics.mxfp8_dequantize` and the cast to bf16; `e = 0` scales by 0) as one `st.shared.v4.b32` at `smem`
+    (16-byte aligned), element 0 in the low half of the first word. `src_bytes` 0 loads nothing and stores zeros (a
+    row past the work item's pairs, as a zero-filled `cp.async`)."""
+    code = (
+        "{ .reg .pred p; .reg .b32 q0, q1, w0, w1, w2, w3, h0, h1, h2, h3; .reg .u32 e; "
+        ".reg .b16 c0, c1, c2, c3, f0, f1, f2, f3, f4, f5, f6, f7; "
+        ".reg .f32 s, x0, x1, x2, x3, x4, x5, x6, x7; "
+        "setp.ne.u32 p, $3, 0; mov.b32 q0, 0; mov.b32 q1, 0; mov.u32 e, 0; "
+        "@p ld.global.nc.v2.b32 {q0, q1}, [$1]; @p ld.global.nc.u8 e, [$2]; "
+        "shl.b32 e, e, 23; mov.b32 s, e; "
+        "mov.b32 {c0, c1}, q0; mov.b32 {c2, c3}, q1; "
+        "cvt.rn.f16x2.e4m3x2 h0, c0; cvt.rn.f16x2.e4m3x2 h1, c1; cvt.rn.f16x2.e4m3x2 h2, c2; "
+        "cvt.rn.f16x2.e4m3x2 h3, c3; "
+        "mov.b32 {f0, f1}, h0; mov.b32 {f2, f3}, h1; mov.b32 {f4, f5}, h2; mov.b32 {f6, f7}, h3; "
+        "cvt.f32.f16 x0, f0; cvt.f32.f16 x1, f1; cvt.f32.f16 x2, f2; cvt.f32.f16 x3, f3; "
+        "cvt.f32.f16 x4, f4; cvt.f32.f16 x5, f5; cvt.f32.f16 x6, f6; cvt.f32.f16 x7, f7; "
+        "mul.rn.f32 x0, x0, s; mul.rn.f32 x1, x1, s; mul.rn.f32 x2, x2, s; mul.rn.f32 x3, x3, s; "
+        "mul.rn.f32 x4, x4, s; mul.rn.f32 x5, x5, s; mul.rn.f32 x6, x6, s; mul.rn.f32 x7, x7, s; "
+        "cvt.rn.bf16x2.f32 w0, x1, x0; cvt.rn.bf16x2.f32 w1, x3, x2; cvt.rn.bf16x2.f32 w2, x5, x4; "
+        "cvt.rn.bf16x2.f32 w3, x7, x6; "
+        "st.shared.v4.b32 [$0], {w0, w1, w2, w3}; }"
+    )
+    operands = [_u32(smem, loc, ip), _i64(q_addr, loc, ip), _i64(s_addr, loc, ip), _u32(src_bytes, loc, ip)]
+    _asm(None, operands, code, "r,l,l,r", loc, ip)
+
+
+@dsl_user_op
 def load_shared_b32(smem, *, loc=None, ip=None) -> Uint32:
     """Always issues one `ld.shared.b32` at shared address `smem`."""
     return Uint32(_asm(T.i32(), [_u32(smem, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", loc, ip))
