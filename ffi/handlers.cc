@@ -273,7 +273,7 @@ struct GroupedGemm {
                             ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
                             int64_t fuse_glu, int64_t k_per_split) {
     const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
-    // MXFP8 `a`: always with FP8 weights; with BF16 weights the kernel dequantizes it as it loads it.
+    // MXFP8 `a`: always with FP8 weights; with BF16 weights the kernel widens it to BF16 in shared memory.
     const bool mx = fp8 || a.element_type() == ffi::DataType::F8E4M3FN;
     const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
     l.kernel = find_kernel(kernel, ordinal);
@@ -290,9 +290,10 @@ struct GroupedGemm {
     }
     const int64_t R = ad[0], K = ad[1], P = rd[0], G = wd[0], N = wd[2], W = kd[0], S = fuse_glu ? 1 : od[0];
     const int64_t n_out = fuse_glu ? N : (two_weights ? 2 * N : N);
-    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128.
+    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128,
+    // and an MXFP8 `a`'s rows of scales whole words (K a multiple of 128).
     const int64_t tile = fp8 ? ep_abi::kGemmFp8BlockN : ep_abi::kGemmBlockN;
-    const int64_t multiple = fp8 ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
+    const int64_t multiple = mx ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
     if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % multiple || S * k_per_split < K ||
         (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
       return ffi::Error::InvalidArgument(

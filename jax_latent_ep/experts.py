@@ -369,14 +369,14 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
     `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
     summed in split order. `a` is bf16 or MXFP8 `(q, sf)` (always with FP8 weights; with bf16 weights the kernel
-    dequantizes it as it loads it, to the bits of `activations`). Pairs outside every work item hold garbage
-    (nothing reads them)."""
+    dequantizes it in shared memory, to the bits of `activations`, and needs `L` a multiple of 128). Pairs outside
+    every work item hold garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
     fp8 = isinstance(w, BlockScaled)
     k, n = w.shape[1], w.shape[2]
     tile = _kernel_tile(w)
-    step = FP8_BLOCK if fp8 else KERNEL_BLOCK_K
+    step = FP8_BLOCK if fp8 or isinstance(a, tuple) else KERNEL_BLOCK_K
     if k % step or n % tile:
         raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of {max(step, tile)} "
                          f"with {'FP8' if fp8 else 'bf16'} weights, got a [{k}, {n}] weight")
@@ -413,6 +413,8 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     inter = w_down.shape[1]
     tile = _kernel_tile(w_gate)
     fp8 = isinstance(w_gate, BlockScaled)
+    if mx is not None and not fp8 and xb.shape[1] % FP8_BLOCK:
+        mx = None  # the kernel's dequantization needs each row's scales on a word: bf16 rows from XLA instead
     a = mx if mx is not None else (mxfp8_quantize(xb) if fp8 else xb)
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
         h = _glu(_kernel_gemm(a, pl.row, True, w_gate, None, work, active), None, inter)

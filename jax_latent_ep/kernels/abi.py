@@ -154,7 +154,7 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
              "activations (rows of `a_rows`, or the pairs themselves)"),
     _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
     _address("a_scale", "uint8 [R, num_k / 32], the E8M0 scale of each 32 elements of an MXFP8 `a`, or 0 (BF16 `a`; "
-             "the BF16 kernel dequantizes an MXFP8 `a` as it loads it)"),
+             "the BF16 kernel widens an MXFP8 `a` to BF16 in shared memory; num_k a multiple of 128)"),
     _address("w", "bf16 (FP8 kernel: float8_e4m3fn) [G, num_k, num_n]: each group's weights (the gate with "
              "`w_second`)"),
     _address("w_second", "as `w`: the up weights, or 0"),
