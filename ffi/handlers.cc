@@ -241,8 +241,7 @@ static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelPar
 
 // ---------------------------------------------------------------------------------------------------------
 // grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
-// (kernels/grouped_gemm.py): its BF16 kernel (bf16 or MXFP8 `a`), or with float8_e4m3fn weights its FP8 kernel
-// (MXFP8 `a`); no rank.
+// (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel (MXFP8 `a`); no rank.
 
 struct GroupedGemm {
   static constexpr const char* kWhat = "grouped_gemm";
@@ -252,9 +251,9 @@ struct GroupedGemm {
   static auto bind(Binding binding) {
     return std::move(binding)
         .template Ctx<ffi::DeviceOrdinal>()      // the device, key of the kernel registry
-        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations, or float8_e4m3fn (MXFP8)
+        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations (FP8 weights: float8_e4m3fn)
         .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
-        .template Arg<ffi::AnyBuffer>()          // a_scale: uint8 [R, K/32] E8M0 scales of an MXFP8 `a`
+        .template Arg<ffi::AnyBuffer>()          // a_scale: uint8 [R, K/32] E8M0 scales of `a` (FP8 weights only)
         .template Arg<ffi::AnyBuffer>()          // w: bf16 or float8_e4m3fn [G, K, N] (the gate with two_weights)
         .template Arg<ffi::AnyBuffer>()          // w_second: as w, the up (read only if two_weights)
         .template Arg<ffi::AnyBuffer>()          // w_scale: f32 [G, K/128, N/128] (read only with FP8 weights)
@@ -273,8 +272,6 @@ struct GroupedGemm {
                             ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
                             int64_t fuse_glu, int64_t k_per_split) {
     const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
-    // MXFP8 `a`: always with FP8 weights; with BF16 weights the kernel widens it to BF16 in shared memory.
-    const bool mx = fp8 || a.element_type() == ffi::DataType::F8E4M3FN;
     const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
     l.kernel = find_kernel(kernel, ordinal);
     if (l.kernel == nullptr) {
@@ -290,10 +287,9 @@ struct GroupedGemm {
     }
     const int64_t R = ad[0], K = ad[1], P = rd[0], G = wd[0], N = wd[2], W = kd[0], S = fuse_glu ? 1 : od[0];
     const int64_t n_out = fuse_glu ? N : (two_weights ? 2 * N : N);
-    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128,
-    // and an MXFP8 `a`'s rows of scales whole words (K a multiple of 128).
+    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128.
     const int64_t tile = fp8 ? ep_abi::kGemmFp8BlockN : ep_abi::kGemmBlockN;
-    const int64_t multiple = mx ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
+    const int64_t multiple = fp8 ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
     if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % multiple || S * k_per_split < K ||
         (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
       return ffi::Error::InvalidArgument(
@@ -311,9 +307,9 @@ struct GroupedGemm {
     ffi::Error second_ok = two_weights ? expect(kWhat, "w_second", w_second, wt, {G, K, N}) : ok;
     ffi::Error second_scale_ok =
         fp8 && two_weights ? expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
-    ffi::Error a_ok = mx ? expect(kWhat, "a", a, ffi::DataType::F8E4M3FN, {R, K})
-                         : expect(kWhat, "a", a, ffi::DataType::BF16, {R, K});
-    ffi::Error a_scale_ok = mx ? expect(kWhat, "a_scale", a_scale, ffi::DataType::U8, {R, K / ep_abi::kMxBlock}) : ok;
+    ffi::Error a_ok = fp8 ? expect(kWhat, "a", a, ffi::DataType::F8E4M3FN, {R, K})
+                          : expect(kWhat, "a", a, ffi::DataType::BF16, {R, K});
+    ffi::Error a_scale_ok = fp8 ? expect(kWhat, "a_scale", a_scale, ffi::DataType::U8, {R, K / ep_abi::kMxBlock}) : ok;
     if (ffi::Error e = first_error({a_ok, a_scale_ok, expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
                                     expect(kWhat, "w", w, wt, {G, K, N}), second_ok, scale_ok, second_scale_ok,
                                     expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}), out_ok});
@@ -330,7 +326,7 @@ struct GroupedGemm {
     l.params = make_params(ep_abi::GroupedGemmParams{
         .a = address(a.untyped_data()),
         .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},
-        .a_scale = mx ? address(a_scale.untyped_data()) : int64_t{0},
+        .a_scale = fp8 ? address(a_scale.untyped_data()) : int64_t{0},
         .w = address(w.untyped_data()),
         .w_second = two_weights ? address(w_second.untyped_data()) : int64_t{0},
         .w_scale = fp8 ? address(w_scale.untyped_data()) : int64_t{0},

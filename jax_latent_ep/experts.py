@@ -368,23 +368,22 @@ def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) ->
 def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, fuse_glu: bool = False):
     """The kernel's grouped GEMM over the plan's pairs: bf16 `[C, I]` SwiGLU with `fuse_glu`, else FP32 `[C, N]` (or
     `[C, 2N]`, gate and up interleaved by the unit's columns, `_kernel_tile`, with `w_second`), its split partials
-    summed in split order. `a` is bf16 or MXFP8 `(q, sf)` (always with FP8 weights; with bf16 weights the kernel
-    dequantizes it in shared memory, to the bits of `activations`, and needs `L` a multiple of 128). Pairs outside
-    every work item hold garbage (nothing reads them)."""
+    summed in split order. `a` is bf16, or with FP8 weights MXFP8 `(q, sf)`. Pairs outside every work item hold
+    garbage (nothing reads them)."""
     from jax_latent_ep.runtime import ffi
 
     fp8 = isinstance(w, BlockScaled)
     k, n = w.shape[1], w.shape[2]
     tile = _kernel_tile(w)
-    step = FP8_BLOCK if fp8 or isinstance(a, tuple) else KERNEL_BLOCK_K
+    step = FP8_BLOCK if fp8 else KERNEL_BLOCK_K
     if k % step or n % tile:
         raise ValueError(f"experts.swiglu(impl='kernel'): the kernel needs L and I multiples of {max(step, tile)} "
                          f"with {'FP8' if fp8 else 'bf16'} weights, got a [{k}, {n}] weight")
     scales = {}
-    if isinstance(a, tuple):
-        a, scales["a_scale"] = a
     if fp8:
-        scales.update(w_scale=w.scale, w_second_scale=w_second.scale if w_second is not None else None)
+        a, a_scale = a
+        scales = {"a_scale": a_scale, "w_scale": w.scale,
+                  "w_second_scale": w_second.scale if w_second is not None else None}
         w, w_second = w.values, (w_second.values if w_second is not None else None)
     if fuse_glu:
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
@@ -402,9 +401,8 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
     that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
     then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The
-    contraction splits are chosen for `min(J, C, expected_pairs)` active experts. Gate and up read the received
-    MXFP8 rows `mx = (x, sf)` themselves where given (bf16 weights: dequantized in the kernel, so no XLA convert runs
-    before it); with FP8 weights and no `mx`, `xb` quantized; with FP8 weights `h` is quantized for down."""
+    contraction splits are chosen for `min(J, C, expected_pairs)` active experts. With FP8 weights the activations
+    are MXFP8: the received rows `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
@@ -413,9 +411,7 @@ def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     inter = w_down.shape[1]
     tile = _kernel_tile(w_gate)
     fp8 = isinstance(w_gate, BlockScaled)
-    if mx is not None and not fp8 and xb.shape[1] % FP8_BLOCK:
-        mx = None  # the kernel's dequantization needs each row's scales on a word: bf16 rows from XLA instead
-    a = mx if mx is not None else (mxfp8_quantize(xb) if fp8 else xb)
+    a = (mx if mx is not None else mxfp8_quantize(xb)) if fp8 else xb
     if w_up is None:  # fused [J, L, 2I]: one weight of 2I columns, the SwiGLU in XLA
         h = _glu(_kernel_gemm(a, pl.row, True, w_gate, None, work, active), None, inter)
     elif _kernel_splits(active, inter, w_gate.shape[1], tile)[0] == 1:

@@ -150,11 +150,11 @@ COMBINE = Kernel("combine", "ep_combine", (
 #: `a[rows] @ w[group]` (FP32 accumulation) as per-split FP32 partials, or with `fuse_glu` the SwiGLU of gate (`w`)
 #: and up (`w_second`) rounded to BF16. No peers, no status record.
 GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
-    _address("a", "bf16, or float8_e4m3fn (MXFP8 with `a_scale`; always in the FP8 kernel) [R, num_k]: the "
-             "activations (rows of `a_rows`, or the pairs themselves)"),
+    _address("a", "bf16 (FP8 kernel: float8_e4m3fn, MXFP8 with `a_scale`) [R, num_k]: the activations (rows of "
+             "`a_rows`, or the pairs themselves)"),
     _address("a_rows", "int32 [P]: the row of `a` of each pair, or 0: pair p reads row p"),
-    _address("a_scale", "uint8 [R, num_k / 32], the E8M0 scale of each 32 elements of an MXFP8 `a`, or 0 (BF16 `a`; "
-             "the BF16 kernel widens an MXFP8 `a` to BF16 in shared memory; num_k a multiple of 128)"),
+    _address("a_scale", "FP8 kernel: uint8 [R, num_k / 32], the E8M0 scale of each 32 elements of `a` (unread by the "
+             "BF16 kernel)"),
     _address("w", "bf16 (FP8 kernel: float8_e4m3fn) [G, num_k, num_n]: each group's weights (the gate with "
              "`w_second`)"),
     _address("w_second", "as `w`: the up weights, or 0"),

@@ -43,13 +43,11 @@ from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
     cp_async_4,
-    cp_async_8,
     cp_async_16,
     cp_async_commit,
     mma_e4m3_16832,
     prmt,
     cp_async_wait,
-    dequantize_shared_mxfp8,
     griddepcontrol_wait,
     ldmatrix_x4,
     ldmatrix_x4_trans,
@@ -149,8 +147,8 @@ class GroupedGemm:
                     num_work, k_per_split, fuse_glu).launch(
             # The FFI handler sets the grid.
             grid=[num_work, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
-            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's three.
-            min_blocks_per_mp=2 if self.fp8 else 3,
+            # FP8: two CTAs an SM (128 registers a thread) keep as many loads in flight as the BF16 kernel's four.
+            min_blocks_per_mp=2 if self.fp8 else 0,
         )
 
     # -----------------------------------------------------------------------------------------------------
@@ -256,18 +254,10 @@ class GroupedGemm:
                 a_size.append(size // Uint32(4))
                 a_live.append(tid < rows_padded)
             else:
-                # With `a_scale` (MXFP8 `a`): chunk tid % 8 of a row is its 8 e4m3 bytes there and the row's scales
-                # (`num_k` a multiple of 128: each row's scales start on a word).
                 for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                     r = tid // 8 + i * (self.threads // 8)
                     row, size = self.pair_row(a_rows, first, r, rows)
-                    src = a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16)
-                    scale = Int64(0)
-                    if a_scale != Int64(0):
-                        src = a + Int64(row) * Int64(num_k) + Int64(chunk * 8)
-                        scale = a_scale + Int64(row) * Int64(num_k // 32)
-                    a_src.append(src)
-                    a_src.append(scale)
+                    a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
                     a_size.append(size)
                     a_live.append(r < rows_padded)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
@@ -290,8 +280,6 @@ class GroupedGemm:
                 for kt in range(steps):
                     for h in cutlass.range_constexpr(2):
                         cp_async_wait(stages - 2)
-                        self.dequantize_stage(a_scale, a_live, smem_a, (2 * kt + h) % stages,
-                                              k_begin + kt * BLOCK_K, tid, chunk)
                         cute.arch.sync_threads()
                         ahead = h + stages - 1  # stages ahead of 2 kt: weight ahead % 2, step kt + ahead // 2
                         if kt + ahead // 2 < steps:
@@ -311,7 +299,6 @@ class GroupedGemm:
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
-                    self.dequantize_stage(a_scale, a_live, smem_a, kt % stages, k_begin + kt * BLOCK_K, tid, chunk)
                     cute.arch.sync_threads()
                     nxt = kt + (stages - 1)
                     if nxt < steps:
@@ -420,30 +407,8 @@ class GroupedGemm:
             for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 if a_live[i]:
-                    dst = a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16))
-                    if a_src[2 * i + 1] != Int64(0):
-                        # MXFP8 `a`: the chunk's 8 e4m3 bytes and the word of their scale into its own 16 bytes,
-                        # which `dequantize_stage` widens in place once they land.
-                        cp_async_8(dst, a_src[2 * i] + Int64(k0), a_size[i] // Uint32(2))
-                        cp_async_4(dst + Uint32(8), a_src[2 * i + 1] + Int64(((k0 // 32) + chunk // 4) & ~3),
-                                   a_size[i] // Uint32(4))
-                    else:
-                        cp_async_16(dst, a_src[2 * i] + Int64(k0) * 2, a_size[i])
-
-    @cute.jit
-    def dequantize_stage(self, a_scale: Int64, a_live, smem_a: Uint32, slot: Int32, k0: Int32, tid: Int32,
-                         chunk: Int32):
-        """BF16 kernel with MXFP8 `a`: widens this thread's chunks of ring slot `slot` (contraction offset `k0`) to
-        BF16 in place, after its `cp_async_wait` and before the barrier that shows them to the other warps (each
-        thread converts only the bytes its own copies wrote)."""
-        if cutlass.const_expr(not self.fp8):
-            if a_scale != Int64(0):
-                a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
-                shift = Uint32((((k0 // 32) + chunk // 4) & 3) * 8)  # the scale's byte in the copied word
-                for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
-                    r = tid // 8 + i * (self.threads // 8)
-                    if a_live[i]:
-                        dequantize_shared_mxfp8(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), shift)
+                    cp_async_16(a_slot + Uint32(r * ROW_BYTES + ((chunk ^ (r % 8)) * 16)), a_src[i] + Int64(k0) * 2,
+                                a_size[i])
 
     @cute.jit
     def scale_slots(self, smem_w: Uint32, slot: Int32):

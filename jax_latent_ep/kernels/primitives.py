@@ -425,13 +425,6 @@ def cp_async_4(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def cp_async_8(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
-    """`cp_async_4` of 8 bytes (`gmem`, `smem` 8-byte aligned; `src_bytes` 0 or 8)."""
-    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip), _u32(src_bytes, loc, ip)],
-         "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", loc, ip)
-
-
-@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Always issues `cp.async.commit_group`: this thread's copies since the last commit form one group."""
     _asm(None, [], "cp.async.commit_group;", "~{memory}", loc, ip)
@@ -540,34 +533,6 @@ def store_b32_bf16x2(addr, lo, hi, *, loc=None, ip=None) -> None:
     """Rounds `lo`, `hi` once (nearest even) to BF16 and issues one weak 4-byte `st.global.b32` of the pair."""
     code = "{ .reg .b32 w; cvt.rn.bf16x2.f32 w, $2, $1; st.global.b32 [$0], w; }"
     _asm(None, [_i64(addr, loc, ip), _f32(lo, loc, ip), _f32(hi, loc, ip)], code, "l,f,f", loc, ip)
-
-
-@dsl_user_op
-def dequantize_shared_mxfp8(smem, shift, *, loc=None, ip=None) -> None:
-    """Eight MXFP8 elements to BF16 in place, in the 16 shared bytes at `smem` (16-byte aligned): reads 8
-    float8_e4m3fn bytes (bytes 0-7) and a word holding their E8M0 scale `e` at bit `shift` (bytes 8-11), stores
-    `bf16(f32(q) * 2^(e - 127))` over all 16 (one `mul.rn.f32`, then nearest even: `numerics.mxfp8_dequantize` and
-    the cast to bf16; `e = 0` scales by 0, so zero-filled copies give zeros), element 0 in the low half of the first
-    word. Only the thread whose `cp.async` filled the bytes may call it before a barrier (`cp_async_wait`)."""
-    code = (
-        "{ .reg .b32 q0, q1, sw, sx, w0, w1, w2, w3, h0, h1, h2, h3, e; "
-        ".reg .b16 c0, c1, c2, c3, f0, f1, f2, f3, f4, f5, f6, f7; "
-        ".reg .f32 s, x0, x1, x2, x3, x4, x5, x6, x7; "
-        "ld.shared.v4.b32 {q0, q1, sw, sx}, [$0]; "
-        "shr.b32 e, sw, $1; and.b32 e, e, 255; shl.b32 e, e, 23; mov.b32 s, e; "
-        "mov.b32 {c0, c1}, q0; mov.b32 {c2, c3}, q1; "
-        "cvt.rn.f16x2.e4m3x2 h0, c0; cvt.rn.f16x2.e4m3x2 h1, c1; cvt.rn.f16x2.e4m3x2 h2, c2; "
-        "cvt.rn.f16x2.e4m3x2 h3, c3; "
-        "mov.b32 {f0, f1}, h0; mov.b32 {f2, f3}, h1; mov.b32 {f4, f5}, h2; mov.b32 {f6, f7}, h3; "
-        "cvt.f32.f16 x0, f0; cvt.f32.f16 x1, f1; cvt.f32.f16 x2, f2; cvt.f32.f16 x3, f3; "
-        "cvt.f32.f16 x4, f4; cvt.f32.f16 x5, f5; cvt.f32.f16 x6, f6; cvt.f32.f16 x7, f7; "
-        "mul.rn.f32 x0, x0, s; mul.rn.f32 x1, x1, s; mul.rn.f32 x2, x2, s; mul.rn.f32 x3, x3, s; "
-        "mul.rn.f32 x4, x4, s; mul.rn.f32 x5, x5, s; mul.rn.f32 x6, x6, s; mul.rn.f32 x7, x7, s; "
-        "cvt.rn.bf16x2.f32 w0, x1, x0; cvt.rn.bf16x2.f32 w1, x3, x2; cvt.rn.bf16x2.f32 w2, x5, x4; "
-        "cvt.rn.bf16x2.f32 w3, x7, x6; "
-        "st.shared.v4.b32 [$0], {w0, w1, w2, w3}; }"
-    )
-    _asm(None, [_u32(smem, loc, ip), _u32(shift, loc, ip)], code, "r,r", loc, ip)
 
 
 @dsl_user_op

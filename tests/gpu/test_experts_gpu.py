@@ -95,35 +95,3 @@ def test_kernel_hot_experts_and_split_contraction(fused, fp8):
     got, want = run("kernel"), run("ragged_dot")
     assert np.any(want != 0)
     _close(got, want)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("hot", [False, True])
-def test_kernel_dequantizes_received_rows_to_the_bits_of_activations(fused, hot):
-    """Gate / up reading the received MXFP8 rows (dequantized in the kernel) give exactly the bits of the same
-    kernel on `activations(recv)`, the XLA dequantization (random rows over a wide range of block scales, padding,
-    duplicates, a split contraction and one without; `hot`: every slot local, work items of up to 64 pairs)."""
-    rng = np.random.default_rng(31 + fused + 2 * hot)
-    n, t, lat, inter = 8, (16 if hot else 5), 3584, 256
-    num_experts, topk = (64, 8) if hot else (896, 16)
-    recv = random_received(rng, ranks=n, rank=1, tokens=[t - (s % t) for s in range(n)], max_tokens=t, latent=lat,
-                           experts=num_experts, topk=topk, pad_tokens=0.1, pad_slots=0.1, duplicates=0.3,
-                           local_bias=1.0 if hot else None)
-    # Block scales spread over 2^-40 .. 2^40 (rows scaled per 32-block before quantization).
-    recv = recv._replace(sf=np.clip(np.asarray(recv.sf).astype(np.int32) + rng.integers(-40, 41, np.shape(recv.sf)),
-                                    1, 254).astype(np.uint8))
-    j = num_experts // n
-    w = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16)  # noqa: E731
-    ws = (w(j, lat, 2 * inter), None, w(j, inter, lat)) if fused else (w(j, lat, inter), w(j, lat, inter), w(j, inter, lat))
-    recv = jax.tree.map(jnp.asarray, recv)
-    pl = experts.plan(recv, 1, j, max_tokens=t, ranks=n, impl="kernel")
-    for expected in (None, t * 16):  # the capacity's splits, and the decode hint's
-        mx = jax.jit(lambda r, p, a, c: experts.swiglu(r, p, a, ws[1], c, impl="kernel", expected_pairs=expected))(
-            recv, pl, ws[0], ws[2])
-        xb = jax.jit(lambda r, p, a, c: experts.swiglu_rows(p, experts.activations(r), a, ws[1], c, impl="kernel",
-                                                            expected_pairs=expected))(recv, pl, ws[0], ws[2])
-        got, want = np.asarray(mx).view(np.uint16), np.asarray(xb).view(np.uint16)
-        assert np.any(want != 0)
-        np.testing.assert_array_equal(got, want)
-    if hot:  # some work item fills more than one 16-row tile
-        assert int(np.max(np.asarray(pl.group_sizes))) > 16
