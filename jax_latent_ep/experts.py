@@ -531,8 +531,8 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       `src == -1`.
     """
     blocks = _blocks(recv.x.shape[0], max_tokens, ranks)
-    xb = _all_rows(mxfp8_dequantize(_live_rows(recv.x, blocks), _live_rows(recv.sf, blocks)).astype(jnp.bfloat16),
-                   blocks)  # = activations(recv) in every row a pair can name
+    live = recv._replace(x=_live_rows(recv.x, blocks), sf=_live_rows(recv.sf, blocks))
+    xb = _all_rows(activations(live), blocks)  # = activations(recv) in every row a pair can name
     return swiglu_rows(pl, xb, w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs, mx=(recv.x, recv.sf),
                        max_tokens=max_tokens, ranks=ranks)
 
@@ -548,6 +548,6 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
-    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
+    mt = _blocks(rows, max_tokens, ranks)[2]
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k, max_tokens=max_tokens,
                   ranks=ranks)
