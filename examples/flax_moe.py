@@ -71,8 +71,8 @@ class LatentMoEBlock(nnx.Module):
         x = jnp.dot(h, self.down[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [T, L]
         recv, xf = ep.dispatch(x, ids, weights, dequantize=True)                      # N*S rows, f32 latent
         pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)  # the local pairs
-        out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), self.w_gate[...], self.w_up[...], self.w_down[...],
-                                  max_tokens=ep.max_tokens, ranks=ep.ranks)           # bf16 [N*S, L]
+        out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), self.w_gate[...], self.w_up[...],
+                                  self.w_down[...])                                   # bf16 [N*S, L]
         y = ep.combine(out, ids, self.norm[...], self.cfg.eps)                        # bf16 [T, L], RMS-normed
         return h + jnp.dot(y, self.up[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 

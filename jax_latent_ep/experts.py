@@ -138,34 +138,6 @@ def _xla_operands(a, w):
     return a, w
 
 
-def _blocks(rows: int, max_tokens: int | None, ranks: int | None) -> tuple[int, int, int]:
-    """`(N, S, max_tokens)` of `rows` receive rows as `plan` reads its `max_tokens` and `ranks` (checked)."""
-    from jax_latent_ep.layout import stride
-
-    if ranks is None:
-        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
-    if ranks < 1 or rows % ranks:
-        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
-    s_rows = rows // ranks
-    mt = s_rows if max_tokens is None else int(max_tokens)
-    if not 1 <= mt <= s_rows:
-        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
-    return ranks, s_rows, mt
-
-
-def _live_rows(a, blocks: tuple[int, int, int]):
-    """Rows `t < max_tokens` of every source block of `a` (`[N*S, ...]` -> `[N*max_tokens, ...]`)."""
-    n, s_rows, mt = blocks
-    return a.reshape(n, s_rows, *a.shape[1:])[:, :mt].reshape(n * mt, *a.shape[1:])
-
-
-def _all_rows(a, blocks: tuple[int, int, int]):
-    """`_live_rows`' inverse: `[N*max_tokens, ...]` -> `[N*S, ...]`, zero in the rows past `max_tokens`."""
-    n, s_rows, mt = blocks
-    pad = [(0, 0), (0, s_rows - mt)] + [(0, 0)] * (a.ndim - 1)
-    return jnp.pad(a.reshape(n, mt, *a.shape[1:]), pad).reshape(n * s_rows, *a.shape[1:])
-
-
 def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> int:
     """`N * max_tokens * min(K, J)`: the most pairs one rank's receive rows can hold."""
     return ranks * max_tokens * min(topk, num_local_experts)
@@ -193,11 +165,20 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     Returns:
       A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
     """
+    from jax_latent_ep.layout import stride
+
     rows, k = recv.ids.shape
     j = int(num_local_experts)
     if j < 1:
         raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
-    ranks, s_rows, mt = _blocks(rows, max_tokens, ranks)
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
     m = min(k, j)
     cap = capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
@@ -482,32 +463,28 @@ def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
 
 
 def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None,
-                mx=None, max_tokens: int | None = None, ranks: int | None = None):
+                mx=None):
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
-    dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8);
-    `max_tokens`, `ranks` as `swiglu`'s."""
+    dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
     if xb.dtype != jnp.bfloat16 or xb.ndim != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    blocks = _blocks(xb.shape[0], max_tokens, ranks)
     y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)  # [C, L] f32; unused pairs: garbage
-    # One fused gather-sum over the rows that can hold pairs (those past `max_tokens` are zero by the contract):
-    # only the pairs a row names are read (never an unused pair's row).
-    row_pairs = _live_rows(pl.row_pairs, blocks)
-    valid = row_pairs < pl.count  # [N * max_tokens, M]; C (no pair) and unused pairs fail
-    safe = jnp.minimum(row_pairs, pl.capacity - 1)
+    # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
+    valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
+    safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
     coef = pl.weight[safe]
-    acc = jnp.zeros((row_pairs.shape[0], xb.shape[1]), jnp.float32)
-    for m in range(row_pairs.shape[1]):  # ascending first slot: a fixed order
+    acc = jnp.zeros(xb.shape, jnp.float32)
+    for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
         acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
-    return _all_rows(acc.astype(jnp.bfloat16), blocks)
+    return acc.astype(jnp.bfloat16)
 
 
 def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
-           expected_pairs: int | None = None, max_tokens: int | None = None, ranks: int | None = None):
+           expected_pairs: int | None = None):
     """The rank's routed experts on its received rows: bf16 `[N*S, L]`, exactly what `combine` takes.
 
     Args:
@@ -522,19 +499,14 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       expected_pairs: how many pairs the plan is expected to hold (`max_tokens * K` under uniform routing), or
         None (the capacity): how the kernel splits its contraction (performance, and the FP32 order of a split
         contraction, `docs/experts.md`); the other implementations ignore it.
-      max_tokens, ranks: as `plan`'s (the default: every row): rows `t >= max_tokens` of each source block hold no
-        pair, so neither their dequantization nor their sum runs (their output is 0 either way).
 
     Returns:
       bf16 `[N*S, L]`: `out[row] = bf16(sum_m weight_m * down(bf16(silu(gate) * up)))` over the row's local
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    blocks = _blocks(recv.x.shape[0], max_tokens, ranks)
-    live = recv._replace(x=_live_rows(recv.x, blocks), sf=_live_rows(recv.sf, blocks))
-    xb = _all_rows(activations(live), blocks)  # = activations(recv) in every row a pair can name
-    return swiglu_rows(pl, xb, w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs, mx=(recv.x, recv.sf),
-                       max_tokens=max_tokens, ranks=ranks)
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
+                       mx=(recv.x, recv.sf))
 
 
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
@@ -548,6 +520,5 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
-    mt = _blocks(rows, max_tokens, ranks)[2]
-    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k, max_tokens=max_tokens,
-                  ranks=ranks)
+    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
+    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)
