@@ -77,6 +77,9 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedGemm(XLA_FFI_CallFrame* call_frame)
 extern "C" EP_EXPORT XLA_FFI_Error* EpExpertPlan(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::expert_plan_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpExpertStage(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::expert_stage_targets().traced);
+}
 
 #if JAX_LATENT_EP_RECORD
 namespace {
@@ -195,15 +198,19 @@ EP_EXPORT int ep_register_record_targets(const char* dispatch_name, const char* 
 #endif
 }
 
-// The same for the expert stage's record targets `gemm_name` / `plan_name` (the grouped GEMM, the expert plan):
-// a kernel node each in XLA's command buffers, updated in place, instead of a stream capture per record.
-EP_EXPORT int ep_register_expert_record_targets(const char* gemm_name, const char* plan_name) {
+// The same for the expert stage's record targets `gemm_name` / `plan_name` / `stage_name` (the grouped GEMM, the
+// expert plan, the fused stage): a kernel node each in XLA's command buffers, updated in place, instead of a stream
+// capture per record.
+EP_EXPORT int ep_register_expert_record_targets(const char* gemm_name, const char* plan_name,
+                                                const char* stage_name) {
 #if !JAX_LATENT_EP_RECORD
   (void)gemm_name;
   (void)plan_name;
+  (void)stage_name;
   return ep::fail(kNoRecordStage);
 #else
-  return register_record_targets({{gemm_name, ep::grouped_gemm_targets()}, {plan_name, ep::expert_plan_targets()}});
+  return register_record_targets({{gemm_name, ep::grouped_gemm_targets()}, {plan_name, ep::expert_plan_targets()},
+                                  {stage_name, ep::expert_stage_targets()}});
 #endif
 }
 

@@ -351,6 +351,119 @@ static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCo
               "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
 
 // ---------------------------------------------------------------------------------------------------------
+// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, counts) -> (counts, xb, parts, h, y): the expert stage's
+// dequantization and SwiGLU MLP in one launch (kernels/grouped_gemm.py ExpertStage, BF16); `counts` is zero on
+// entry (the output aliases it).
+
+struct ExpertStage {
+  static constexpr const char* kWhat = "expert_stage";
+  static constexpr int64_t kTile = ep_abi::kGemmBlockN, kWorkWords = ep_abi::kGemmWorkWords;
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [R, L] receive rows
+        .template Arg<ffi::AnyBuffer>()      // sf: uint8 [R, L / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // a_rows: int32 [P] receive row of each pair
+        .template Arg<ffi::AnyBuffer>()      // w_gate: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()      // w_up: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()      // w_down: bf16 [J, I, L]
+        .template Arg<ffi::AnyBuffer>()      // work: int32 [W, 4] (group, first pair, pairs, items)
+        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64)] zeros (`counts` aliases it)
+        .template Ret<ffi::AnyBuffer>()      // counts: the same buffer, the kernel's counts
+        .template Ret<ffi::AnyBuffer>()      // xb: bf16 [R, L] dequantized rows
+        .template Ret<ffi::AnyBuffer>()      // parts: f32 [S1, P, 2I] gate / up partials (S1 > 1), else f32 [1]
+        .template Ret<ffi::AnyBuffer>()      // h: bf16 [P, I]
+        .template Ret<ffi::AnyBuffer>()      // y: f32 [S2, P, L] down's partials
+        .template Attr<int64_t>("k_gate")    // contraction length of each gate / up split
+        .template Attr<int64_t>("k_down");   // contraction length of each down split
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer a_rows,
+                            ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer work,
+                            ffi::AnyBuffer counts_in, ffi::Result<ffi::AnyBuffer> counts,
+                            ffi::Result<ffi::AnyBuffer> xb, ffi::Result<ffi::AnyBuffer> parts,
+                            ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y, int64_t k_gate,
+                            int64_t k_down) {
+    l.kernel = find_kernel(kWhat, ordinal);
+    if (l.kernel == nullptr) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
+                                         "device ordinal " + std::to_string(ordinal) +
+                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
+    }
+    auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
+    auto yd = y->dimensions();
+    if (xd.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || yd.size() != 3) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: expected x [R, L], a_rows [P], w_gate "
+                                         "[J, L, I], work [W, 4], y [S2, P, L]");
+    }
+    const int64_t R = xd[0], L = xd[1], P = rd[0], J = wd[0], I = wd[2], W = kd[0], S2 = yd[0];
+    const int64_t S1 = k_gate > 0 ? (L + k_gate - 1) / k_gate : 0;
+    if (L % (2 * kTile) || I % kTile || k_gate <= 0 || k_gate % kTile || k_down <= 0 || k_down % kTile ||
+        (S1 - 1) * k_gate >= L || S2 * k_down < I || (S2 - 1) * k_down >= I || W < 1) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_stage: L=" + std::to_string(L) + " must be a multiple of " + std::to_string(2 * kTile) +
+          ", I=" + std::to_string(I) + " of " + std::to_string(kTile) + ", and the splits of k_gate=" +
+          std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
+          ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
+    }
+    const int64_t num_counts = 1 + W * (1 + I / kTile);
+    ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
+                                 : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
+                                    expect(kWhat, "sf", sf, ffi::DataType::U8, {R, L / ep_abi::kMxBlock}),
+                                    expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
+                                    expect(kWhat, "w_gate", w_gate, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_up", w_up, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_down", w_down, ffi::DataType::BF16, {J, I, L}),
+                                    expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}),
+                                    expect(kWhat, "counts_in", counts_in, ffi::DataType::S32, {num_counts}),
+                                    expect(kWhat, "counts", *counts, ffi::DataType::S32, {num_counts}),
+                                    expect(kWhat, "xb", *xb, ffi::DataType::BF16, {R, L}), parts_ok,
+                                    expect(kWhat, "h", *h, ffi::DataType::BF16, {P, I}),
+                                    expect(kWhat, "y", *y, ffi::DataType::F32, {S2, P, L})});
+        e.failure()) {
+      return e;
+    }
+    if (counts->untyped_data() != counts_in.untyped_data()) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: the counts output must alias counts_in");
+    }
+    // Every unit of the static shape; the CTAs that fit at once loop over the non-empty ones.
+    const int64_t units = R + W * (S1 * (I / kTile) + S2 * (L / kTile));
+    if (units < 1 || units > (int64_t{1} << 31) - 1 || P > (int64_t{1} << 28) || R > (int64_t{1} << 28)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: " + std::to_string(units) + " units");
+    }
+    l.grid = static_cast<unsigned>(std::min(units, l.kernel->max_grid));
+    l.params = make_params(ep_abi::ExpertStageParams{
+        .x = address(x.untyped_data()),
+        .sf = address(sf.untyped_data()),
+        .a_rows = address(a_rows.untyped_data()),
+        .w_gate = address(w_gate.untyped_data()),
+        .w_up = address(w_up.untyped_data()),
+        .w_down = address(w_down.untyped_data()),
+        .work = address(work.untyped_data()),
+        .counts = address(counts->untyped_data()),
+        .xb = address(xb->untyped_data()),
+        .parts = S1 > 1 ? address(parts->untyped_data()) : int64_t{0},
+        .h = address(h->untyped_data()),
+        .y = address(y->untyped_data()),
+        .num_recv = static_cast<int32_t>(R),
+        .num_l = static_cast<int32_t>(L),
+        .num_i = static_cast<int32_t>(I),
+        .num_rows = static_cast<int32_t>(P),
+        .num_work = static_cast<int32_t>(W),
+        .k_gate = static_cast<int32_t>(k_gate),
+        .k_down = static_cast<int32_t>(k_down),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::ExpertStageParams>() == ep_abi::kExpertStageParamsCount,
+              "ep_abi.h: visit_params(ExpertStageParams) must pass every parameter once");
+static_assert(ep_abi::kExpertStageParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
+
+// ---------------------------------------------------------------------------------------------------------
 // expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
 // scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
 
@@ -527,5 +640,6 @@ Targets dispatch_targets() { return targets<Dispatch>(); }
 Targets combine_targets() { return targets<Combine>(); }
 Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
 Targets expert_plan_targets() { return targets<ExpertPlan>(); }
+Targets expert_stage_targets() { return targets<ExpertStage>(); }
 
 }  // namespace jax_latent_ep

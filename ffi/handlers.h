@@ -16,5 +16,6 @@ Targets dispatch_targets();
 Targets combine_targets();
 Targets grouped_gemm_targets();
 Targets expert_plan_targets();
+Targets expert_stage_targets();
 
 }  // namespace jax_latent_ep

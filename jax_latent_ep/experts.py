@@ -397,17 +397,53 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
     return total
 
 
-def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
-    """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs). Gate and up run in one launch
-    that reads each pair's row of `xb` itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`);
-    then down. Each active expert's weights are read once per launch (once per 64 pairs of a hotter expert). The
-    contraction splits are chosen for `min(J, C, expected_pairs)` active experts. With FP8 weights the activations
-    are MXFP8: the received rows `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
+def _kernel_setup(pl: Plan, expected_pairs):
+    """(work list, experts expected active) of a kernel call; loads the expert kernels."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
     work = pl.work if pl.work is not None else work_items(pl)
+    return work, min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+
+
+def _stage_fits(recv: Received, pl: Plan, w_gate, w_up, expected_pairs) -> bool:
+    """Whether `swiglu(impl="kernel")` runs as one launch (`_kernel_stage`): bf16 gate and up weights of their own,
+    `L` a multiple of 128 and `I` of 64, and gate / up's contraction split (few experts expected active, decode at
+    a handful of tokens: there the kernel boundaries and XLA's kernels around the GEMMs are a large part of the
+    time; with more experts active the two launches are 1-7 % faster, docs/performance.md)."""
+    if isinstance(w_gate, BlockScaled) or w_up is None:
+        return False
+    lat, inter = w_gate.shape[1], w_gate.shape[2]
     active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+    return lat % (2 * KERNEL_BLOCK_N) == 0 and inter % KERNEL_BLOCK_N == 0 and _kernel_splits(active, inter, lat)[0] > 1
+
+
+def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
+    """FP32 per-pair outputs `[C, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the
+    dequantization, gate / up and down as phases that wait only for what they read, down's weights streaming while
+    gate / up finishes; the contraction splits as the two launches' (`_kernel`). Numerics as theirs
+    (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
+    XLA's: a few FP32 ulps before the bf16 rounding)."""
+    from jax_latent_ep.runtime import ffi
+
+    work, active = _kernel_setup(pl, expected_pairs)
+    lat, inter = w_gate.shape[1], w_gate.shape[2]
+    parts = ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                  k_gate=_kernel_splits(active, inter, lat)[1],
+                                  k_down=_kernel_splits(active, lat, inter)[1])
+    total = parts[0]
+    for s in range(1, parts.shape[0]):  # a fixed order
+        total = total + parts[s]
+    return total
+
+
+def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
+    """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs) in two launches. Gate and up run in one launch that reads each pair's row of `xb` itself and,
+    unless the contraction is split, ends in the SwiGLU (bf16 `h`); then down. Each active expert's weights are
+    read once per launch (once per 64 pairs of a hotter expert). The contraction splits are chosen for
+    `min(J, C, expected_pairs)` active experts. With FP8 weights the activations are MXFP8: the received rows
+    `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
+    work, active = _kernel_setup(pl, expected_pairs)
     inter = w_down.shape[1]
     tile = _kernel_tile(w_gate)
     fp8 = isinstance(w_gate, BlockScaled)
@@ -472,12 +508,16 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)  # [C, L] f32; unused pairs: garbage
+    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx))
+
+
+def _row_sums(pl: Plan, y):
+    """bf16 `[R, L]`: each row's weighted sum of its pairs' FP32 outputs `y` `[C, L]` (unused pairs: garbage)."""
     # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
     valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
     safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
     coef = pl.weight[safe]
-    acc = jnp.zeros(xb.shape, jnp.float32)
+    acc = jnp.zeros((pl.row_pairs.shape[0], y.shape[1]), jnp.float32)
     for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
         acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
     return acc.astype(jnp.bfloat16)
@@ -505,6 +545,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
+    if impl == "kernel" and not isinstance(w_gate, BlockScaled) and w_up is not None:
+        _check_weights(jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, pl)
+        if _stage_fits(recv, pl, w_gate, w_up, expected_pairs):
+            return _row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))
 

@@ -338,3 +338,18 @@ def test_kernel_impl_needs_a_gpu():
     recv, weights = _case("cpu-refusal", *case)
     with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
         _run(recv, weights, case[1], case[3], case[0], "kernel")
+
+
+def test_one_launch_where_gate_up_is_split():
+    """`swiglu(impl="kernel")` takes the one-launch stage exactly where gate / up's contraction is split (few
+    experts expected active) and its weights are bf16 gate and up of their own with L % 128 == 0."""
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    rng = np.random.default_rng(5)
+    recv = jax.tree.map(jnp.asarray, random_received(rng, ranks=2, rank=0, tokens=8, max_tokens=8, latent=3584,
+                                                     experts=896, topk=16))
+    pl = experts.plan(recv, 0, 448, max_tokens=8, ranks=2)
+    gate = spec(448, 3584, 512)
+    assert experts._stage_fits(recv, pl, gate, gate, 1 * 16)  # T = 1
+    assert not experts._stage_fits(recv, pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
+    assert not experts._stage_fits(recv, pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
+    assert not experts._stage_fits(recv, pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)

@@ -177,6 +177,33 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
 #: cubin): the same parameters, `num_k`, `num_n` and `k_per_split` multiples of 128.
 GROUPED_GEMM_FP8 = Kernel("grouped_gemm_fp8", "ep_grouped_gemm_fp8", GROUPED_GEMM.params, params_of="grouped_gemm")
 
+#: The expert stage's dequantization and SwiGLU MLP in one launch (`kernels/grouped_gemm.py` ExpertStage, BF16
+#: weights): the receive rows' dequantization, gate / up and down as phases of units that wait only for the counts
+#: they read (no kernel boundary). R receive rows, P pairs; J, L, I: local experts, latent, intermediate; S1 / S2
+#: the gate / up and down splits.
+EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
+    _address("x", "float8_e4m3fn [R, num_l]: the receive rows' MXFP8 elements"),
+    _address("sf", "uint8 [R, num_l / 32]: their E8M0 scales"),
+    _address("a_rows", "int32 [P]: the receive row of each pair (the plan's pair_row)"),
+    _address("w_gate", "bf16 [J, num_l, num_i]"),
+    _address("w_up", "bf16 [J, num_l, num_i]"),
+    _address("w_down", "bf16 [J, num_i, num_l]"),
+    _address("work", "int32 [num_work, 4]: the work list, as the grouped GEMM's"),
+    _address("counts", "int32 [1 + num_work (1 + num_i / 64)]: zero on entry; rows dequantized, per item the tiles "
+             "of `h` stored, per (item, tile) the gate / up splits stored (output)"),
+    _address("xb", "bf16 [R, num_l]: the dequantized rows (output, scratch)"),
+    _address("parts", "f32 [S1, P, 2 num_i]: gate / up partials interleaved by 64 columns (S1 > 1; output, scratch)"),
+    _address("h", "bf16 [P, num_i]: silu(gate) * up of each pair (output, scratch)"),
+    _address("y", "f32 [S2, P, num_l]: down's partials; pairs outside every work item untouched (output)"),
+    Param("num_recv", "i32", False, "R, receive rows"),
+    Param("num_l", "i32", False, "L, a multiple of 128"),
+    Param("num_i", "i32", False, "I, a multiple of 64"),
+    Param("num_rows", "i32", False, "P, pairs"),
+    Param("num_work", "i32", False, "work items"),
+    Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64"),
+    Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
+))
+
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
 #: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
 #: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J).
@@ -203,7 +230,7 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("num_work", "i32", False, "work items"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_PLAN)}
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN)}
 
 
 def c_name(op: str) -> str:

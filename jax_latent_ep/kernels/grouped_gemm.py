@@ -58,6 +58,18 @@ from jax_latent_ep.kernels.primitives import (
     silu_mul,
     store_b32_bf16x2,
     store_v2_f32,
+    atomic_add_relaxed_gpu,
+    fence_acq_rel_gpu,
+    globaltimer,
+    load_acquire_gpu,
+    load_cg_v2_f32,
+    load_shared_b32 as _load_shared_b32,
+    red_add_relaxed_gpu,
+    store_shared_b32,
+    trap,
+    e4m3x8_to_bf16x8,
+    load_v4,
+    store_v4,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -78,6 +90,11 @@ ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
+#: 16-element chunks of a receive row each thread of a dequantization unit loads at once (a row of L <= 8192 in
+#: one round trip).
+DQ_CHUNKS = 4
+#: The fused stage's: the ring, then the finisher's flag (a 16-byte slot).
+STAGE_SMEM_BYTES = SMEM_BYTES + 16
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
@@ -92,6 +109,11 @@ FP8_A_STAGE_BYTES = BLOCK_M * FP8_A_ROW_BYTES
 FP8_SF_STAGE_BYTES = BLOCK_M * 4
 FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16)
 
+#: The fused stage's bound on one wait for another CTA's count (they come within microseconds): then a trap.
+WAIT_NS = 2_000_000_000
+#: Splits of the gate / up contraction the fused stage's finisher loads at once (more take several rounds).
+SUM_SPLITS = 8
+
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
 
@@ -102,8 +124,10 @@ def smem_bytes() -> int:
 
 
 def launch_shape(kernel: str) -> tuple[int, int]:
-    """(threads, dynamic shared memory bytes) of "grouped_gemm" or "grouped_gemm_fp8"."""
-    return (FP8_THREADS, FP8_SMEM_BYTES) if kernel == "grouped_gemm_fp8" else (THREADS, SMEM_BYTES)
+    """(threads, dynamic shared memory bytes) of "grouped_gemm", "grouped_gemm_fp8" or "expert_stage"."""
+    if kernel == "grouped_gemm_fp8":
+        return FP8_THREADS, FP8_SMEM_BYTES
+    return (THREADS, STAGE_SMEM_BYTES) if kernel == "expert_stage" else (THREADS, SMEM_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,23 +223,24 @@ class GroupedGemm:
         stride = (num_units + rounds - 1) // rounds
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
+                tile = unit_idx % column_tiles
+                rest = unit_idx // column_tiles
                 self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
-                          k_per_split, fuse_glu, unit_idx, num_items, smem_a, smem_w, tid)
+                          k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid,
+                          False, Int64(0), Int32(0))
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
-             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32, k_per_split: Int32, fuse_glu: Int32,
-             unit_idx: Int32, num_items: Int32, smem_a: Uint32, smem_w: Uint32, tid: Int32):
-        """One unit, `unit_idx = (split * num_items + item) * column_tiles + tile` (module docstring)."""
+             w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
+             k_per_split: Int32, fuse_glu: Int32, split: Int32, item: Int32, tile: Int32, smem_a: Uint32,
+             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32):
+        """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16) the prologue's
+        weight stages are issued first, then the CTA waits until the word at `ready_addr` reaches `ready` (the rows
+        of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages."""
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
-        column_tiles = num_n // self.tile_n
-        tile = unit_idx % column_tiles
-        rest = unit_idx // column_tiles
-        item = rest % num_items
-        split = rest // num_items
         group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
         first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
         rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
@@ -269,12 +294,27 @@ class GroupedGemm:
             if two:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
                 # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c // 2 < steps:
-                        self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src, a_size,
-                                        a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid,
-                                        chunk)
-                    cp_async_commit()
+                if cutlass.const_expr(waits):
+                    # As the one-weight prologue below: the weight halves first, the rows after the wait.
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c // 2 < steps:
+                            self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src,
+                                            a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c),
+                                            num_n, tid, chunk, parts=1)
+                        cp_async_commit()
+                    self.wait_count(ready_addr, ready, tid)
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c // 2 < steps:
+                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
+                                            k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid, chunk, parts=2)
+                        cp_async_commit()
+                else:
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c // 2 < steps:
+                            self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src,
+                                            a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c),
+                                            num_n, tid, chunk)
+                        cp_async_commit()
                 # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
                 # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
@@ -291,11 +331,26 @@ class GroupedGemm:
                                       warp, lane)
             else:
                 # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
-                for c in cutlass.range_constexpr(stages - 1):
-                    if c < steps:
-                        self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                        Int32(c), num_n, tid, chunk)
-                    cp_async_commit()
+                if cutlass.const_expr(waits):
+                    # Weights (no dependency) as groups 0 .. stages - 2, then the rows once they are stored, stage
+                    # c's as group stages - 1 + c: the main loop's wait for stage kt still covers both of its halves.
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c < steps:
+                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                            Int32(c), num_n, tid, chunk, parts=1)
+                        cp_async_commit()
+                    self.wait_count(ready_addr, ready, tid)
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c < steps:
+                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                            Int32(c), num_n, tid, chunk, parts=2)
+                        cp_async_commit()
+                else:
+                    for c in cutlass.range_constexpr(stages - 1):
+                        if c < steps:
+                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
+                                            Int32(c), num_n, tid, chunk)
+                        cp_async_commit()
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
@@ -342,6 +397,18 @@ class GroupedGemm:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
 
     @cute.jit
+    def wait_count(self, addr: Int64, target: Int32, tid: Int32):
+        """Thread 0 polls the counter at `addr` (acquire) until it reaches `target`, then the CTA synchronizes: what
+        the counted CTAs stored before their arrivals is visible to every thread after it. A count that never comes
+        (a bug, never an input) traps after `WAIT_NS`."""
+        if tid == 0:
+            start = globaltimer()
+            while Int32(load_acquire_gpu(addr)) < target:
+                if globaltimer() - start > Int64(WAIT_NS):
+                    trap()
+        cute.arch.sync_threads()
+
+    @cute.jit
     def fragment_columns(self, tile: Int32, warp: Int32, lane: Int32, mt: int, nt: int, h: int):
         """`(column of out, i, j)`: accumulators `acc[i]`, `acc[j]` are columns `column`, `column + 1` (of one weight)
         of row `lane / 4 + 8 h` of row tile `mt`. BF16: column tile `nt` of the warp holds columns
@@ -378,18 +445,19 @@ class GroupedGemm:
 
     @cute.jit
     def load_stage(self, w_col: Int64, w_sc: Int64, a_src, a_size, a_live, smem_a: Uint32, smem_w: Uint32, k0: Int32,
-                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32):
+                   slot: Int32, num_n: Int32, tid: Int32, chunk: Int32, parts: cutlass.Constexpr = 3):
         """Issues this thread's `cp.async` copies of the stage at contraction offset `k0` into ring slot `slot`:
         its chunk of weight rows `k0 + tid / 8 + (threads / 8) i` and of the work item's `a` rows (`a_src`;
         zero-filled past the item's pairs, not copied past their 16-row tile); FP8 also row `tid`'s 4 E8M0 scales of
         the 128-element block (threads < 64) and (thread 0) the weight block's scale (`w_sc`: this unit's, block
-        row 0)."""
+        row 0). `parts` (BF16): 1 the weight rows only, 2 the `a` rows only, 3 both."""
         a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
-        for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
-            r = tid // 8 + i * (self.threads // 8)
-            src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
-            cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
+        if cutlass.const_expr(parts & 1):
+            for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
+                r = tid // 8 + i * (self.threads // 8)
+                src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
+                cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
         if cutlass.const_expr(self.fp8):
             r = tid // 4
             if a_live[0]:
@@ -403,7 +471,7 @@ class GroupedGemm:
             if tid == 0:
                 scale_k = (num_n + FP8_BLOCK_N - 1) // FP8_BLOCK_N
                 cp_async_4(ws_slot, w_sc + Int64(k0 // abi.GEMM_FP8_SCALE_BLOCK) * Int64(scale_k) * 4, Uint32(4))
-        else:
+        elif cutlass.const_expr(parts & 2):
             for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 if a_live[i]:
@@ -486,6 +554,225 @@ class GroupedGemm:
         return ldmatrix_x4(a_slot + Uint32(a_row * ROW_BYTES + ((a_chunk ^ (a_row % 8)) * 16)))
 
 
+class ExpertStage(GroupedGemm):
+    """The expert stage's dequantization and SwiGLU MLP in one launch (`abi.EXPERT_STAGE`, BF16 weights), with no
+    kernel boundary between them: each phase waits only for the counts of what it reads.
+
+    Units, in every CTA's order (the grid rule of `GroupedGemm`: CTA `c` takes `u = c, c + G, ..` of their
+    concatenation):
+      1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit); each counts itself
+         in word 0;
+      2. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
+         then a wait for word 0 (every row dequantized), then the rows. One split stores its tile of `h` (the
+         SwiGLU epilogue); several store FP32 partials and count themselves in the (item, tile) word, and the CTA
+         that brings it to the splits sums them in split order (from split 0), applies the SwiGLU and stores the
+         tile. Each tile of `h` stored counts in its item's word;
+      3. down `(item, split, tile)`: the first weight stages, a wait for its item's word to reach the tiles, then
+         its rows of `h`; FP32 partials `y`.
+    A unit waits only for units that come before every unit of its phase in every CTA's order and that never wait
+    for a later phase: with every CTA resident (the grid is at most the CTAs that fit at once) each wait ends.
+    """
+
+    @cute.jit
+    def launch(
+        self,
+        x: Int64,
+        sf: Int64,
+        a_rows: Int64,
+        w_gate: Int64,
+        w_up: Int64,
+        w_down: Int64,
+        work: Int64,
+        counts: Int64,
+        xb: Int64,
+        parts: Int64,
+        h: Int64,
+        y: Int64,
+        num_recv: Int32,
+        num_l: Int32,
+        num_i: Int32,
+        num_rows: Int32,
+        num_work: Int32,
+        k_gate: Int32,
+        k_down: Int32,
+    ):
+        self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, xb, parts, h, y, num_recv, num_l, num_i,
+                    num_rows, num_work, k_gate, k_down).launch(
+            # The FFI handler sets the grid; three CTAs an SM whatever the other phases hold.
+            grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=STAGE_SMEM_BYTES, preferred_smem_carveout=-1,
+            min_blocks_per_mp=3,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: Int64,
+        sf: Int64,
+        a_rows: Int64,
+        w_gate: Int64,
+        w_up: Int64,
+        w_down: Int64,
+        work: Int64,
+        counts: Int64,
+        xb: Int64,
+        parts: Int64,
+        h: Int64,
+        y: Int64,
+        num_recv: Int32,
+        num_l: Int32,
+        num_i: Int32,
+        num_rows: Int32,
+        num_work: Int32,
+        k_gate: Int32,
+        k_down: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGE_SMEM_BYTES), 128)
+        smem_a = Uint32(ring.iterator.toint())
+        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
+        smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag
+        grid, _, _ = cute.arch.grid_dim()
+        griddepcontrol_wait()  # the plan, the rows and the zeroed counts come from the previous kernels
+        num_items = Int32(load_b32(work + 12))
+        if num_items > num_work:
+            num_items = num_work
+        tiles_gate = num_i // BLOCK_N
+        splits_gate = (num_l + k_gate - 1) // k_gate
+        tiles_down = num_l // BLOCK_N
+        splits_down = (num_i + k_down - 1) // k_down
+        units_dq = num_recv
+        end_gate = units_dq + num_items * splits_gate * tiles_gate
+        num_units = end_gate + num_items * splits_down * tiles_down
+        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
+        stride = (num_units + rounds - 1) // rounds
+        fuse = Int32(0)
+        gate_out = parts
+        if splits_gate == 1:
+            fuse = Int32(1)
+            gate_out = h
+        if cta < stride:
+            for unit_idx in range(cta, num_units, stride):
+                if unit_idx < units_dq:
+                    self.dequantize(x, sf, xb, num_l, unit_idx, tid)
+                    self.count_unit(counts, tid)
+                elif unit_idx < end_gate:
+                    v = unit_idx - units_dq
+                    tile = v % tiles_gate
+                    rest = v // tiles_gate
+                    item = rest // splits_gate
+                    self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
+                              num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
+                              counts, units_dq)
+                    self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
+                                smem_word, tid)
+                else:
+                    v = unit_idx - end_gate
+                    rest = v // tiles_down
+                    item = rest // splits_down
+                    self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
+                              num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
+                              tid, True, counts + Int64(1 + item) * 4, tiles_gate)
+                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+
+    @cute.jit
+    def count_unit(self, word: Int64, tid: Int32):
+        """After a unit stored: the CTA's stores are ordered before one count in `word`."""
+        cute.arch.sync_threads()
+        if tid == 0:
+            fence_acq_rel_gpu()
+            red_add_relaxed_gpu(word, Uint32(1))
+
+    @cute.jit
+    def dequantize(self, x: Int64, sf: Int64, xb: Int64, num_l: Int32, row: Int32, tid: Int32):
+        """Receive row `row` of `xb`: 16 elements a thread a chunk (16 e4m3 bytes and the word holding their E8M0
+        scale, `2^(e - 127)`, 0 for `e = 0`), `DQ_CHUNKS` chunks' loads issued before any is converted."""
+        chunks = num_l // 16
+        src = x + Int64(row) * Int64(num_l)
+        sf_row = sf + Int64(row) * Int64(num_l // 32)
+        for base in range(0, chunks, THREADS * DQ_CHUNKS):
+            qs, words = [], []
+            for j in cutlass.range_constexpr(DQ_CHUNKS):
+                c = base + j * THREADS + tid
+                if c > chunks - 1:
+                    c = chunks - 1  # a repeated load, not stored: the loads stay unconditional
+                qs.append(load_v4(src + Int64(c * 16)))
+                words.append(load_b32(sf_row + Int64(c // 8 * 4)))  # blocks 4 (c / 8) .. + 3 (L / 32 % 4 == 0)
+            for j in cutlass.range_constexpr(DQ_CHUNKS):
+                c = base + j * THREADS + tid
+                if c < chunks:
+                    e = (words[j] >> Uint32(8 * ((c // 2) % 4))) & Uint32(0xFF)
+                    scale = f32_from_bits(e << Uint32(23))
+                    dst = xb + (Int64(row) * Int64(num_l) + Int64(c * 16)) * 2
+                    store_v4(dst, e4m3x8_to_bf16x8(qs[j][0], qs[j][1], scale))
+                    store_v4(dst + Int64(16), e4m3x8_to_bf16x8(qs[j][2], qs[j][3], scale))
+
+    @cute.jit
+    def arrive(self, counts: Int64, parts: Int64, h: Int64, work: Int64, num_i: Int32, num_rows: Int32,
+               num_work: Int32, splits: Int32, item: Int32, tile: Int32, smem_flag: Uint32, tid: Int32):
+        """After gate / up unit (item, ., tile) stored: one split counts its tile of `h` in the item's word; several
+        count the split in the (item, tile) word, and the last one's CTA stores the tile (`finish`), then counts it."""
+        item_word = counts + Int64(1 + item) * 4
+        if splits == 1:
+            self.count_unit(item_word, tid)
+        else:
+            cute.arch.sync_threads()  # the CTA's stores are issued before thread 0's fence
+            if tid == 0:
+                fence_acq_rel_gpu()
+                old = atomic_add_relaxed_gpu(counts + (Int64(1 + num_work) + Int64(item) * Int64(num_i // BLOCK_N)
+                                                       + Int64(tile)) * 4, Uint32(1))
+                last = Uint32(0)
+                if Int32(old) == splits - 1:
+                    fence_acq_rel_gpu()  # the other splits' partials are read after it
+                    last = Uint32(1)
+                store_shared_b32(smem_flag, last)
+            cute.arch.sync_threads()
+            if _load_shared_b32(smem_flag) != Uint32(0):
+                self.finish(parts, h, work, num_i, num_rows, splits, item, tile, tid)
+                self.count_unit(item_word, tid)
+
+    @cute.jit
+    def finish(self, parts: Int64, h: Int64, work: Int64, num_i: Int32, num_rows: Int32, splits: Int32,
+               item: Int32, tile: Int32, tid: Int32):
+        """Tile `tile` of the item's `h`: `bf16(silu(g) * u)`, `g` and `u` the FP32 sums of the splits' partials in
+        split order (from split 0), `SUM_SPLITS` splits' loads issued at once."""
+        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
+        out_n = 2 * num_i
+        split_bytes = Int64(num_rows) * Int64(out_n) * 4
+        for idx in range(tid, rows * (BLOCK_N // 2), THREADS):
+            r = idx // (BLOCK_N // 2)
+            col = (idx % (BLOCK_N // 2)) * 2
+            src = parts + ((Int64(first + r) * Int64(out_n)) + Int64(tile * 2 * BLOCK_N + col)) * 4
+            g0 = cutlass.Float32(0.0)
+            g1 = cutlass.Float32(0.0)
+            u0 = cutlass.Float32(0.0)
+            u1 = cutlass.Float32(0.0)
+            for s0 in range(0, splits, SUM_SPLITS):
+                gs, us = [], []
+                for j in cutlass.range_constexpr(SUM_SPLITS):
+                    sj = s0 + j
+                    if sj > splits - 1:
+                        sj = splits - 1  # a repeated load, not added: the loads stay unconditional
+                    addr = src + Int64(sj) * split_bytes
+                    gs.append(load_cg_v2_f32(addr))
+                    us.append(load_cg_v2_f32(addr + Int64(BLOCK_N * 4)))
+                for j in cutlass.range_constexpr(SUM_SPLITS):
+                    if s0 + j == 0:
+                        g0, g1 = gs[j]
+                        u0, u1 = us[j]
+                    elif s0 + j < splits:
+                        g0 = g0 + gs[j][0]
+                        g1 = g1 + gs[j][1]
+                        u0 = u0 + us[j][0]
+                        u1 = u1 + us[j][1]
+            store_b32_bf16x2(h + (Int64(first + r) * Int64(num_i) + Int64(tile * BLOCK_N + col)) * 2,
+                             silu_mul(g0, u0), silu_mul(g1, u1))
+
+
 def _name(op: abi.Kernel) -> None:
     """Names the kernel symbol of the next compile after `op` (the BF16 and the FP8 cubin each carry their own)."""
     GroupedGemm.kernel.set_name_prefix(op.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
@@ -511,3 +798,9 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a"):
         return compile_cubin(abi.GROUPED_GEMM_FP8, GroupedGemm(fp8=True), arch)
     finally:
         _name(abi.GROUPED_GEMM)
+
+
+def compile_expert_stage(arch: str = "sm_90a"):
+    """Compiles the fused expert stage for `arch`; returns `(symbol, cubin bytes)`."""
+    ExpertStage.kernel.set_name_prefix(abi.EXPERT_STAGE.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+    return compile_cubin(abi.EXPERT_STAGE, ExpertStage(), arch)

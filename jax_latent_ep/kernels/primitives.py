@@ -560,3 +560,67 @@ def atomic_or_shared(smem, value, *, loc=None, ip=None) -> None:
     """`atom.shared.or.b32`: ORs `value` into the word at shared address `smem` (result unused)."""
     _asm(None, [_u32(smem, loc, ip), _u32(value, loc, ip)], "{ .reg .b32 t; atom.shared.or.b32 t, [$0], $1; }",
          "r,r", loc, ip)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arrival counters in global memory (the fused expert MLP, `kernels/grouped_gemm.py`): a CTA's threads store, the
+# CTA synchronizes, one thread fences and adds; a reader that sees the count (an acquire load, or the atomic's old
+# value followed by a fence) and then synchronizes its CTA reads what the counted CTAs stored, through L2.
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    """Always issues one `fence.acq_rel.gpu`: this thread's earlier memory operations (and, through a CTA barrier
+    before it, its CTA's) are ordered before its later ones for every thread of the GPU."""
+    _asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def atomic_add_relaxed_gpu(addr, value, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `atom.relaxed.gpu.global.add.u32`; returns the word before (it orders nothing else)."""
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip), _u32(value, loc, ip)],
+                       "atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", "=r,l,r", loc, ip))
+
+
+@dsl_user_op
+def red_add_relaxed_gpu(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one `red.relaxed.gpu.global.add.u32` (no result: the thread does not wait for it)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "red.relaxed.gpu.global.add.u32 [$0], $1;", "l,r",
+         loc, ip)
+
+
+@dsl_user_op
+def load_acquire_gpu(addr, *, loc=None, ip=None) -> Uint32:
+    """Always issues one `ld.acquire.gpu.global.b32`: a fresh read of a counter; this thread's later memory
+    operations are ordered after it."""
+    return Uint32(_asm(T.i32(), [_i64(addr, loc, ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", loc, ip))
+
+
+@dsl_user_op
+def load_cg_v2_f32(addr, *, loc=None, ip=None):
+    """Always issues one `ld.global.cg.v2.f32` (cached in L2 only: another CTA's fenced stores, never a stale L1
+    line); returns two `Float32` (addr 8-byte aligned)."""
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * 2), [_i64(addr, loc, ip)],
+                  "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l", loc, ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(2))
+
+
+@dsl_user_op
+def e4m3x8_to_bf16x8(lo, hi, scale, *, loc=None, ip=None):
+    """Eight e4m3 bytes (`lo`, then `hi`; element 0 the lowest byte of `lo`) times the FP32 `scale`, each rounded
+    once to BF16 (nearest even), as four `bf16x2` words, element 0 in the low half of word 0:
+    `numerics.mxfp8_dequantize` then `astype(bfloat16)` bit for bit (e4m3 -> f16 -> f32 is exact, the product one
+    FP32 rounding)."""
+    code = ("{ .reg .b16 q0, q1, q2, q3; .reg .b32 h0, h1, h2, h3; .reg .f16 e<8>; .reg .f32 f<8>; "
+            "mov.b32 {q0, q1}, $4; mov.b32 {q2, q3}, $5; "
+            "cvt.rn.f16x2.e4m3x2 h0, q0; cvt.rn.f16x2.e4m3x2 h1, q1; cvt.rn.f16x2.e4m3x2 h2, q2; "
+            "cvt.rn.f16x2.e4m3x2 h3, q3; mov.b32 {e0, e1}, h0; mov.b32 {e2, e3}, h1; mov.b32 {e4, e5}, h2; "
+            "mov.b32 {e6, e7}, h3; cvt.f32.f16 f0, e0; cvt.f32.f16 f1, e1; cvt.f32.f16 f2, e2; cvt.f32.f16 f3, e3; "
+            "cvt.f32.f16 f4, e4; cvt.f32.f16 f5, e5; cvt.f32.f16 f6, e6; cvt.f32.f16 f7, e7; "
+            "mul.rn.f32 f0, f0, $6; mul.rn.f32 f1, f1, $6; mul.rn.f32 f2, f2, $6; mul.rn.f32 f3, f3, $6; "
+            "mul.rn.f32 f4, f4, $6; mul.rn.f32 f5, f5, $6; mul.rn.f32 f6, f6, $6; mul.rn.f32 f7, f7, $6; "
+            "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; cvt.rn.bf16x2.f32 $2, f5, f4; "
+            "cvt.rn.bf16x2.f32 $3, f7, f6; }")
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4),
+                  [_u32(lo, loc, ip), _u32(hi, loc, ip), _f32(scale, loc, ip)], code, "=r,=r,=r,=r,r,r,f", loc, ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))

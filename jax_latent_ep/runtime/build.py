@@ -38,7 +38,8 @@ SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernel
            "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "layout.py", "shapes.py")
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
 #: kernel -> its module in `jax_latent_ep.kernels`.
-SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_plan": "expert_plan"}
+SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
+              "expert_plan": "expert_plan"}
 MANIFEST_VERSION = 1
 
 

@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL:
         lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
         lib.ep_register_expert_record_targets.restype = ctypes.c_int
-        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 3
     return lib
 
 
@@ -130,8 +130,8 @@ def register_targets() -> None:
                 lib, "ep_register_record_targets", (DISPATCH_RECORD_TARGET, COMBINE_RECORD_TARGET), "register_targets")
 
 
-def _register_record(lib, symbol: str, names: tuple[str, str], caller: str) -> tuple[str | None, bool]:
-    """Registers two record targets through the library's `symbol`: `(why not, or None; whether that is final)`.
+def _register_record(lib, symbol: str, names: tuple[str, ...], caller: str) -> tuple[str | None, bool]:
+    """Registers record targets through the library's `symbol`: `(why not, or None; whether that is final)`.
     Not final under the kill switch (a later call may register them) and while no XLA FFI API was seen (rc 2:
     no CUDA backend yet; NvlinkBackend and load_expert_kernels call again once their devices exist)."""
     if not _record_wanted():
@@ -380,15 +380,17 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 
 #: op -> (FFI target name, exported handler symbol).
 EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
-                  "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan")}
+                  "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan"),
+                  "expert_stage": ("jax_latent_ep_expert_stage", "EpExpertStage")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
-EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan")
+EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
 EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
-                         "expert_plan": "jax_latent_ep_expert_plan_rec"}
+                         "expert_plan": "jax_latent_ep_expert_plan_rec",
+                         "expert_stage": "jax_latent_ep_expert_stage_rec"}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
@@ -403,7 +405,8 @@ def _register_expert_record_targets(lib) -> None:
     if not _expert_record_final:
         _expert_record_error, _expert_record_final = _register_record(
             lib, "ep_register_expert_record_targets",
-            (EXPERT_RECORD_TARGETS["grouped_gemm"], EXPERT_RECORD_TARGETS["expert_plan"]), "load_expert_kernels")
+            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage")),
+            "load_expert_kernels")
 
 
 def _expert_target(op: str) -> tuple[str, dict]:
@@ -496,3 +499,23 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
                 unread if w_scale is None else w_scale,
                 unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
                 two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)
+
+
+def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int):
+    """The fused expert stage custom call (`kernels/abi.py` EXPERT_STAGE, whose table says what each operand holds):
+    FP32 `[S2, P, L]` partials of down, `S2 = ceil(I / k_down)`. `x` float8_e4m3fn `[R, L]` and `sf` uint8
+    `[R, L / 32]` the receive rows, `a_rows` int32 `[P]` the plan's row of each pair, bf16 weights `[J, L, I]`,
+    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`."""
+    rows, lat = x.shape
+    p = a_rows.shape[0]
+    inter = w_gate.shape[2]
+    s1, s2 = -(-lat // k_gate), -(-inter // k_down)
+    counts = jnp.zeros((1 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
+                 f32(s1, p, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((p, inter), jnp.bfloat16),
+                 f32(s2, p, lat))
+    target, extra = _expert_target("expert_stage")
+    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={7: 0})
+    return call(x, sf, a_rows, w_gate, w_up, w_down, work, counts, k_gate=np.int64(k_gate), k_down=np.int64(k_down),
+                **extra)[4]

@@ -95,3 +95,29 @@ def test_kernel_hot_experts_and_split_contraction(fused, fp8):
     got, want = run("kernel"), run("ragged_dot")
     assert np.any(want != 0)
     _close(got, want)
+
+
+@pytest.mark.parametrize("inter,t", [(256, 1), (256, 2), (128, 3)])
+def test_fused_stage_against_two_launches(inter, t):
+    """The one launch (`experts.swiglu(impl="kernel")`: bf16 gate and up, gate / up split) against the two
+    grouped-GEMM launches on the same plan (`swiglu_rows(impl="kernel")`, where XLA dequantizes, sums the splits and
+    applies the SwiGLU), within the GEMM tolerance (the kernel's SiLU instead of XLA's moves the bf16 rounding of
+    `h`); both against ragged_dot."""
+    rng = np.random.default_rng(1000 + inter + t)
+    lat, e, k = 1024, 64, 8
+    recv = random_received(rng, ranks=2, rank=0, tokens=[t, t - 1 if t > 1 else t], max_tokens=t, latent=lat,
+                           experts=e, topk=k, pad_tokens=0.1, pad_slots=0.1, duplicates=0.2)
+    w = lambda *s: jnp.asarray((rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16))  # noqa: E731
+    ws = (w(e // 2, lat, inter), w(e // 2, lat, inter), w(e // 2, inter, lat))
+    recv = jax.tree.map(jnp.asarray, recv)
+    pl = experts.plan(recv, 0, e // 2, max_tokens=t, ranks=2, impl="kernel")
+    assert experts._stage_fits(recv, pl, *ws[:2], t * k)
+    fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=t * k))(
+        recv, pl, *ws), np.float32)
+    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
+        p, x, a, b, c, impl=impl, expected_pairs=t * k))(pl, experts.activations(recv), *ws), np.float32)
+    launches = rows("kernel")
+    assert np.any(launches != 0)
+    assert np.all(fused[np.asarray(recv.src) == -1] == 0)
+    _close(fused, launches)
+    _close(fused, rows("ragged_dot"))

@@ -134,15 +134,15 @@ class FakeRecordLibrary:
     def __init__(self, codes):
         self.codes, self.calls, self.message = list(codes), [], b""
 
-    def ep_register_record_targets(self, dispatch, combine):
-        self.calls.append((dispatch, combine))
+    def ep_register_record_targets(self, *names):
+        self.calls.append(names)
         rc = self.codes.pop(0)
         self.message = {0: b"", 1: b"record stage not available: XLA refused (test)",
                         2: b"record stage not available yet: no XLA FFI API seen (test)"}[rc]
         return rc
 
-    def ep_register_expert_record_targets(self, gemm, plan):
-        return self.ep_register_record_targets(gemm, plan)
+    def ep_register_expert_record_targets(self, gemm, plan, stage):
+        return self.ep_register_record_targets(gemm, plan, stage)
 
     def ep_last_error(self):
         return self.message
@@ -224,8 +224,8 @@ def test_expert_record_registration_fallback(codes, path, calls, monkeypatch):
     for _ in range(3):
         ffi._register_expert_record_targets(fake)
     assert len(fake.calls) == calls
-    assert fake.calls[0] == (ffi.EXPERT_RECORD_TARGETS["grouped_gemm"].encode(),
-                             ffi.EXPERT_RECORD_TARGETS["expert_plan"].encode())
+    assert fake.calls[0] == tuple(ffi.EXPERT_RECORD_TARGETS[op].encode()
+                                  for op in ("grouped_gemm", "expert_plan", "expert_stage"))
     want = "traced" if path == "traced" else "record"
     got = "record" if ffi._expert_target("grouped_gemm")[0] == ffi.EXPERT_RECORD_TARGETS["grouped_gemm"] else "traced"
     assert got == want
