@@ -1,5 +1,5 @@
-"""EpGroupedGemm: the expert stage's grouped GEMM at decode sizes, `out = a @ w[group]` per work item, streaming each
-group's weights from HBM once.
+"""EpGroupedGemm / EpExpertStage: the expert stage's grouped GEMM at decode sizes, `out = a @ w[group]` per work item,
+streaming each group's weights from HBM once, and the stage's dequantization, gate / up and down in one launch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
@@ -14,6 +14,9 @@ The grid is 1-D and at most the CTAs that fit on the device at once; of it the f
 `u = (split * num_items + item) * column_tiles + tile` (consecutive units read neighbouring columns of the same weight
 rows), over the `num_items` non-empty work items only (word 3 of the work list; they come first): no CTA is spent on
 the capacity's empty items.
+
+`ExpertStage` (`kernels.abi.EXPERT_STAGE`) runs a dequantization phase and the same gate / up and down units in one
+launch, each unit waiting only for the counts of what it reads (its docstring); `GroupedGemm.unit` serves both.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
 every row of its work item; the rows and the weights go through a `STAGES`-deep (FP8: `FP8_STAGES`) `cp.async` ring in shared memory
