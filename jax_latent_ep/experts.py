@@ -406,7 +406,7 @@ def _kernel_setup(pl: Plan, expected_pairs):
     return work, min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
 
 
-def _stage_fits(recv: Received, pl: Plan, w_gate, w_up, expected_pairs) -> bool:
+def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     """Whether `swiglu(impl="kernel")` runs as one launch (`_kernel_stage`): bf16 gate and up weights of their own,
     `L` a multiple of 128 and `I` of 64, and gate / up's contraction split (few experts expected active, decode at
     a handful of tokens: there the kernel boundaries and XLA's kernels around the GEMMs are a large part of the
@@ -438,9 +438,10 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
-    """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs) in two launches. Gate and up run in one launch that reads each pair's row of `xb` itself and,
-    unless the contraction is split, ends in the SwiGLU (bf16 `h`); then down. Each active expert's weights are
-    read once per launch (once per 64 pairs of a hotter expert). The contraction splits are chosen for
+    """The project's grouped GEMM kernel (`kernels/grouped_gemm.py`, NVIDIA GPUs) in two launches (`swiglu` takes
+    `_kernel_stage` instead where `_stage_fits`). Gate and up run in one launch that reads each pair's row of `xb`
+    itself and, unless the contraction is split, ends in the SwiGLU (bf16 `h`); then down. Each active expert's
+    weights are read once per launch (once per 64 pairs of a hotter expert). The contraction splits are chosen for
     `min(J, C, expected_pairs)` active experts. With FP8 weights the activations are MXFP8: the received rows
     `mx = (x, sf)` themselves (else `xb` quantized), and `h` quantized for down."""
     work, active = _kernel_setup(pl, expected_pairs)
@@ -502,13 +503,19 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
                 mx=None):
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
+    _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
+    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx))
+
+
+def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
+    """Raises ValueError for an unknown `impl`, activations (or their shape) other than bf16 `[R, L]` of the
+    plan's rows, or weights `_check_weights` refuses."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
-    if xb.dtype != jnp.bfloat16 or xb.ndim != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
+    if xb.dtype != jnp.bfloat16 or len(xb.shape) != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
-    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx))
 
 
 def _row_sums(pl: Plan, y):
@@ -535,7 +542,8 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`); `BlockScaled` with FP8 weights.
       w_down: bf16 `[J, I, L]` down projection; `BlockScaled` with FP8 weights (all three in one format).
       impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense", or on NVIDIA GPUs "kernel", which needs
-        `L` and `I` multiples of 64, 128 with FP8 weights, and has no VJP).
+        `L` and `I` multiples of 64, 128 with FP8 weights, and has no VJP; where few experts are expected active it
+        is one launch after the plan, docs/experts.md).
       expected_pairs: how many pairs the plan is expected to hold (`max_tokens * K` under uniform routing), or
         None (the capacity): how the kernel splits its contraction (performance, and the FP32 order of a split
         contraction, `docs/experts.md`); the other implementations ignore it.
@@ -545,9 +553,9 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    if impl == "kernel" and not isinstance(w_gate, BlockScaled) and w_up is not None:
-        _check_weights(jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, pl)
-        if _stage_fits(recv, pl, w_gate, w_up, expected_pairs):
+    if impl == "kernel":
+        _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
+        if _stage_fits(pl, w_gate, w_up, expected_pairs):
             return _row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))

@@ -349,7 +349,7 @@ def test_one_launch_where_gate_up_is_split():
                                                      experts=896, topk=16))
     pl = experts.plan(recv, 0, 448, max_tokens=8, ranks=2)
     gate = spec(448, 3584, 512)
-    assert experts._stage_fits(recv, pl, gate, gate, 1 * 16)  # T = 1
-    assert not experts._stage_fits(recv, pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
-    assert not experts._stage_fits(recv, pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
-    assert not experts._stage_fits(recv, pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
+    assert experts._stage_fits(pl, gate, gate, 1 * 16)  # T = 1
+    assert not experts._stage_fits(pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
+    assert not experts._stage_fits(pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
+    assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)

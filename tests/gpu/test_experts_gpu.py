@@ -111,7 +111,7 @@ def test_fused_stage_against_two_launches(inter, t):
     ws = (w(e // 2, lat, inter), w(e // 2, lat, inter), w(e // 2, inter, lat))
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e // 2, max_tokens=t, ranks=2, impl="kernel")
-    assert experts._stage_fits(recv, pl, *ws[:2], t * k)
+    assert experts._stage_fits(pl, *ws[:2], t * k)
     fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=t * k))(
         recv, pl, *ws), np.float32)
     rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
