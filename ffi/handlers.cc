@@ -239,6 +239,15 @@ static_assert(visited_count<ep_abi::CombineParams>() == ep_abi::kCombineParamsCo
               "ep_abi.h: visit_params(CombineParams) must pass every parameter once");
 static_assert(ep_abi::kCombineParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
+// The shape-free expert kernel named `what` loaded on `ordinal` (ffi.load_expert_kernels), held by the Launch.
+ffi::Error find_expert_kernel(const char* what, int32_t ordinal, Launch& l) {
+  l.kernel = find_kernel(what, ordinal);
+  if (l.kernel != nullptr) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + what + ": its kernel is not loaded on device "
+                                     "ordinal " + std::to_string(ordinal) +
+                                     " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
 // (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel (MXFP8 `a`); no rank.
@@ -386,12 +395,7 @@ struct ExpertStage {
                             ffi::Result<ffi::AnyBuffer> xb, ffi::Result<ffi::AnyBuffer> parts,
                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y, int64_t k_gate,
                             int64_t k_down) {
-    l.kernel = find_kernel(kWhat, ordinal);
-    if (l.kernel == nullptr) {
-      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
-                                         "device ordinal " + std::to_string(ordinal) +
-                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
-    }
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
     auto yd = y->dimensions();
     if (xd.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || yd.size() != 3) {
@@ -496,12 +500,7 @@ struct ExpertPlan {
                             ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
                             ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
                             ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
-    l.kernel = find_kernel(kWhat, ordinal);
-    if (l.kernel == nullptr) {
-      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": its kernel is not loaded on "
-                                         "device ordinal " + std::to_string(ordinal) +
-                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
-    }
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
     auto rd = row_pairs->dimensions(), wd = work->dimensions();
     if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2) {

@@ -389,10 +389,14 @@ def _kernel_gemm(a, a_rows, indexed: bool, w, w_second, work, num_active: int, f
         return ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=True, splits=1,
                                      k_per_split=k, **scales)
     splits, per = _kernel_splits(num_active, n, k, tile)
-    parts = ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False, splits=splits,
-                                  k_per_split=per, **scales)
+    return _split_sum(ffi.grouped_gemm_call(a, a_rows, w, w_second, work, indexed=indexed, fuse_glu=False,
+                                            splits=splits, k_per_split=per, **scales))
+
+
+def _split_sum(parts):
+    """FP32 sum over the leading (split) axis of a kernel's partials, in split order (a fixed order)."""
     total = parts[0]
-    for s in range(1, splits):  # a fixed order
+    for s in range(1, parts.shape[0]):
         total = total + parts[s]
     return total
 
@@ -428,13 +432,9 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    parts = ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
-                                  k_gate=_kernel_splits(active, inter, lat)[1],
-                                  k_down=_kernel_splits(active, lat, inter)[1])
-    total = parts[0]
-    for s in range(1, parts.shape[0]):  # a fixed order
-        total = total + parts[s]
-    return total
+    return _split_sum(ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                            k_gate=_kernel_splits(active, inter, lat)[1],
+                                            k_down=_kernel_splits(active, lat, inter)[1]))
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):

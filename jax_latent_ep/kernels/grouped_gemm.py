@@ -61,18 +61,18 @@ from jax_latent_ep.kernels.primitives import (
     silu_mul,
     store_b32_bf16x2,
     store_v2_f32,
+    # the one-launch stage
     atomic_add_relaxed_gpu,
+    e4m3x8_to_bf16x8,
     fence_acq_rel_gpu,
     globaltimer,
     load_acquire_gpu,
     load_cg_v2_f32,
-    load_shared_b32 as _load_shared_b32,
+    load_v4,
     red_add_relaxed_gpu,
     store_shared_b32,
-    trap,
-    e4m3x8_to_bf16x8,
-    load_v4,
     store_v4,
+    trap,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -215,15 +215,10 @@ class GroupedGemm:
         column_tiles = num_n // self.tile_n
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the work list and `a` come from the previous kernels
-        num_items = Int32(load_b32(work + 12))
-        if num_items > num_work:  # a work list of another shape: never past its items
-            num_items = num_work
+        num_items = self.non_empty_items(work, num_work)
         num_splits = (num_k + k_per_split - 1) // k_per_split
         num_units = num_splits * num_items * column_tiles
-        # The fewest CTAs that take as many rounds as the whole grid would: every CTA busy to the last round (a
-        # last round of a few CTAs streams at their few loads' rate); the others exit at once.
-        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
-        stride = (num_units + rounds - 1) // rounds
+        stride = self.cta_stride(num_units, grid)
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
                 tile = unit_idx % column_tiles
@@ -232,6 +227,22 @@ class GroupedGemm:
                           k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid,
                           False, Int64(0), Int32(0))
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+
+    @cute.jit
+    def non_empty_items(self, work: Int64, num_work: Int32):
+        """The work list's non-empty items (word 3; they come first), never past its `num_work` items (a list of
+        another shape)."""
+        num_items = Int32(load_b32(work + 12))
+        if num_items > num_work:
+            num_items = num_work
+        return num_items
+
+    @cute.jit
+    def cta_stride(self, num_units: Int32, grid):
+        """The CTAs `G` that compute: the fewest that take as many rounds as the whole grid would, so every CTA is
+        busy to the last round (a last round of a few CTAs streams at their few loads' rate); the others exit."""
+        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
+        return (num_units + rounds - 1) // rounds
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
@@ -640,9 +651,7 @@ class ExpertStage(GroupedGemm):
         smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the plan, the rows and the zeroed counts come from the previous kernels
-        num_items = Int32(load_b32(work + 12))
-        if num_items > num_work:
-            num_items = num_work
+        num_items = self.non_empty_items(work, num_work)
         tiles_gate = num_i // BLOCK_N
         splits_gate = (num_l + k_gate - 1) // k_gate
         tiles_down = num_l // BLOCK_N
@@ -650,8 +659,7 @@ class ExpertStage(GroupedGemm):
         units_dq = num_recv
         end_gate = units_dq + num_items * splits_gate * tiles_gate
         num_units = end_gate + num_items * splits_down * tiles_down
-        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
-        stride = (num_units + rounds - 1) // rounds
+        stride = self.cta_stride(num_units, grid)
         fuse = Int32(0)
         gate_out = parts
         if splits_gate == 1:
@@ -733,7 +741,7 @@ class ExpertStage(GroupedGemm):
                     last = Uint32(1)
                 store_shared_b32(smem_flag, last)
             cute.arch.sync_threads()
-            if _load_shared_b32(smem_flag) != Uint32(0):
+            if load_shared_b32(smem_flag) != Uint32(0):
                 self.finish(parts, h, work, num_i, num_rows, splits, item, tile, tid)
                 self.count_unit(item_word, tid)
 

@@ -563,7 +563,7 @@ def atomic_or_shared(smem, value, *, loc=None, ip=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Arrival counters in global memory (the fused expert MLP, `kernels/grouped_gemm.py`): a CTA's threads store, the
+# Arrival counters in global memory (the one-launch expert stage, `kernels/grouped_gemm.py`): a CTA's threads store, the
 # CTA synchronizes, one thread fences and adds; a reader that sees the count (an acquire load, or the atomic's old
 # value followed by a fence) and then synchronizes its CTA reads what the counted CTAs stored, through L2.
 
