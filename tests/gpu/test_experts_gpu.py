@@ -97,7 +97,7 @@ def test_kernel_hot_experts_and_split_contraction(fused, fp8):
     _close(got, want)
 
 
-@pytest.mark.parametrize("inter,t", [(256, 1), (256, 2), (128, 3)])
+@pytest.mark.parametrize("inter,t", [(256, 1), (256, 2), (128, 3), (512, 1)])
 def test_fused_stage_against_two_launches(inter, t):
     """The one launch (`experts.swiglu(impl="kernel")`: bf16 gate and up, gate / up split) against the two
     grouped-GEMM launches on the same plan (`swiglu_rows(impl="kernel")`, where XLA dequantizes, sums the splits and
@@ -120,4 +120,33 @@ def test_fused_stage_against_two_launches(inter, t):
     assert np.any(launches != 0)
     assert np.all(fused[np.asarray(recv.src) == -1] == 0)
     _close(fused, launches)
+    _close(fused, rows("ragged_dot"))
+    no_pair = np.all(np.asarray(pl.row_pairs) >= pl.capacity, axis=1)
+    assert np.any(no_pair) and np.all(fused[no_pair] == 0)
+
+
+def test_fused_stage_hot_rows_and_split_down():
+    """The one launch where experts have more pairs than a CTA has warps (each warp sums several rows), down's
+    contraction is split (I = 512) and gate / up's too (a small `expected_pairs`): against the two launches, the
+    NumPy model and ragged_dot."""
+    rng = np.random.default_rng(2024)
+    lat, e, k, t, inter = 1024, 8, 4, 16, 512
+    recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
+                           pad_tokens=0.1, pad_slots=0.1, duplicates=0.2)
+    w = lambda *s: jnp.asarray((rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16))  # noqa: E731
+    ws = (w(e, lat, inter), w(e, lat, inter), w(e, inter, lat))
+    recv = jax.tree.map(jnp.asarray, recv)
+    pl = experts.plan(recv, 0, e, impl="kernel")
+    hint = 4
+    assert int(np.max(np.asarray(pl.group_sizes))) > 8 and experts._stage_fits(pl, *ws[:2], hint)
+    assert experts._kernel_splits(hint, lat, inter)[0] > 1
+    fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=hint))(
+        recv, pl, *ws), np.float32)
+    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
+        p, x, a, b, c, impl=impl, expected_pairs=hint))(pl, experts.activations(recv), *ws), np.float32)
+    want = reference_swiglu(jax.tree.map(np.asarray, recv), 0, *(np.asarray(a) for a in ws), max_tokens=t,
+                            ranks=1).astype(np.float32)
+    assert np.any(want != 0) and np.all(fused[np.asarray(recv.src) == -1] == 0)
+    _close(fused, rows("kernel"))
+    _close(fused, want)
     _close(fused, rows("ragged_dot"))
