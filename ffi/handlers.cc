@@ -360,10 +360,9 @@ static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCo
               "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
 
 // ---------------------------------------------------------------------------------------------------------
-// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, row_pairs, pair_weight, counts)
-//   -> (counts, xb, parts, h, y, out): the expert stage after the plan in one launch (kernels/grouped_gemm.py
-// ExpertStage, BF16): dequantization, SwiGLU MLP, each row's weighted sum; `counts` is zero on entry (the output
-// aliases it).
+// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, counts) -> (counts, xb, parts, h, y): the expert stage's
+// dequantization and SwiGLU MLP in one launch (kernels/grouped_gemm.py ExpertStage, BF16); `counts` is zero on
+// entry (the output aliases it).
 
 struct ExpertStage {
   static constexpr const char* kWhat = "expert_stage";
@@ -380,38 +379,30 @@ struct ExpertStage {
         .template Arg<ffi::AnyBuffer>()      // w_up: bf16 [J, L, I]
         .template Arg<ffi::AnyBuffer>()      // w_down: bf16 [J, I, L]
         .template Arg<ffi::AnyBuffer>()      // work: int32 [W, 4] (group, first pair, pairs, items)
-        .template Arg<ffi::AnyBuffer>()      // row_pairs: int32 [R, M] each row's pairs, then P
-        .template Arg<ffi::AnyBuffer>()      // pair_weight: f32 [P] routing weight of each pair
-        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64) + R L / 64] zeros (aliased)
+        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64)] zeros (`counts` aliases it)
         .template Ret<ffi::AnyBuffer>()      // counts: the same buffer, the kernel's counts
         .template Ret<ffi::AnyBuffer>()      // xb: bf16 [R, L] dequantized rows
         .template Ret<ffi::AnyBuffer>()      // parts: f32 [S1, P, 2I] gate / up partials (S1 > 1), else f32 [1]
         .template Ret<ffi::AnyBuffer>()      // h: bf16 [P, I]
         .template Ret<ffi::AnyBuffer>()      // y: f32 [S2, P, L] down's partials
-        .template Ret<ffi::AnyBuffer>()      // out: bf16 [R, L] each row's weighted sum
         .template Attr<int64_t>("k_gate")    // contraction length of each gate / up split
         .template Attr<int64_t>("k_down");   // contraction length of each down split
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer a_rows,
                             ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer work,
-                            ffi::AnyBuffer row_pairs, ffi::AnyBuffer pair_weight, ffi::AnyBuffer counts_in,
-                            ffi::Result<ffi::AnyBuffer> counts, ffi::Result<ffi::AnyBuffer> xb,
-                            ffi::Result<ffi::AnyBuffer> parts, ffi::Result<ffi::AnyBuffer> h,
-                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> out, int64_t k_gate,
+                            ffi::AnyBuffer counts_in, ffi::Result<ffi::AnyBuffer> counts,
+                            ffi::Result<ffi::AnyBuffer> xb, ffi::Result<ffi::AnyBuffer> parts,
+                            ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y, int64_t k_gate,
                             int64_t k_down) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
-    auto yd = y->dimensions(), md = row_pairs.dimensions();
-    if (xd.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || yd.size() != 3 || md.size() != 2) {
+    auto yd = y->dimensions();
+    if (xd.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || yd.size() != 3) {
       return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: expected x [R, L], a_rows [P], w_gate "
-                                         "[J, L, I], work [W, 4], row_pairs [R, M], y [S2, P, L]");
+                                         "[J, L, I], work [W, 4], y [S2, P, L]");
     }
-    const int64_t R = xd[0], L = xd[1], P = rd[0], J = wd[0], I = wd[2], W = kd[0], S2 = yd[0], M = md[1];
-    if (M < 1 || M > ep_abi::kMaxTopk) {
-      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: row_pairs has M=" + std::to_string(M) +
-                                         " pairs a row, must be 1 .. " + std::to_string(ep_abi::kMaxTopk));
-    }
+    const int64_t R = xd[0], L = xd[1], P = rd[0], J = wd[0], I = wd[2], W = kd[0], S2 = yd[0];
     const int64_t S1 = k_gate > 0 ? (L + k_gate - 1) / k_gate : 0;
     if (L % (2 * kTile) || I % kTile || k_gate <= 0 || k_gate % kTile || k_down <= 0 || k_down % kTile ||
         (S1 - 1) * k_gate >= L || S2 * k_down < I || (S2 - 1) * k_down >= I || W < 1) {
@@ -421,7 +412,7 @@ struct ExpertStage {
           std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
           ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
     }
-    const int64_t num_counts = 1 + W * (1 + I / kTile) + R * (L / kTile);
+    const int64_t num_counts = 1 + W * (1 + I / kTile);
     ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
                                  : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
     if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
@@ -431,14 +422,11 @@ struct ExpertStage {
                                     expect(kWhat, "w_up", w_up, ffi::DataType::BF16, {J, L, I}),
                                     expect(kWhat, "w_down", w_down, ffi::DataType::BF16, {J, I, L}),
                                     expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}),
-                                    expect(kWhat, "row_pairs", row_pairs, ffi::DataType::S32, {R, M}),
-                                    expect(kWhat, "pair_weight", pair_weight, ffi::DataType::F32, {P}),
                                     expect(kWhat, "counts_in", counts_in, ffi::DataType::S32, {num_counts}),
                                     expect(kWhat, "counts", *counts, ffi::DataType::S32, {num_counts}),
                                     expect(kWhat, "xb", *xb, ffi::DataType::BF16, {R, L}), parts_ok,
                                     expect(kWhat, "h", *h, ffi::DataType::BF16, {P, I}),
-                                    expect(kWhat, "y", *y, ffi::DataType::F32, {S2, P, L}),
-                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {R, L})});
+                                    expect(kWhat, "y", *y, ffi::DataType::F32, {S2, P, L})});
         e.failure()) {
       return e;
     }
@@ -459,20 +447,16 @@ struct ExpertStage {
         .w_up = address(w_up.untyped_data()),
         .w_down = address(w_down.untyped_data()),
         .work = address(work.untyped_data()),
-        .row_pairs = address(row_pairs.untyped_data()),
-        .pair_weight = address(pair_weight.untyped_data()),
         .counts = address(counts->untyped_data()),
         .xb = address(xb->untyped_data()),
         .parts = S1 > 1 ? address(parts->untyped_data()) : int64_t{0},
         .h = address(h->untyped_data()),
         .y = address(y->untyped_data()),
-        .out = address(out->untyped_data()),
         .num_recv = static_cast<int32_t>(R),
         .num_l = static_cast<int32_t>(L),
         .num_i = static_cast<int32_t>(I),
         .num_rows = static_cast<int32_t>(P),
         .num_work = static_cast<int32_t>(W),
-        .num_m = static_cast<int32_t>(M),
         .k_gate = static_cast<int32_t>(k_gate),
         .k_down = static_cast<int32_t>(k_down),
     });

@@ -412,11 +412,10 @@ def _kernel_setup(pl: Plan, expected_pairs):
 
 def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     """Whether `swiglu(impl="kernel")` runs as one launch (`_kernel_stage`): bf16 gate and up weights of their own,
-    `L` a multiple of 128 and `I` of 64, at most `abi.NUM_MAX_TOPK` pairs a row, and gate / up's contraction split
-    (few experts expected active, decode at a handful of tokens: there the kernel boundaries and XLA's kernels
-    around the GEMMs are a large part of the time; with more experts active the two launches are 1-7 % faster,
-    docs/performance.md)."""
-    if isinstance(w_gate, BlockScaled) or w_up is None or pl.row_pairs.shape[1] > abi.NUM_MAX_TOPK:
+    `L` a multiple of 128 and `I` of 64, and gate / up's contraction split (few experts expected active, decode at
+    a handful of tokens: there the kernel boundaries and XLA's kernels around the GEMMs are a large part of the
+    time; with more experts active the two launches are 1-7 % faster, docs/performance.md)."""
+    if isinstance(w_gate, BlockScaled) or w_up is None:
         return False
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
@@ -424,18 +423,18 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
 
 
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
-    """bf16 `[R, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the dequantization,
-    gate / up, down and each row's weighted sum as phases that wait only for what they read, down's weights
-    streaming while gate / up finishes; the contraction splits as the two launches' (`_kernel`). Numerics as theirs
+    """FP32 per-pair outputs `[C, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the
+    dequantization, gate / up and down as phases that wait only for what they read, down's weights streaming while
+    gate / up finishes; the contraction splits as the two launches' (`_kernel`). Numerics as theirs
     (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
     XLA's: a few FP32 ulps before the bf16 rounding)."""
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work, pl.row_pairs, pl.weight,
-                                 k_gate=_kernel_splits(active, inter, lat)[1],
-                                 k_down=_kernel_splits(active, lat, inter)[1])
+    return _split_sum(ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                            k_gate=_kernel_splits(active, inter, lat)[1],
+                                            k_down=_kernel_splits(active, lat, inter)[1]))
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
@@ -557,7 +556,7 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
     if impl == "kernel":
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
-            return _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
+            return _row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))
 

@@ -189,22 +189,17 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     _address("w_up", "bf16 [J, num_l, num_i]"),
     _address("w_down", "bf16 [J, num_i, num_l]"),
     _address("work", "int32 [num_work, 4]: the work list, as the grouped GEMM's"),
-    _address("row_pairs", "int32 [R, num_m]: the plan's way back (each row's pairs first, then P)"),
-    _address("pair_weight", "f32 [P]: the plan's routing weight of each pair"),
-    _address("counts", "int32 [1 + num_work (1 + num_i / 64) + R num_l / 64]: zero on entry; rows dequantized, per "
-             "item the tiles of `h` stored, per (item, tile) the gate / up splits stored, per (row, down tile) the "
-             "down units stored (output)"),
+    _address("counts", "int32 [1 + num_work (1 + num_i / 64)]: zero on entry; rows dequantized, per item the tiles "
+             "of `h` stored, per (item, tile) the gate / up splits stored (output)"),
     _address("xb", "bf16 [R, num_l]: the dequantized rows (output, scratch)"),
     _address("parts", "f32 [S1, P, 2 num_i]: gate / up partials interleaved by 64 columns (S1 > 1; output, scratch)"),
     _address("h", "bf16 [P, num_i]: silu(gate) * up of each pair (output, scratch)"),
-    _address("y", "f32 [S2, P, num_l]: down's partials (output, scratch)"),
-    _address("out", "bf16 [R, num_l]: each row's weighted sum of its pairs' outputs, 0 in rows with no pair (output)"),
+    _address("y", "f32 [S2, P, num_l]: down's partials; pairs outside every work item untouched (output)"),
     Param("num_recv", "i32", False, "R, receive rows"),
     Param("num_l", "i32", False, "L, a multiple of 128"),
     Param("num_i", "i32", False, "I, a multiple of 64"),
     Param("num_rows", "i32", False, "P, pairs"),
     Param("num_work", "i32", False, "work items"),
-    Param("num_m", "i32", False, "M, pairs a row can have, 1 .. 32"),
     Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64"),
     Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
 ))

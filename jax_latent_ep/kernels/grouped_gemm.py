@@ -62,19 +62,14 @@ from jax_latent_ep.kernels.primitives import (
     store_b32_bf16x2,
     store_v2_f32,
     # the one-launch stage
-    add_rn,
     atomic_add_relaxed_gpu,
-    ballot,
     e4m3x8_to_bf16x8,
     fence_acq_rel_gpu,
     globaltimer,
     load_acquire_gpu,
     load_cg_v2_f32,
     load_v4,
-    mul_rn,
-    popc,
     red_add_relaxed_gpu,
-    shfl_idx,
     store_shared_b32,
     store_v4,
     trap,
@@ -101,10 +96,8 @@ SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
 #: 16-element chunks of a receive row each thread of a dequantization unit loads at once (a row of L <= 8192 in
 #: one round trip).
 DQ_CHUNKS = 4
-#: Bytes of a warp's pair row in the fused stage (`ExpertStage.load_row`): 32 pairs, 32 weights, the row, its pairs.
-ROW_SLOT_BYTES = 66 * 4
-#: The fused stage's: the ring, the finisher's flag (a 16-byte slot), then each warp's pair row.
-STAGE_SMEM_BYTES = SMEM_BYTES + 16 + WARPS * ROW_SLOT_BYTES
+#: The fused stage's: the ring, then the finisher's flag (a 16-byte slot).
+STAGE_SMEM_BYTES = SMEM_BYTES + 16
 #: Words of a work item: (group, first row, rows, non-empty items of the list).
 WORK_WORDS = abi.GEMM_WORK_WORDS
 #: The FP8 variant: 128 columns of one CTA (a 128-byte FP8 row), 16 per warp; a ring slot holds the stage's weight
@@ -123,10 +116,7 @@ FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_
 WAIT_NS = 2_000_000_000
 #: Splits of the gate / up contraction the fused stage's finisher loads at once (more take several rounds).
 SUM_SPLITS = 8
-#: Pairs of a row the fused stage's row sum loads at once (more take several rounds).
-SUM_PAIRS = 8
 
-assert abi.NUM_MAX_TOPK <= 32  # a row's pairs: one a lane of the fused stage's row sum
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
 
@@ -234,7 +224,8 @@ class GroupedGemm:
                 tile = unit_idx % column_tiles
                 rest = unit_idx // column_tiles
                 self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
-                          k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid)
+                          k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid,
+                          False, Int64(0), Int32(0))
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
@@ -257,10 +248,10 @@ class GroupedGemm:
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
              w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
              k_per_split: Int32, fuse_glu: Int32, split: Int32, item: Int32, tile: Int32, smem_a: Uint32,
-             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr = None):
-        """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16: a function of no
-        arguments that returns once the rows of `a` it reads are stored by other CTAs of the launch) the prologue's
-        weight stages are issued first, then `waits()` runs, then the prologue's `a` stages."""
+             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32):
+        """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16) the prologue's
+        weight stages are issued first, then the CTA waits until the word at `ready_addr` reaches `ready` (the rows
+        of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages."""
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
@@ -317,7 +308,7 @@ class GroupedGemm:
             if two:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
                 # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
-                if cutlass.const_expr(waits is not None):
+                if cutlass.const_expr(waits):
                     # As the one-weight prologue below: the weight halves first, the rows after the wait.
                     for c in cutlass.range_constexpr(stages - 1):
                         if c // 2 < steps:
@@ -325,7 +316,7 @@ class GroupedGemm:
                                             a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c),
                                             num_n, tid, chunk, parts=1)
                         cp_async_commit()
-                    waits()
+                    self.wait_count(ready_addr, ready, tid)
                     for c in cutlass.range_constexpr(stages - 1):
                         if c // 2 < steps:
                             self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
@@ -354,7 +345,7 @@ class GroupedGemm:
                                       warp, lane)
             else:
                 # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
-                if cutlass.const_expr(waits is not None):
+                if cutlass.const_expr(waits):
                     # Weights (no dependency) as groups 0 .. stages - 2, then the rows once they are stored, stage
                     # c's as group stages - 1 + c: the main loop's wait for stage kt still covers both of its halves.
                     for c in cutlass.range_constexpr(stages - 1):
@@ -362,7 +353,7 @@ class GroupedGemm:
                             self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
                                             Int32(c), num_n, tid, chunk, parts=1)
                         cp_async_commit()
-                    waits()
+                    self.wait_count(ready_addr, ready, tid)
                     for c in cutlass.range_constexpr(stages - 1):
                         if c < steps:
                             self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
@@ -578,26 +569,22 @@ class GroupedGemm:
 
 
 class ExpertStage(GroupedGemm):
-    """The expert stage after the plan in one launch (`abi.EXPERT_STAGE`, BF16 weights): the rows'
-    dequantization, the SwiGLU MLP and each row's weighted sum, with no kernel boundary between them: each phase
-    waits only for the counts of what it reads.
+    """The expert stage's dequantization and SwiGLU MLP in one launch (`abi.EXPERT_STAGE`, BF16 weights), with no
+    kernel boundary between them: each phase waits only for the counts of what it reads.
 
     Units, in every CTA's order (the grid rule of `GroupedGemm`: CTA `c` takes `u = c, c + G, ..` of their
     concatenation):
-      1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit), or, for a row with
-         no pair, its row of `out` zeroed; each counts itself in word 0;
+      1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit); each counts itself
+         in word 0;
       2. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
          then a wait for word 0 (every row dequantized), then the rows. One split stores its tile of `h` (the
          SwiGLU epilogue); several store FP32 partials and count themselves in the (item, tile) word, and the CTA
          that brings it to the splits sums them in split order (from split 0), applies the SwiGLU and stores the
          tile. Each tile of `h` stored counts in its item's word;
-      3. down `(item, split, tile)`: the first weight stages, each warp's read of one pair's row (`load_row`: its
-         pairs and their weights, into shared memory), a wait for its item's word to reach the tiles, then its
-         rows of `h`; FP32 partials `y`. Each pair then counts the unit in its (row, tile) word, and the warp that
-         brings a row's word to its pairs times the splits sums the row's tile (`row_sum`) into `out`.
+      3. down `(item, split, tile)`: the first weight stages, a wait for its item's word to reach the tiles, then
+         its rows of `h`; FP32 partials `y`.
     A unit waits only for units that come before every unit of its phase in every CTA's order and that never wait
-    for a later phase: with every CTA resident (the grid is at most the CTAs that fit at once) each wait ends. No
-    unit waits for a row sum.
+    for a later phase: with every CTA resident (the grid is at most the CTAs that fit at once) each wait ends.
     """
 
     @cute.jit
@@ -610,25 +597,21 @@ class ExpertStage(GroupedGemm):
         w_up: Int64,
         w_down: Int64,
         work: Int64,
-        row_pairs: Int64,
-        pair_weight: Int64,
         counts: Int64,
         xb: Int64,
         parts: Int64,
         h: Int64,
         y: Int64,
-        out: Int64,
         num_recv: Int32,
         num_l: Int32,
         num_i: Int32,
         num_rows: Int32,
         num_work: Int32,
-        num_m: Int32,
         k_gate: Int32,
         k_down: Int32,
     ):
-        self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, row_pairs, pair_weight, counts, xb, parts, h, y, out,
-                    num_recv, num_l, num_i, num_rows, num_work, num_m, k_gate, k_down).launch(
+        self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, xb, parts, h, y, num_recv, num_l, num_i,
+                    num_rows, num_work, k_gate, k_down).launch(
             # The FFI handler sets the grid; three CTAs an SM whatever the other phases hold.
             grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=STAGE_SMEM_BYTES, preferred_smem_carveout=-1,
             min_blocks_per_mp=3,
@@ -644,20 +627,16 @@ class ExpertStage(GroupedGemm):
         w_up: Int64,
         w_down: Int64,
         work: Int64,
-        row_pairs: Int64,
-        pair_weight: Int64,
         counts: Int64,
         xb: Int64,
         parts: Int64,
         h: Int64,
         y: Int64,
-        out: Int64,
         num_recv: Int32,
         num_l: Int32,
         num_i: Int32,
         num_rows: Int32,
         num_work: Int32,
-        num_m: Int32,
         k_gate: Int32,
         k_down: Int32,
     ):
@@ -670,7 +649,6 @@ class ExpertStage(GroupedGemm):
         smem_a = Uint32(ring.iterator.toint())
         smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
         smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag
-        smem_rows = smem_word + Uint32(16)  # each warp's pair row (`load_row`)
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the plan, the rows and the zeroed counts come from the previous kernels
         num_items = self.non_empty_items(work, num_work)
@@ -678,7 +656,6 @@ class ExpertStage(GroupedGemm):
         splits_gate = (num_l + k_gate - 1) // k_gate
         tiles_down = num_l // BLOCK_N
         splits_down = (num_i + k_down - 1) // k_down
-        row_words = counts + (Int64(1) + Int64(num_work) * Int64(1 + tiles_gate)) * 4  # per (row, down tile)
         units_dq = num_recv
         end_gate = units_dq + num_items * splits_gate * tiles_gate
         num_units = end_gate + num_items * splits_down * tiles_down
@@ -691,10 +668,7 @@ class ExpertStage(GroupedGemm):
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
                 if unit_idx < units_dq:
-                    if Int32(load_b32(row_pairs + Int64(unit_idx) * Int64(num_m) * 4)) < num_rows:
-                        self.dequantize(x, sf, xb, num_l, unit_idx, tid)
-                    else:
-                        self.zero_row(out, num_l, unit_idx, tid)  # no pair reads it; combine reads zeros
+                    self.dequantize(x, sf, xb, num_l, unit_idx, tid)
                     self.count_unit(counts, tid)
                 elif unit_idx < end_gate:
                     v = unit_idx - units_dq
@@ -702,27 +676,17 @@ class ExpertStage(GroupedGemm):
                     rest = v // tiles_gate
                     item = rest // splits_gate
                     self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
-                              num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid,
-                              lambda: self.wait_count(counts, units_dq, tid))
+                              num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
+                              counts, units_dq)
                     self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
                                 smem_word, tid)
                 else:
                     v = unit_idx - end_gate
-                    tile = v % tiles_down
                     rest = v // tiles_down
                     item = rest // splits_down
-
-                    def before_rows():
-                        # Each warp's first pair's row while the weights stream, then the item's h.
-                        self.load_row(work, a_rows, row_pairs, pair_weight, item, tid // 32, num_m, num_rows,
-                                      smem_rows, tid)
-                        self.wait_count(counts + Int64(1 + item) * 4, tiles_gate, tid)
-
                     self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
-                              num_rows, k_down, Int32(0), rest % splits_down, item, tile, smem_a, smem_w, tid,
-                              before_rows)
-                    self.arrive_rows(work, a_rows, row_pairs, pair_weight, y, out, row_words, item, tile,
-                                     tiles_down, splits_down, num_m, num_rows, num_l, smem_rows, tid)
+                              num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
+                              tid, True, counts + Int64(1 + item) * 4, tiles_gate)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
@@ -732,13 +696,6 @@ class ExpertStage(GroupedGemm):
         if tid == 0:
             fence_acq_rel_gpu()
             red_add_relaxed_gpu(word, Uint32(1))
-
-    @cute.jit
-    def zero_row(self, out: Int64, num_l: Int32, row: Int32, tid: Int32):
-        """Row `row` of `out`: zeros (a row with no pair: empty, padded, or no local expert)."""
-        zero = Uint32(0)
-        for c in range(tid, num_l // 8, THREADS):
-            store_v4(out + (Int64(row) * Int64(num_l) + Int64(c * 8)) * 2, (zero, zero, zero, zero))
 
     @cute.jit
     def dequantize(self, x: Int64, sf: Int64, xb: Int64, num_l: Int32, row: Int32, tid: Int32):
@@ -825,103 +782,6 @@ class ExpertStage(GroupedGemm):
                         u1 = u1 + us[j][1]
             store_b32_bf16x2(h + (Int64(first + r) * Int64(num_i) + Int64(tile * BLOCK_N + col)) * 2,
                              silu_mul(g0, u0), silu_mul(g1, u1))
-
-
-    @cute.jit
-    def load_row(self, work: Int64, a_rows: Int64, row_pairs: Int64, pair_weight: Int64, item: Int32, p: Int32,
-                 num_m: Int32, num_rows: Int32, smem_rows: Uint32, tid: Int32):
-        """Warp `tid / 32` (every lane) reads the row of the item's pair `p` (if there is one) into its slot of
-        `smem_rows`: words 0 .. 31 the row's pairs (lane `m` < `num_m` its `m`-th), 32 .. 63 their weights (FP32
-        bits), 64 the row, 65 its pairs `n` (valid: `< num_rows`; the plan lists them first)."""
-        lane = tid % 32
-        slot = smem_rows + Uint32((tid // 32) * ROW_SLOT_BYTES)
-        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
-        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
-        if p < rows:
-            r = Int32(load_b32(a_rows + Int64(first + p) * 4))
-            m = lane
-            if m > num_m - 1:
-                m = num_m - 1  # a repeated load, not counted
-            q = Int32(load_b32(row_pairs + (Int64(r) * Int64(num_m) + Int64(m)) * 4))
-            valid = Int32(0)
-            if lane < num_m:
-                if q < num_rows:
-                    valid = Int32(1)
-            if valid == 0:
-                q = Int32(0)
-            c = load_b32(pair_weight + Int64(q) * 4)
-            n = popc(ballot(valid))
-            store_shared_b32(slot + Uint32(lane * 4), Uint32(q))
-            store_shared_b32(slot + Uint32((32 + lane) * 4), c)
-            if lane == 0:
-                store_shared_b32(slot + Uint32(64 * 4), Uint32(r))
-                store_shared_b32(slot + Uint32(65 * 4), n)
-
-    @cute.jit
-    def arrive_rows(self, work: Int64, a_rows: Int64, row_pairs: Int64, pair_weight: Int64, y: Int64, out: Int64,
-                    row_words: Int64, item: Int32, tile: Int32, tiles: Int32, splits: Int32, num_m: Int32,
-                    num_rows: Int32, num_l: Int32, smem_rows: Uint32, tid: Int32):
-        """After down unit (item, ., tile) stored its partials: warp `w` counts the unit for pairs `w, w + 4, ..` in
-        their (row, tile) words; the warp that brings a word to its row's pairs times `splits` sums the row's tile
-        (`row_sum`)."""
-        warp = tid // 32
-        lane = tid % 32
-        slot = smem_rows + Uint32(warp * ROW_SLOT_BYTES)
-        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
-        cute.arch.sync_threads()  # the CTA's partials are issued before each warp's fence
-        for p in range(warp, rows, WARPS):
-            if p >= WARPS:
-                self.load_row(work, a_rows, row_pairs, pair_weight, item, p, num_m, num_rows, smem_rows, tid)
-                cute.arch.sync_warp()
-            r = Int32(load_shared_b32(slot + Uint32(64 * 4)))
-            n = Int32(load_shared_b32(slot + Uint32(65 * 4)))
-            last = Uint32(0)
-            if lane == 0:
-                fence_acq_rel_gpu()
-                old = atomic_add_relaxed_gpu(row_words + (Int64(r) * Int64(tiles) + Int64(tile)) * 4, Uint32(1))
-                if Int32(old) == n * splits - 1:
-                    fence_acq_rel_gpu()  # the other units' partials are read after it
-                    last = Uint32(1)
-            last = shfl_idx(last, 0)
-            cute.arch.sync_warp()  # lane 0's fence is ordered before every lane's reads
-            if last != Uint32(0):
-                self.row_sum(y, out, r, n, tile, splits, num_rows, num_l, slot, lane)
-            cute.arch.sync_warp()  # the slot is read before the next pair's `load_row`
-
-    @cute.jit
-    def row_sum(self, y: Int64, out: Int64, r: Int32, n: Int32, tile: Int32, splits: Int32, num_rows: Int32,
-                num_l: Int32, slot: Uint32, lane: Int32):
-        """Columns `64 tile + 2 lane`, +1 of row `r` of `out`: `bf16(sum_m weight_m * y_m)` over the row's `n` pairs
-        in their order (FP32 from 0, each product rounded, then added: `experts._row_sums`), `y_m` the sum of the
-        pair's down partials in split order; `SUM_PAIRS` pairs' loads issued at once."""
-        col = Int64(tile * BLOCK_N + 2 * lane)
-        split_stride = Int64(num_rows) * Int64(num_l) * 4
-        acc0 = cutlass.Float32(0.0)
-        acc1 = cutlass.Float32(0.0)
-        ys = cute.make_rmem_tensor(cute.make_layout(2 * SUM_PAIRS), cutlass.Float32)
-        for m0 in range(0, n, SUM_PAIRS):
-            srcs, cs = [], []
-            for j in cutlass.range_constexpr(SUM_PAIRS):
-                m = m0 + j
-                if m > n - 1:
-                    m = n - 1  # a repeated load, not added: the loads stay unconditional
-                q = Int32(load_shared_b32(slot + Uint32(m * 4)))
-                cs.append(f32_from_bits(load_shared_b32(slot + Uint32((32 + m) * 4))))
-                srcs.append(y + (Int64(q) * Int64(num_l) + col) * 4)
-            for j in cutlass.range_constexpr(SUM_PAIRS):
-                ys[2 * j], ys[2 * j + 1] = load_cg_v2_f32(srcs[j])
-            for s in range(1, splits):
-                more = []
-                for j in cutlass.range_constexpr(SUM_PAIRS):
-                    more.append(load_cg_v2_f32(srcs[j] + Int64(s) * split_stride))
-                for j in cutlass.range_constexpr(SUM_PAIRS):
-                    ys[2 * j] = add_rn(ys[2 * j], more[j][0])
-                    ys[2 * j + 1] = add_rn(ys[2 * j + 1], more[j][1])
-            for j in cutlass.range_constexpr(SUM_PAIRS):
-                if m0 + j < n:
-                    acc0 = add_rn(acc0, mul_rn(ys[2 * j], cs[j]))
-                    acc1 = add_rn(acc1, mul_rn(ys[2 * j + 1], cs[j]))
-        store_b32_bf16x2(out + (Int64(r) * Int64(num_l) + col) * 2, acc0, acc1)
 
 
 def _name(op: abi.Kernel) -> None:

@@ -501,24 +501,21 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
                 two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)
 
 
-def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, row_pairs, pair_weight, *, k_gate: int,
-                      k_down: int):
+def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int):
     """The fused expert stage custom call (`kernels/abi.py` EXPERT_STAGE, whose table says what each operand holds):
-    bf16 `[R, L]`, each receive row's weighted sum of its pairs' outputs (0 in rows with no pair). `x`
-    float8_e4m3fn `[R, L]` and `sf` uint8 `[R, L / 32]` the receive rows, `a_rows` int32 `[P]` the plan's row of
-    each pair, bf16 weights `[J, L, I]`, `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`, `row_pairs` int32
-    `[R, M]` and `pair_weight` f32 `[P]` the plan's way back and weights."""
+    FP32 `[S2, P, L]` partials of down, `S2 = ceil(I / k_down)`. `x` float8_e4m3fn `[R, L]` and `sf` uint8
+    `[R, L / 32]` the receive rows, `a_rows` int32 `[P]` the plan's row of each pair, bf16 weights `[J, L, I]`,
+    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`."""
     rows, lat = x.shape
     p = a_rows.shape[0]
     inter = w_gate.shape[2]
     s1, s2 = -(-lat // k_gate), -(-inter // k_down)
-    tile = abi.GEMM_BLOCK_N
-    counts = jnp.zeros((1 + work.shape[0] * (1 + inter // tile) + rows * (lat // tile),), jnp.int32)
+    counts = jnp.zeros((1 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-    out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), bf16(rows, lat),
-                 f32(s1, p, 2 * inter) if s1 > 1 else f32(1), bf16(p, inter), f32(s2, p, lat), bf16(rows, lat))
+    out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
+                 f32(s1, p, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((p, inter), jnp.bfloat16),
+                 f32(s2, p, lat))
     target, extra = _expert_target("expert_stage")
-    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={9: 0})
-    return call(x, sf, a_rows, w_gate, w_up, w_down, work, row_pairs, pair_weight, counts, k_gate=np.int64(k_gate),
-                k_down=np.int64(k_down), **extra)[5]
+    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={7: 0})
+    return call(x, sf, a_rows, w_gate, w_up, w_down, work, counts, k_gate=np.int64(k_gate), k_down=np.int64(k_down),
+                **extra)[4]

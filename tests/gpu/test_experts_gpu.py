@@ -126,9 +126,9 @@ def test_fused_stage_against_two_launches(inter, t):
 
 
 def test_fused_stage_hot_rows_and_split_down():
-    """The one launch where experts have more pairs than a CTA has warps (each warp sums several rows), down's
-    contraction is split (I = 512) and gate / up's too (a small `expected_pairs`): against the two launches, the
-    NumPy model and ragged_dot."""
+    """The one launch where work items hold many pairs (hot experts: up to 11 pairs each), down's contraction is
+    split (I = 512) and gate / up's too (a small `expected_pairs`): against the two launches, the NumPy model and
+    ragged_dot."""
     rng = np.random.default_rng(2024)
     lat, e, k, t, inter = 1024, 8, 4, 16, 512
     recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
