@@ -401,13 +401,18 @@ def _split_sum(parts):
     return total
 
 
+def _expected_active(pl: Plan, expected_pairs) -> int:
+    """The local experts a kernel call's contraction splits are chosen for: `min(J, C, expected_pairs)`."""
+    return min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+
+
 def _kernel_setup(pl: Plan, expected_pairs):
     """(work list, experts expected active) of a kernel call; loads the expert kernels."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
     work = pl.work if pl.work is not None else work_items(pl)
-    return work, min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+    return work, _expected_active(pl, expected_pairs)
 
 
 def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
@@ -418,7 +423,7 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     if isinstance(w_gate, BlockScaled) or w_up is None:
         return False
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    active = min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+    active = _expected_active(pl, expected_pairs)
     return lat % (2 * KERNEL_BLOCK_N) == 0 and inter % KERNEL_BLOCK_N == 0 and _kernel_splits(active, inter, lat)[0] > 1
 
 

@@ -307,28 +307,9 @@ class GroupedGemm:
             stages = self.stages
             if two:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
-                # step c // 2. Prologue: stages 0 .. stages - 2 in flight.
-                if cutlass.const_expr(waits):
-                    # As the one-weight prologue below: the weight halves first, the rows after the wait.
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c // 2 < steps:
-                            self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src,
-                                            a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c),
-                                            num_n, tid, chunk, parts=1)
-                        cp_async_commit()
-                    self.wait_count(ready_addr, ready, tid)
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c // 2 < steps:
-                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w,
-                                            k_begin + (c // 2) * BLOCK_K, Int32(c), num_n, tid, chunk, parts=2)
-                        cp_async_commit()
-                else:
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c // 2 < steps:
-                            self.load_stage(w_col if c % 2 == 0 else u_col, w_sc if c % 2 == 0 else u_sc, a_src,
-                                            a_size, a_live, smem_a, smem_w, k_begin + (c // 2) * BLOCK_K, Int32(c),
-                                            num_n, tid, chunk)
-                        cp_async_commit()
+                # step c // 2.
+                self.prologue(2, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin, steps,
+                              num_n, tid, chunk, waits, ready_addr, ready)
                 # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
                 # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
@@ -344,27 +325,9 @@ class GroupedGemm:
                         self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
                                       warp, lane)
             else:
-                # ---- One weight. Prologue: stages 0 .. stages - 2 in flight.
-                if cutlass.const_expr(waits):
-                    # Weights (no dependency) as groups 0 .. stages - 2, then the rows once they are stored, stage
-                    # c's as group stages - 1 + c: the main loop's wait for stage kt still covers both of its halves.
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c < steps:
-                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                            Int32(c), num_n, tid, chunk, parts=1)
-                        cp_async_commit()
-                    self.wait_count(ready_addr, ready, tid)
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c < steps:
-                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                            Int32(c), num_n, tid, chunk, parts=2)
-                        cp_async_commit()
-                else:
-                    for c in cutlass.range_constexpr(stages - 1):
-                        if c < steps:
-                            self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + c * BLOCK_K,
-                                            Int32(c), num_n, tid, chunk)
-                        cp_async_commit()
+                # ---- One weight.
+                self.prologue(1, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin, steps,
+                              num_n, tid, chunk, waits, ready_addr, ready)
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
@@ -409,6 +372,24 @@ class GroupedGemm:
                                     store_v2_f32(addr, acc[i], acc[j])
                                     if two:
                                         store_v2_f32(addr + Int64(self.tile_n) * 4, acc_up[i], acc_up[j])
+
+    @cute.jit
+    def prologue(self, per_step: cutlass.Constexpr, w_col: Int64, u_col: Int64, w_sc: Int64, u_sc: Int64, a_src,
+                 a_size, a_live, smem_a: Uint32, smem_w: Uint32, k_begin: Int32, steps: Int32, num_n: Int32,
+                 tid: Int32, chunk: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32):
+        """Ring stages 0 .. stages - 2 in flight, stage c holding weight c % `per_step` (`w_col`, else `u_col`) of
+        contraction step c // `per_step`. With `waits`: the weight rows (no dependency) as groups 0 .. stages - 2,
+        the wait, then the `a` rows as groups stages - 1 + c (the main loop's wait for a stage still covers both of
+        its halves)."""
+        for part in cutlass.range_constexpr(1, 3 if waits else 2):
+            if cutlass.const_expr(waits and part == 2):
+                self.wait_count(ready_addr, ready, tid)
+            for c in cutlass.range_constexpr(self.stages - 1):
+                if c // per_step < steps:
+                    self.load_stage(w_col if c % per_step == 0 else u_col, w_sc if c % per_step == 0 else u_sc,
+                                    a_src, a_size, a_live, smem_a, smem_w, k_begin + (c // per_step) * BLOCK_K,
+                                    Int32(c), num_n, tid, chunk, parts=part if waits else 3)
+                cp_async_commit()
 
     @cute.jit
     def wait_count(self, addr: Int64, target: Int32, tid: Int32):
