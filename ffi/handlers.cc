@@ -564,6 +564,68 @@ static_assert(visited_count<ep_abi::ExpertPlanParams>() == ep_abi::kExpertPlanPa
 static_assert(ep_abi::kExpertPlanParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
+// row_sum(parts, row_pairs, pair_weight, count) -> out: each receive row's weighted sum over its pairs, rounded to
+// bf16 (kernels/row_sum.py); a CTA a row and 512 columns.
+
+struct RowSum {
+  static constexpr const char* kWhat = "row_sum";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // parts: f32 [S, P, L] down's partials of each pair
+        .template Arg<ffi::AnyBuffer>()      // row_pairs: int32 [R, M] the pair of each row's m-th local expert
+        .template Arg<ffi::AnyBuffer>()      // pair_weight: f32 [P] routing weight of each pair
+        .template Arg<ffi::AnyBuffer>()      // count: int32 [1] pairs used
+        .template Ret<ffi::AnyBuffer>();     // out: bf16 [R, L]
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer parts, ffi::AnyBuffer row_pairs,
+                            ffi::AnyBuffer pair_weight, ffi::AnyBuffer count, ffi::Result<ffi::AnyBuffer> out) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto pd = parts.dimensions(), rd = row_pairs.dimensions();
+    if (pd.size() != 3 || rd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep row_sum: expected parts [S, P, L], row_pairs [R, M]");
+    }
+    const int64_t S = pd[0], P = pd[1], L = pd[2], R = rd[0], M = rd[1];
+    const int64_t chunks = (L + ep_abi::kRowSumColumns - 1) / ep_abi::kRowSumColumns;
+    if (S < 1 || P < 1 || L < 4 || L % 4 || R < 1 || M < 1 || M > ep_abi::kMaxTopk ||
+        R * chunks > (int64_t{1} << 31) - 1 || S * P * L > (int64_t{1} << 40)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep row_sum: S=" + std::to_string(S) + " and P=" + std::to_string(P) + " must be >= 1, L=" +
+          std::to_string(L) + " a multiple of 4, M=" + std::to_string(M) + " in [1, " +
+          std::to_string(ep_abi::kMaxTopk) + "], R=" + std::to_string(R) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "parts", parts, ffi::DataType::F32, {S, P, L}),
+                                    expect(kWhat, "row_pairs", row_pairs, ffi::DataType::S32, {R, M}),
+                                    expect(kWhat, "pair_weight", pair_weight, ffi::DataType::F32, {P}),
+                                    expect(kWhat, "count", count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {R, L})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = static_cast<unsigned>(R * chunks);
+    l.params = make_params(ep_abi::RowSumParams{
+        .parts = address(parts.untyped_data()),
+        .row_pairs = address(row_pairs.untyped_data()),
+        .pair_weight = address(pair_weight.untyped_data()),
+        .count = address(count.untyped_data()),
+        .out = address(out->untyped_data()),
+        .num_splits = static_cast<int32_t>(S),
+        .num_pairs = static_cast<int32_t>(P),
+        .num_rows = static_cast<int32_t>(R),
+        .num_slots = static_cast<int32_t>(M),
+        .num_l = static_cast<int32_t>(L),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::RowSumParams>() == ep_abi::kRowSumParamsCount,
+              "ep_abi.h: visit_params(RowSumParams) must pass every parameter once");
+static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
+
+// ---------------------------------------------------------------------------------------------------------
 // The three stages of an op, over the arguments its `prepare` takes after the Launch (the ones `bind` binds).
 
 template <typename Op, typename Prepare = decltype(&Op::prepare)>
@@ -640,5 +702,6 @@ Targets combine_targets() { return targets<Combine>(); }
 Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
 Targets expert_plan_targets() { return targets<ExpertPlan>(); }
 Targets expert_stage_targets() { return targets<ExpertStage>(); }
+Targets row_sum_targets() { return targets<RowSum>(); }
 
 }  // namespace jax_latent_ep

@@ -428,7 +428,7 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
 
 
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
-    """FP32 per-pair outputs `[C, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the
+    """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the
     dequantization, gate / up and down as phases that wait only for what they read, down's weights streaming while
     gate / up finishes; the contraction splits as the two launches' (`_kernel`). Numerics as theirs
     (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
@@ -437,9 +437,8 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    return _split_sum(ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
-                                            k_gate=_kernel_splits(active, inter, lat)[1],
-                                            k_down=_kernel_splits(active, lat, inter)[1]))
+    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                 k_gate=_kernel_splits(active, inter, lat)[1], k_down=_kernel_splits(active, lat, inter)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
@@ -509,7 +508,8 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
-    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx))
+    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)
+    return _kernel_row_sums(pl, y[None]) if impl == "kernel" else _row_sums(pl, y)
 
 
 def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
@@ -533,6 +533,14 @@ def _row_sums(pl: Plan, y):
     for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
         acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
     return acc.astype(jnp.bfloat16)
+
+
+def _kernel_row_sums(pl: Plan, parts):
+    """`_row_sums(pl, _split_sum(parts))` bit for bit in one kernel (`kernels/row_sum.py`, NVIDIA GPUs), reading
+    only the pairs each row names; `parts` FP32 `[S, C, L]`."""
+    from jax_latent_ep.runtime import ffi
+
+    return ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
 
 
 def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
@@ -561,7 +569,7 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
     if impl == "kernel":
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
-            return _row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
+            return _kernel_row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))
 

@@ -50,6 +50,8 @@ NUM_MAX_PLAN_EXPERTS = 2048
 NUM_PLAN_BITMAP_WORDS = 24576
 #: Threads of the expert plan kernel's one CTA.
 PLAN_THREADS = 1024
+#: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
+ROW_SUM_COLUMNS = 512
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -230,7 +232,23 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("num_work", "i32", False, "work items"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN)}
+#: The expert stage's last step (`kernels/row_sum.py`): each receive row's sum over its pairs of the pair's
+#: routing weight times its output (the FP32 sum of down's split partials), rounded to bf16, exactly as
+#: `experts._row_sums` computes it in XLA. R receive rows, P pairs, M = min(K, J) slots a row.
+ROW_SUM = Kernel("row_sum", "ep_row_sum", (
+    _address("parts", "f32 [num_splits, P, num_l]: down's partials of each pair (unused pairs never read)"),
+    _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or >= count (the plan's)"),
+    _address("pair_weight", "f32 [P]: each pair's routing weight (the plan's)"),
+    _address("count", "int32 [1]: pairs used (the plan's): a slot is used when its pair is below it"),
+    _address("out", "bf16 [R, num_l]: each row's weighted sum, 0 in rows with no used slot (output)"),
+    Param("num_splits", "i32", False, "down's contraction splits, >= 1"),
+    Param("num_pairs", "i32", False, "P, pairs (rows of each split of `parts`)"),
+    Param("num_rows", "i32", False, "R, receive rows"),
+    Param("num_slots", "i32", False, "M, slots a row, <= 32"),
+    Param("num_l", "i32", False, "L, a multiple of 4"),
+))
+
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM)}
 
 
 def c_name(op: str) -> str:
@@ -343,6 +361,7 @@ def header() -> str:
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
+        f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

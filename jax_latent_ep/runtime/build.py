@@ -35,11 +35,12 @@ ARCHS = ("sm_90a", "sm_100a")
 DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 2, 4, 8)}
 #: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
 SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
-           "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "layout.py", "shapes.py")
+           "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "kernels/row_sum.py",
+           "layout.py", "shapes.py")
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
 #: kernel -> its module in `jax_latent_ep.kernels`.
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
-              "expert_plan": "expert_plan"}
+              "expert_plan": "expert_plan", "row_sum": "row_sum"}
 MANIFEST_VERSION = 1
 
 

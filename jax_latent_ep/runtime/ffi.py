@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL:
         lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
         lib.ep_register_expert_record_targets.restype = ctypes.c_int
-        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 3
+        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 4
     return lib
 
 
@@ -375,22 +375,24 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The expert stage's kernels (`kernels/grouped_gemm.py`, `kernels/expert_plan.py`): one cubin each for every shape,
-# no rank.
+# The expert stage's kernels (`kernels/grouped_gemm.py`, `kernels/expert_plan.py`, `kernels/row_sum.py`): one cubin
+# each for every shape, no rank.
 
 #: op -> (FFI target name, exported handler symbol).
 EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
                   "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan"),
-                  "expert_stage": ("jax_latent_ep_expert_stage", "EpExpertStage")}
+                  "expert_stage": ("jax_latent_ep_expert_stage", "EpExpertStage"),
+                  "row_sum": ("jax_latent_ep_row_sum", "EpRowSum")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
-EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage")
+EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
 EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
                          "expert_plan": "jax_latent_ep_expert_plan_rec",
-                         "expert_stage": "jax_latent_ep_expert_stage_rec"}
+                         "expert_stage": "jax_latent_ep_expert_stage_rec",
+                         "row_sum": "jax_latent_ep_row_sum_rec"}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
@@ -405,7 +407,7 @@ def _register_expert_record_targets(lib) -> None:
     if not _expert_record_final:
         _expert_record_error, _expert_record_final = _register_record(
             lib, "ep_register_expert_record_targets",
-            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage")),
+            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage", "row_sum")),
             "load_expert_kernels")
 
 
@@ -499,6 +501,15 @@ def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: 
                 unread if w_scale is None else w_scale,
                 unread if w_second_scale is None else w_second_scale, work, indexed=np.int64(indexed),
                 two_weights=np.int64(two), fuse_glu=np.int64(fuse_glu), k_per_split=np.int64(k_per_split), **extra)
+
+
+def row_sum_call(parts, row_pairs, pair_weight, count):
+    """The row-sum custom call (`kernels/abi.py` ROW_SUM, whose table says what each operand holds): bf16 `[R, L]`,
+    each row's weighted sum of its pairs' outputs; `parts` f32 `[S, P, L]` (summed over S in split order),
+    `row_pairs` int32 `[R, M]`, `pair_weight` f32 `[P]`, `count` int32 `[1]`."""
+    target, extra = _expert_target("row_sum")
+    out_type = jax.ShapeDtypeStruct((row_pairs.shape[0], parts.shape[2]), jnp.bfloat16)
+    return jax.ffi.ffi_call(target, out_type, has_side_effect=False)(parts, row_pairs, pair_weight, count, **extra)
 
 
 def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int):

@@ -150,3 +150,31 @@ def test_fused_stage_hot_rows_and_split_down():
     _close(fused, rows("kernel"))
     _close(fused, want)
     _close(fused, rows("ragged_dot"))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("n,t,lat,plan_impl", [(2, 3, 3584, "kernel"), (8, 5, 1056, "xla"), (1, 40, 3584, "kernel")])
+def test_row_sum_kernel_bit_exact(n, t, lat, plan_impl, splits):
+    """The row-sum kernel (`experts._kernel_row_sums`) against XLA's `_row_sums` of `_split_sum` bit for bit on
+    random partials (signed zeros among them; NaN in every pair no row names, which neither may add) over a plan
+    with padded tokens and slots, duplicate ids, rows with no local expert and (N = 1) rows with up to 16 local
+    experts; L = 1056 leaves a CTA's columns partly past the row."""
+    rng = np.random.default_rng(3000 + 100 * n + t + splits)
+    e, k = 64, 16
+    recv = jax.tree.map(jnp.asarray, random_received(
+        rng, ranks=n, rank=0, tokens=[t - (s % t) for s in range(n)], max_tokens=t, latent=lat, experts=e, topk=k,
+        pad_tokens=0.1, pad_slots=0.1, duplicates=0.3))
+    pl = experts.plan(recv, 0, e // n, max_tokens=t, ranks=n, impl=plan_impl)
+    parts = rng.standard_normal((splits, pl.capacity, lat)).astype(np.float32)
+    parts[rng.random(parts.shape) < 0.05] = -0.0
+    named = np.unique(np.asarray(pl.row_pairs)[np.asarray(pl.row_pairs) < int(pl.count)])
+    unnamed = np.setdiff1d(np.arange(pl.capacity), named)
+    parts[:, unnamed] = np.nan
+    parts = jnp.asarray(parts)
+    got = np.asarray(jax.jit(experts._kernel_row_sums)(pl, parts))
+    want = np.asarray(jax.jit(lambda p, y: experts._row_sums(p, experts._split_sum(y)))(pl, parts))
+    rows = np.asarray(pl.row_pairs) < int(pl.count)
+    assert np.any(rows.sum(axis=1) == 0) and np.any(rows.sum(axis=1) > 1) and unnamed.size > 0
+    assert not np.any(np.isnan(want.astype(np.float32)))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.all(got[rows.sum(axis=1) == 0].astype(np.float32) == 0)
