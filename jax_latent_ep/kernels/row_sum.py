@@ -5,9 +5,9 @@ Reading order: settings, the host-side launch signature, the device code, compil
 
 Parameters: `kernels.abi.ROW_SUM`. CTA `c` takes row `c / chunks` and its columns `(c % chunks) * COLUMNS ..`, four
 a thread. Phases:
-  1. warp 0: lane `m < M` loads the row's m-th pair, whether it is used (`pair < count`) and its weight into shared
-     memory; `n`, one past the last used slot, by a warp max. Barrier.
-  2. every thread, over slots `0 .. n - 1` in batches of `BATCH` (a batch's loads issued before any is added): each
+  1. every thread loads the row's `M` pairs and `count` (one round trip, no barrier): a slot is used when its pair
+     is below `count`; `n` is one past the last used slot.
+  2. over slots `0 .. n - 1` in batches of `BATCH` (a batch's outputs and weights loaded before any is added): each
      pair's output, the FP32 sum of its `num_splits` partials in split order (from split 0), then the row's sum
      from 0 in slot order: `acc + y * weight` for a used slot (`mul.rn`, `add.rn`: never an FMA), `acc + 0` for an
      unused one, and one `acc + 0` for the slots past `n` (all unused: adding +0 twice is adding it once).
@@ -26,16 +26,12 @@ from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
     add_rn,
-    ballot,
     f32_from_bits,
     griddepcontrol_wait,
     load_b32,
-    load_shared_b32,
     load_v4,
     mul_rn,
-    shfl_bfly,
     store_b32_bf16x2,
-    store_shared_b32,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -46,10 +42,10 @@ THREADS = 128
 COLUMNS = abi.ROW_SUM_COLUMNS
 #: Slots whose loads one thread issues at once (a row's used slots at decode: K * J / E, 2-8 at Kimi K3).
 BATCH = 8
-#: Shared words: the row's pairs, their weights, then `n` and the used-slot mask.
-SMEM_BYTES = 4 * (2 * abi.NUM_MAX_TOPK + 2)
+#: No shared memory.
+SMEM_BYTES = 0
 
-assert COLUMNS == 4 * THREADS and abi.NUM_MAX_TOPK == 32
+assert COLUMNS == 4 * THREADS and abi.NUM_MAX_TOPK % BATCH == 0
 
 
 def smem_bytes() -> int:
@@ -106,85 +102,74 @@ class RowSum:
         cta, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         cta = Int32(cta)
-        smem = cutlass.memory.SmemAllocator()
-        words = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 16)
-        s_pair = Uint32(words.iterator.toint())
-        s_weight = s_pair + Uint32(4 * abi.NUM_MAX_TOPK)
-        s_n = s_weight + Uint32(4 * abi.NUM_MAX_TOPK)
-        s_used = s_n + Uint32(4)
         chunks = (num_l + COLUMNS - 1) // COLUMNS
         row = cta // chunks
         col = (cta % chunks) * COLUMNS + tid * 4
         griddepcontrol_wait()  # the partials (and the plan before them) come from the previous kernels
 
-        # ---- Phase 1: the row's slots (warp 0, lane m: slot m).
-        if tid < 32:
-            pair = Int32(0)
-            w_bits = Uint32(0)
-            used = Int32(0)
-            if tid < num_slots:
-                named = Int32(load_b32(row_pairs + (Int64(row) * Int64(num_slots) + Int64(tid)) * 4))
-                total = Int32(load_b32(count))
-                if named < total:
-                    used = Int32(1)
-                    # Clamped into the partials as XLA's gather is: a corrupt plan reads inside them.
-                    pair = named
-                    if pair > num_pairs - 1:
-                        pair = num_pairs - 1
-                    if pair < 0:
-                        pair = Int32(0)
-                    w_bits = load_b32(pair_weight + Int64(pair) * 4)
-            mask = ballot(used != 0)
-            last = Uint32(0)
-            if used != 0:
-                last = Uint32(tid + 1)
-            for offset in cutlass.range_constexpr(5):
-                other = shfl_bfly(last, 1 << offset)
-                if other > last:
-                    last = other
-            store_shared_b32(s_pair + Uint32(4 * tid), Uint32(pair))
-            store_shared_b32(s_weight + Uint32(4 * tid), w_bits)
-            if tid == 0:
-                store_shared_b32(s_n, last)
-                store_shared_b32(s_used, mask)
-        cute.arch.sync_threads()
+        # ---- Phase 1: the row's slots, every thread all of them (one round trip; the warp's loads are one line):
+        # the used-slot mask and n. Phase 2 loads each batch's pairs again (L1 hits) instead of holding 32.
+        slot_row = row_pairs + Int64(row) * Int64(num_slots) * 4
+        named = cute.make_rmem_tensor(cute.make_layout(abi.NUM_MAX_TOPK), cutlass.Int32)
+        for m in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
+            named[m] = Int32(0x7FFFFFFF)
+            if m < num_slots:
+                named[m] = Int32(load_b32(slot_row + Int64(m * 4)))
+        total = Int32(load_b32(count))
+        mask = Uint32(0)
+        n = Int32(0)
+        for m in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
+            if named[m] < total:
+                mask = mask | Uint32(1 << m)
+                n = Int32(m + 1)
 
-        # ---- Phase 2: the row's sum over slots 0 .. n - 1, BATCH pairs' loads at once.
-        n = Int32(load_shared_b32(s_n))
-        mask = load_shared_b32(s_used)
+        # ---- Phase 2: the row's sum over slots 0 .. n - 1, BATCH slots' loads (outputs and weights) at once.
         if col < num_l:
             acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
             acc.fill(0.0)
             y = cute.make_rmem_tensor(cute.make_layout(4 * BATCH), cutlass.Float32)
+            w = cute.make_rmem_tensor(cute.make_layout(BATCH), cutlass.Float32)
             split_bytes = Int64(num_pairs) * Int64(num_l) * 4
-            for m0 in range(0, n, BATCH):
-                for j in cutlass.range_constexpr(BATCH):
-                    m = m0 + j
-                    if m > n - 1:
-                        m = n - 1  # a repeated load, not added: the loads stay unconditional
-                    pair = Int32(load_shared_b32(s_pair + Uint32(4 * m)))
-                    v = load_v4(parts + (Int64(pair) * Int64(num_l) + Int64(col)) * 4)
-                    for k in cutlass.range_constexpr(4):
-                        y[4 * j + k] = f32_from_bits(v[k])
-                for s in range(1, num_splits):
+            for b in cutlass.range_constexpr(abi.NUM_MAX_TOPK // BATCH):
+                if b * BATCH < n:
+                    pairs = cute.make_rmem_tensor(cute.make_layout(BATCH), cutlass.Int32)
                     for j in cutlass.range_constexpr(BATCH):
-                        m = m0 + j
-                        if m > n - 1:
-                            m = n - 1
-                        pair = Int32(load_shared_b32(s_pair + Uint32(4 * m)))
-                        v = load_v4(parts + Int64(s) * split_bytes + (Int64(pair) * Int64(num_l) + Int64(col)) * 4)
-                        for k in cutlass.range_constexpr(4):
-                            y[4 * j + k] = add_rn(y[4 * j + k], f32_from_bits(v[k]))
-                for j in cutlass.range_constexpr(BATCH):
-                    m = m0 + j
-                    if m < n:
+                        m = b * BATCH + j
+                        pair = Int32(0)  # an unused slot's: read, never added (the loads stay unconditional)
                         if (mask >> Uint32(m)) & Uint32(1) != Uint32(0):
-                            w = f32_from_bits(load_shared_b32(s_weight + Uint32(4 * m)))
-                            for k in cutlass.range_constexpr(4):
-                                acc[k] = add_rn(acc[k], mul_rn(y[4 * j + k], w))
-                        else:
-                            for k in cutlass.range_constexpr(4):
-                                acc[k] = add_rn(acc[k], cutlass.Float32(0.0))
+                            pair = Int32(load_b32(slot_row + Int64(m * 4)))
+                            # Clamped into the partials as XLA's gather is: a corrupt plan reads inside them.
+                            if pair > num_pairs - 1:
+                                pair = num_pairs - 1
+                            if pair < 0:
+                                pair = Int32(0)
+                        pairs[j] = pair
+                    for j in cutlass.range_constexpr(BATCH):
+                        src = parts + (Int64(pairs[j]) * Int64(num_l) + Int64(col)) * 4
+                        v = load_v4(src)
+                        w[j] = f32_from_bits(load_b32(pair_weight + Int64(pairs[j]) * 4))
+                        for k in cutlass.range_constexpr(4):
+                            y[4 * j + k] = f32_from_bits(v[k])
+                    if num_splits > 1:
+                        # Split partials pair by pair (down is split only where few experts are active).
+                        for j in cutlass.range_constexpr(BATCH):
+                            src = parts + (Int64(pairs[j]) * Int64(num_l) + Int64(col)) * 4
+                            y0, y1, y2, y3 = y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]
+                            for s in range(1, num_splits):
+                                v = load_v4(src + Int64(s) * split_bytes)
+                                y0 = add_rn(y0, f32_from_bits(v[0]))
+                                y1 = add_rn(y1, f32_from_bits(v[1]))
+                                y2 = add_rn(y2, f32_from_bits(v[2]))
+                                y3 = add_rn(y3, f32_from_bits(v[3]))
+                            y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3] = y0, y1, y2, y3
+                    for j in cutlass.range_constexpr(BATCH):
+                        if b * BATCH + j < n:
+                            if (mask >> Uint32(b * BATCH + j)) & Uint32(1) != Uint32(0):
+                                for k in cutlass.range_constexpr(4):
+                                    acc[k] = add_rn(acc[k], mul_rn(y[4 * j + k], w[j]))
+                            else:
+                                for k in cutlass.range_constexpr(4):
+                                    acc[k] = add_rn(acc[k], cutlass.Float32(0.0))
             if n < num_slots:
                 for k in cutlass.range_constexpr(4):
                     acc[k] = add_rn(acc[k], cutlass.Float32(0.0))
