@@ -508,8 +508,7 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
-    y = IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx)
-    return _kernel_row_sums(pl, y[None]) if impl == "kernel" else _row_sums(pl, y)
+    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx))
 
 
 def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
@@ -537,7 +536,8 @@ def _row_sums(pl: Plan, y):
 
 def _kernel_row_sums(pl: Plan, parts):
     """`_row_sums(pl, _split_sum(parts))` bit for bit in one kernel (`kernels/row_sum.py`, NVIDIA GPUs), reading
-    only the pairs each row names; `parts` FP32 `[S, C, L]`."""
+    only the pairs each row names; `parts` FP32 `[S, C, L]`. The one launch's row sum (a handful of rows, most of
+    their slots unused at N = 8); with many rows XLA's gather-sum is faster (docs/performance.md)."""
     from jax_latent_ep.runtime import ffi
 
     return ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
