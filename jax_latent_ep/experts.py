@@ -428,17 +428,18 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
 
 
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
-    """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch (`grouped_gemm.ExpertStage`): the
-    dequantization, gate / up and down as phases that wait only for what they read, down's weights streaming while
-    gate / up finishes; the contraction splits as the two launches' (`_kernel`). Numerics as theirs
-    (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
-    XLA's: a few FP32 ulps before the bf16 rounding)."""
+    """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch
+    (`grouped_gemm.ExpertStage`): the dequantization, gate / up and down as phases that wait only for what they
+    read, down's weights streaming while gate / up finishes; the contraction splits as the two launches'
+    (`_kernel`). Numerics as theirs (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU
+    after the in-order split sum, not XLA's: a few FP32 ulps before the bf16 rounding)."""
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
-                                 k_gate=_kernel_splits(active, inter, lat)[1], k_down=_kernel_splits(active, lat, inter)[1])
+                                 k_gate=_kernel_splits(active, inter, lat)[1],
+                                 k_down=_kernel_splits(active, lat, inter)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):

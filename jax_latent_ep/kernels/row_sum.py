@@ -12,8 +12,8 @@ a thread. Phases:
      from 0 in slot order: `acc + y * weight` for a used slot (`mul.rn`, `add.rn`: never an FMA), `acc + 0` for an
      unused one, and one `acc + 0` for the slots past `n` (all unused: adding +0 twice is adding it once).
 That is `experts._row_sums(plan, experts._split_sum(parts))` bit for bit (docs/experts.md): the same adds in the
-same order, a -0 made +0 by an unused slot's zero as there. An unused slot reads nothing; a row with no used slot
-is exactly 0.
+same order, a -0 made +0 by an unused slot's zero as there. An unused slot's output is never added (a batch loads
+pair 0's in its place: the loads stay unconditional); a row with no used slot is exactly 0.
 """
 
 from __future__ import annotations
