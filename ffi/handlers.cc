@@ -379,7 +379,7 @@ struct ExpertStage {
         .template Arg<ffi::AnyBuffer>()      // w_up: bf16 [J, L, I]
         .template Arg<ffi::AnyBuffer>()      // w_down: bf16 [J, I, L]
         .template Arg<ffi::AnyBuffer>()      // work: int32 [W, 4] (group, first pair, pairs, items)
-        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64)] zeros (`counts` aliases it)
+        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [2 + W (1 + I / 64)] zeros (`counts` aliases it)
         .template Ret<ffi::AnyBuffer>()      // counts: the same buffer, the kernel's counts
         .template Ret<ffi::AnyBuffer>()      // xb: bf16 [R, L] dequantized rows
         .template Ret<ffi::AnyBuffer>()      // parts: f32 [S1, P, 2I] gate / up partials (S1 > 1), else f32 [1]
@@ -412,7 +412,7 @@ struct ExpertStage {
           std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
           ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
     }
-    const int64_t num_counts = 1 + W * (1 + I / kTile);
+    const int64_t num_counts = 2 + W * (1 + I / kTile);
     ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
                                  : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
     if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),

@@ -535,6 +535,14 @@ def _row_sums(pl: Plan, y):
     return acc.astype(jnp.bfloat16)
 
 
+def _sparse_rows(pl: Plan, expected_pairs) -> bool:
+    """Whether the rows are expected to use at most a quarter of their `M` slots (`expected_pairs / R`; K / N at
+    decode): there the row-sum kernel, which reads only the used slots, is faster than XLA's gather over all `M`
+    (N = 8: 3.1 against 4.3 us; N = 2, half the slots used: 3.2 against 2.8; docs/performance.md)."""
+    rows, slots = pl.row_pairs.shape
+    return 4 * min(pl.capacity, expected_pairs or pl.capacity) <= rows * slots
+
+
 def _kernel_row_sums(pl: Plan, parts):
     """`_row_sums(pl, _split_sum(parts))` bit for bit in one kernel (`kernels/row_sum.py`, NVIDIA GPUs), reading
     only the pairs each row names; `parts` FP32 `[S, C, L]`. The one launch's row sum (a handful of rows, most of
@@ -570,7 +578,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
     if impl == "kernel":
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
-            return _kernel_row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
+            parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
+            if _sparse_rows(pl, expected_pairs):
+                return _kernel_row_sums(pl, parts)
+            return _row_sums(pl, _split_sum(parts))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))
 

@@ -191,8 +191,8 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     _address("w_up", "bf16 [J, num_l, num_i]"),
     _address("w_down", "bf16 [J, num_i, num_l]"),
     _address("work", "int32 [num_work, 4]: the work list, as the grouped GEMM's"),
-    _address("counts", "int32 [1 + num_work (1 + num_i / 64)]: zero on entry; rows dequantized, per item the tiles "
-             "of `h` stored, per (item, tile) the gate / up splits stored (output)"),
+    _address("counts", "int32 [2 + num_work (1 + num_i / 64)]: zero on entry; rows dequantized, per item the tiles "
+             "of `h` stored, per (item, tile) the gate / up splits stored, the units taken (output)"),
     _address("xb", "bf16 [R, num_l]: the dequantized rows (output, scratch)"),
     _address("parts", "f32 [S1, P, 2 num_i]: gate / up partials interleaved by 64 columns (S1 > 1; output, scratch)"),
     _address("h", "bf16 [P, num_i]: silu(gate) * up of each pair (output, scratch)"),

@@ -553,8 +553,8 @@ class ExpertStage(GroupedGemm):
     """The expert stage's dequantization and SwiGLU MLP in one launch (`abi.EXPERT_STAGE`, BF16 weights), with no
     kernel boundary between them: each phase waits only for the counts of what it reads.
 
-    Units, in every CTA's order (the grid rule of `GroupedGemm`: CTA `c` takes `u = c, c + G, ..` of their
-    concatenation):
+    Units, in the order the CTAs take them (CTA `c` first unit `c`, then the next ticket of the last counts word,
+    so a CTA that ends early takes the next unit):
       1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit); each counts itself
          in word 0;
       2. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
@@ -564,8 +564,9 @@ class ExpertStage(GroupedGemm):
          tile. Each tile of `h` stored counts in its item's word;
       3. down `(item, split, tile)`: the first weight stages, a wait for its item's word to reach the tiles, then
          its rows of `h`; FP32 partials `y`.
-    A unit waits only for units that come before every unit of its phase in every CTA's order and that never wait
-    for a later phase: with every CTA resident (the grid is at most the CTAs that fit at once) each wait ends.
+    A unit waits only for units of an earlier phase, each a CTA's first or taken before it, by a CTA whose units
+    before it wait only for earlier phases: with every CTA resident (the grid is at most the CTAs that fit at once)
+    each wait ends.
     """
 
     @cute.jit
@@ -640,35 +641,45 @@ class ExpertStage(GroupedGemm):
         units_dq = num_recv
         end_gate = units_dq + num_items * splits_gate * tiles_gate
         num_units = end_gate + num_items * splits_down * tiles_down
-        stride = self.cta_stride(num_units, grid)
         fuse = Int32(0)
         gate_out = parts
         if splits_gate == 1:
             fuse = Int32(1)
             gate_out = h
-        if cta < stride:
-            for unit_idx in range(cta, num_units, stride):
-                if unit_idx < units_dq:
-                    self.dequantize(x, sf, xb, num_l, unit_idx, tid)
-                    self.count_unit(counts, tid)
-                elif unit_idx < end_gate:
-                    v = unit_idx - units_dq
-                    tile = v % tiles_gate
-                    rest = v // tiles_gate
-                    item = rest // splits_gate
-                    self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
-                              num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
-                              counts, units_dq)
-                    self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
-                                smem_word, tid)
-                else:
-                    v = unit_idx - end_gate
-                    rest = v // tiles_down
-                    item = rest // splits_down
-                    self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
-                              num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
-                              tid, True, counts + Int64(1 + item) * 4, tiles_gate)
-                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+        # The CTA's first unit is its own index, each next one a ticket taken as the unit starts (the CTAs that end
+        # first take the next units: no CTA left with a round more than the others).
+        ticket = counts + (Int64(1) + Int64(num_work) * Int64(1 + tiles_gate)) * 4
+        smem_next = smem_word + Uint32(4)
+        unit_idx = cta
+        while unit_idx < num_units:
+            next_unit = Uint32(0)
+            if tid == 0:
+                next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))  # waited for only at its store below
+            if unit_idx < units_dq:
+                self.dequantize(x, sf, xb, num_l, unit_idx, tid)
+                self.count_unit(counts, tid)
+            elif unit_idx < end_gate:
+                v = unit_idx - units_dq
+                tile = v % tiles_gate
+                rest = v // tiles_gate
+                item = rest // splits_gate
+                self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
+                          num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
+                          counts, units_dq)
+                self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
+                            smem_word, tid)
+            else:
+                v = unit_idx - end_gate
+                rest = v // tiles_down
+                item = rest // splits_down
+                self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
+                          num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
+                          tid, True, counts + Int64(1 + item) * 4, tiles_gate)
+            if tid == 0:
+                store_shared_b32(smem_next, next_unit + Uint32(grid))
+            cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
+            unit_idx = Int32(load_shared_b32(smem_next))
+            cute.arch.sync_threads()  # every thread has read the next unit before thread 0 writes the one after
 
     @cute.jit
     def count_unit(self, word: Int64, tid: Int32):

@@ -521,7 +521,7 @@ def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int,
     p = a_rows.shape[0]
     inter = w_gate.shape[2]
     s1, s2 = -(-lat // k_gate), -(-inter // k_down)
-    counts = jnp.zeros((1 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
+    counts = jnp.zeros((2 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
                  f32(s1, p, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((p, inter), jnp.bfloat16),
