@@ -325,6 +325,10 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
 KERNEL_BLOCK_M, KERNEL_BLOCK_K, KERNEL_BLOCK_N = abi.GEMM_BLOCK_M, abi.GEMM_BLOCK_K, abi.GEMM_BLOCK_N
 #: Units the kernel path aims for at least per launch (four per SM of an H200), reached by splitting the contraction.
 KERNEL_MIN_UNITS = 528
+#: The one launch's gate / up target (`_kernel_stage`): finer units there end the gate / up phase evenly (T = 1,
+#: I = 512: 8 splits instead of 5, the launch 2.5 / 1 us faster at J = 112 / 448; I = 2048 keeps its 2,
+#: docs/performance.md).
+KERNEL_STAGE_GATE_UNITS = 1024
 
 
 def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
@@ -353,14 +357,17 @@ def _kernel_tile(w) -> int:
     return abi.GEMM_FP8_BLOCK_N if isinstance(w, BlockScaled) else KERNEL_BLOCK_N
 
 
-def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N) -> tuple[int, int]:
+def _kernel_splits(num_work: int, n: int, k: int, tile: int = KERNEL_BLOCK_N,
+                   min_units: int | None = None) -> tuple[int, int]:
     """(splits, k_per_split) of one kernel launch over `n` columns (of each weight) in `tile`-column units: split the
-    contraction until about `KERNEL_MIN_UNITS` units (counting one item per local expert that can be active) have
-    work, keeping >= 4 pipeline steps per split (FP8, 128-column tiles: splits on the 128-row scale blocks)."""
+    contraction until about `min_units` (default `KERNEL_MIN_UNITS`) units (counting one item per local expert that
+    can be active) have work, keeping >= 4 pipeline steps per split (FP8, 128-column tiles: splits on the 128-row
+    scale blocks)."""
     step = KERNEL_BLOCK_K if tile == KERNEL_BLOCK_N else FP8_BLOCK
     steps = k // step
     ctas = num_work * (n // tile)
-    splits = max(1, min(-(-KERNEL_MIN_UNITS // max(ctas, 1)), steps * step // (4 * KERNEL_BLOCK_K)))
+    target = KERNEL_MIN_UNITS if min_units is None else min_units
+    splits = max(1, min(-(-target // max(ctas, 1)), steps * step // (4 * KERNEL_BLOCK_K)))
     per = -(-steps // splits)
     return -(-steps // per), per * step
 
@@ -430,15 +437,15 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
     """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch
     (`grouped_gemm.ExpertStage`): the dequantization, gate / up and down as phases that wait only for what they
-    read, down's weights streaming while gate / up finishes; the contraction splits as the two launches'
-    (`_kernel`). Numerics as theirs (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU
+    read, down's weights streaming while gate / up finishes; down's contraction split as the two launches'
+    (`_kernel`), gate / up's for `KERNEL_STAGE_GATE_UNITS` units. Numerics as theirs (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU
     after the in-order split sum, not XLA's: a few FP32 ulps before the bf16 rounding)."""
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
-                                 k_gate=_kernel_splits(active, inter, lat)[1],
+                                 k_gate=_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
                                  k_down=_kernel_splits(active, lat, inter)[1])
 
 
@@ -535,18 +542,15 @@ def _row_sums(pl: Plan, y):
     return acc.astype(jnp.bfloat16)
 
 
-def _sparse_rows(pl: Plan, expected_pairs) -> bool:
-    """Whether the rows are expected to use at most a quarter of their `M` slots (`expected_pairs / R`; K / N at
-    decode): there the row-sum kernel, which reads only the used slots, is faster than XLA's gather over all `M`
-    (N = 8: 3.1 against 4.3 us; N = 2, half the slots used: 3.2 against 2.8; docs/performance.md)."""
-    rows, slots = pl.row_pairs.shape
-    return 4 * min(pl.capacity, expected_pairs or pl.capacity) <= rows * slots
+#: Slots (`R * M`) up to which XLA's gather-sum over every slot of every row beats the row-sum kernel (256: 2.8
+#: against 3.3 us; 1024: 4.3 against 3.1, docs/performance.md).
+XLA_ROW_SUM_SLOTS = 512
 
 
 def _kernel_row_sums(pl: Plan, parts):
     """`_row_sums(pl, _split_sum(parts))` bit for bit in one kernel (`kernels/row_sum.py`, NVIDIA GPUs), reading
-    only the pairs each row names; `parts` FP32 `[S, C, L]`. The one launch's row sum (a handful of rows, most of
-    their slots unused at N = 8); with many rows XLA's gather-sum is faster (docs/performance.md)."""
+    only the pairs each row names; `parts` FP32 `[S, C, L]`. The one launch's row sum past `XLA_ROW_SUM_SLOTS` slots
+    (most of them unused at N = 8); with hundreds of rows XLA's gather-sum is faster again (docs/performance.md)."""
     from jax_latent_ep.runtime import ffi
 
     return ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
@@ -579,7 +583,7 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
             parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
-            if _sparse_rows(pl, expected_pairs):
+            if pl.row_pairs.size > XLA_ROW_SUM_SLOTS:
                 return _kernel_row_sums(pl, parts)
             return _row_sums(pl, _split_sum(parts))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,

@@ -125,10 +125,10 @@ def test_fused_stage_against_two_launches(inter, t):
     assert np.any(no_pair) and np.all(fused[no_pair] == 0)
 
 
-def test_fused_stage_hot_rows_and_split_down():
+def test_fused_stage_hot_rows_and_split_down(monkeypatch):
     """The one launch where work items hold many pairs (hot experts: up to 11 pairs each), down's contraction is
     split (I = 512) and gate / up's too (a small `expected_pairs`): against the two launches, the NumPy model and
-    ragged_dot."""
+    ragged_dot; with the row-sum kernel after it bit for bit as with XLA's row sum."""
     rng = np.random.default_rng(2024)
     lat, e, k, t, inter = 1024, 8, 4, 16, 512
     recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
@@ -150,6 +150,11 @@ def test_fused_stage_hot_rows_and_split_down():
     _close(fused, rows("kernel"))
     _close(fused, want)
     _close(fused, rows("ragged_dot"))
+    assert pl.row_pairs.size <= experts.XLA_ROW_SUM_SLOTS  # so `fused` took XLA's row sum
+    monkeypatch.setattr(experts, "XLA_ROW_SUM_SLOTS", 0)
+    summed = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel",
+                                                                     expected_pairs=hint))(recv, pl, *ws), np.float32)
+    np.testing.assert_array_equal(summed, fused)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
