@@ -187,6 +187,8 @@ def child(args):
 
     if args.min_units:  # the kernel path's contraction split target (`experts.KERNEL_MIN_UNITS`)
         experts.KERNEL_MIN_UNITS = args.min_units
+    if args.stage_units:  # the one launch's gate / up and down split targets
+        experts.KERNEL_STAGE_GATE_UNITS, experts.KERNEL_STAGE_DOWN_UNITS = args.stage_units
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
@@ -194,6 +196,8 @@ def child(args):
     if args.group == "default":
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_MIN_UNITS)
+        out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_GATE_UNITS)
+        out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_DOWN_UNITS)
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -453,8 +457,13 @@ def main(argv=None):
     p.add_argument("--min-units", type=int, default=0,
                    help="the kernel path's contraction split aims at this many units a launch (default "
                         "`experts.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
+    p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
+                   help="the one launch's gate / up and down split targets (default `experts.KERNEL_STAGE_GATE_UNITS`, "
+                        "`KERNEL_STAGE_DOWN_UNITS`; recorded as `kernel_stage_*_units` rows)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.stage_units and min(args.stage_units) < 1:
+        p.error(f"--stage-units={args.stage_units}: give two positive numbers of units")
     if args.min_units < 0:
         p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
     if args.smoke:

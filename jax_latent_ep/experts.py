@@ -329,6 +329,9 @@ KERNEL_MIN_UNITS = 528
 #: I = 512: 8 splits instead of 5, the launch 2.5 / 1 us faster at J = 112 / 448; I = 2048 keeps its 2,
 #: docs/performance.md).
 KERNEL_STAGE_GATE_UNITS = 1024
+#: The one launch's down target: the two launches' (T = 1: unsplit at I = 512; two splits there were 1.5-2.4 us
+#: slower, docs/performance.md).
+KERNEL_STAGE_DOWN_UNITS = KERNEL_MIN_UNITS
 
 
 def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
@@ -437,16 +440,17 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
     """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch
     (`grouped_gemm.ExpertStage`): the dequantization, gate / up and down as phases that wait only for what they
-    read, down's weights streaming while gate / up finishes; down's contraction split as the two launches'
-    (`_kernel`), gate / up's for `KERNEL_STAGE_GATE_UNITS` units. Numerics as theirs (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU
-    after the in-order split sum, not XLA's: a few FP32 ulps before the bf16 rounding)."""
+    read, down's weights streaming while gate / up finishes; gate / up's contraction split for
+    `KERNEL_STAGE_GATE_UNITS` units, down's for `KERNEL_STAGE_DOWN_UNITS`. Numerics as the two launches'
+    (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
+    XLA's: a few FP32 ulps before the bf16 rounding)."""
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
                                  k_gate=_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
-                                 k_down=_kernel_splits(active, lat, inter)[1])
+                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
