@@ -468,6 +468,162 @@ static_assert(visited_count<ep_abi::ExpertStageParams>() == ep_abi::kExpertStage
 static_assert(ep_abi::kExpertStageParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
+// expert_stage_planned(x, sf, ids, weights, src, rank, w_gate, w_up, w_down, counts) -> (counts, xb, parts, h, y,
+// pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs): the same launch after its own plan
+// (kernels/grouped_gemm.py ExpertStagePlanned): no work list in, the plan's words out; `counts` zero on entry.
+
+struct ExpertStagePlanned {
+  static constexpr const char* kWhat = "expert_stage_planned";
+  static constexpr int64_t kTile = ep_abi::kGemmBlockN, kBlockM = ep_abi::kGemmBlockM;
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()         // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()             // x: float8_e4m3fn [R, L] receive rows
+        .template Arg<ffi::AnyBuffer>()             // sf: uint8 [R, L / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()             // ids: int32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // weights: f32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // src: int32 [R], -1 in empty rows
+        .template Arg<ffi::AnyBuffer>()             // rank: int32 [1]
+        .template Arg<ffi::AnyBuffer>()             // w_gate: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()             // w_up: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()             // w_down: bf16 [J, I, L]
+        .template Arg<ffi::AnyBuffer>()             // counts_in: int32 [2 + W (1 + I / 64)] zeros (`counts` aliases it)
+        .template Ret<ffi::AnyBuffer>()             // counts: the same buffer, the kernel's counts
+        .template Ret<ffi::AnyBuffer>()             // xb: bf16 [R, L] dequantized rows
+        .template Ret<ffi::AnyBuffer>()             // parts: f32 [S1, C, 2I] gate / up partials (S1 > 1), else f32 [1]
+        .template Ret<ffi::AnyBuffer>()             // h: bf16 [C, I]
+        .template Ret<ffi::AnyBuffer>()             // y: f32 [S2, C, L] down's partials
+        .template Ret<ffi::AnyBuffer>()             // pair_row: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_expert: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_weight: f32 [C]
+        .template Ret<ffi::AnyBuffer>()             // group_sizes: int32 [J]
+        .template Ret<ffi::AnyBuffer>()             // count: int32 [1]
+        .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
+        .template Attr<int64_t>("k_gate")           // contraction length of each gate / up split
+        .template Attr<int64_t>("k_down")           // contraction length of each down split
+        .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
+        .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer ids,
+                            ffi::AnyBuffer weights, ffi::AnyBuffer src, ffi::AnyBuffer rank, ffi::AnyBuffer w_gate,
+                            ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer counts_in,
+                            ffi::Result<ffi::AnyBuffer> counts, ffi::Result<ffi::AnyBuffer> xb,
+                            ffi::Result<ffi::AnyBuffer> parts, ffi::Result<ffi::AnyBuffer> h,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pair_row,
+                            ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
+                            ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
+                            ffi::Result<ffi::AnyBuffer> row_pairs, int64_t k_gate, int64_t k_down,
+                            int64_t rows_per_source, int64_t max_tokens) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), id = ids.dimensions(), wd = w_gate.dimensions(), pd = pair_row->dimensions();
+    auto yd = y->dimensions();
+    if (xd.size() != 2 || id.size() != 2 || wd.size() != 3 || pd.size() != 1 || yd.size() != 3) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage_planned: expected x [R, L], ids [R, K], "
+                                         "w_gate [J, L, I], pair_row [C], y [S2, C, L]");
+    }
+    const int64_t R = xd[0], L = xd[1], K = id[1], J = wd[0], I = wd[2], C = pd[0], S2 = yd[0];
+    const int64_t M = K < J ? K : J, W = (J < C ? J : C) + C / kBlockM;
+    const int64_t S1 = k_gate > 0 ? (L + k_gate - 1) / k_gate : 0;
+    if (L % (2 * kTile) || I % kTile || k_gate <= 0 || k_gate % kTile || k_down <= 0 || k_down % kTile ||
+        (S1 - 1) * k_gate >= L || S2 * k_down < I || (S2 - 1) * k_down >= I) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_stage_planned: L=" + std::to_string(L) + " must be a multiple of " +
+          std::to_string(2 * kTile) + ", I=" + std::to_string(I) + " of " + std::to_string(kTile) +
+          ", and the splits of k_gate=" + std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) +
+          " (S2=" + std::to_string(S2) + ", multiples of " + std::to_string(kTile) + ") must cover L and I with none "
+          "empty");
+    }
+    if (K < 1 || K > ep_abi::kMaxTopk || J < 1 || C < 1 || R < 1 || R > (int64_t{1} << 28) ||
+        J * (2 + (R + 31) / 32) > ep_abi::kStagePlanScratchWords || 1 + 4 * W + C > ep_abi::kStagePlanWords ||
+        rows_per_source < 1 || R % rows_per_source || max_tokens < 1 || max_tokens > rows_per_source) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_stage_planned: K=" + std::to_string(K) + " must be in [1, " +
+          std::to_string(ep_abi::kMaxTopk) + "], J=" + std::to_string(J) + " with J * (2 + ceil(R / 32)) <= " +
+          std::to_string(ep_abi::kStagePlanScratchWords) + " (R=" + std::to_string(R) + "), C=" + std::to_string(C) +
+          " with 1 + 4 W + C <= " + std::to_string(ep_abi::kStagePlanWords) + " (W=" + std::to_string(W) +
+          "), R whole source blocks of S=" + std::to_string(rows_per_source) + " rows and max_tokens=" +
+          std::to_string(max_tokens) + " in [1, S]");
+    }
+    const int64_t num_counts = 2 + W * (1 + I / kTile);
+    ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, C, 2 * I})
+                                 : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
+                                    expect(kWhat, "sf", sf, ffi::DataType::U8, {R, L / ep_abi::kMxBlock}),
+                                    expect(kWhat, "ids", ids, ffi::DataType::S32, {R, K}),
+                                    expect(kWhat, "weights", weights, ffi::DataType::F32, {R, K}),
+                                    expect(kWhat, "src", src, ffi::DataType::S32, {R}),
+                                    expect(kWhat, "rank", rank, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "w_gate", w_gate, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_up", w_up, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_down", w_down, ffi::DataType::BF16, {J, I, L}),
+                                    expect(kWhat, "counts_in", counts_in, ffi::DataType::S32, {num_counts}),
+                                    expect(kWhat, "counts", *counts, ffi::DataType::S32, {num_counts}),
+                                    expect(kWhat, "xb", *xb, ffi::DataType::BF16, {R, L}), parts_ok,
+                                    expect(kWhat, "h", *h, ffi::DataType::BF16, {C, I}),
+                                    expect(kWhat, "y", *y, ffi::DataType::F32, {S2, C, L}),
+                                    expect(kWhat, "pair_row", *pair_row, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_expert", *pair_expert, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_weight", *pair_weight, ffi::DataType::F32, {C}),
+                                    expect(kWhat, "group_sizes", *group_sizes, ffi::DataType::S32, {J}),
+                                    expect(kWhat, "count", *count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "row_pairs", *row_pairs, ffi::DataType::S32, {R, M})});
+        e.failure()) {
+      return e;
+    }
+    if (counts->untyped_data() != counts_in.untyped_data()) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage_planned: the counts output must alias counts_in");
+    }
+    // Every unit of the static shape; the CTAs that fit at once take the non-empty ones.
+    const int64_t units = R + W * (S1 * (I / kTile) + S2 * (L / kTile));
+    if (units > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage_planned: " + std::to_string(units) + " units");
+    }
+    l.grid = static_cast<unsigned>(std::min(units, l.kernel->max_grid));
+    l.params = make_params(ep_abi::ExpertStagePlannedParams{
+        .x = address(x.untyped_data()),
+        .sf = address(sf.untyped_data()),
+        .ids = address(ids.untyped_data()),
+        .weights = address(weights.untyped_data()),
+        .src = address(src.untyped_data()),
+        .rank = address(rank.untyped_data()),
+        .w_gate = address(w_gate.untyped_data()),
+        .w_up = address(w_up.untyped_data()),
+        .w_down = address(w_down.untyped_data()),
+        .counts = address(counts->untyped_data()),
+        .xb = address(xb->untyped_data()),
+        .parts = S1 > 1 ? address(parts->untyped_data()) : int64_t{0},
+        .h = address(h->untyped_data()),
+        .y = address(y->untyped_data()),
+        .pair_row = address(pair_row->untyped_data()),
+        .pair_expert = address(pair_expert->untyped_data()),
+        .pair_weight = address(pair_weight->untyped_data()),
+        .group_sizes = address(group_sizes->untyped_data()),
+        .count = address(count->untyped_data()),
+        .row_pairs = address(row_pairs->untyped_data()),
+        .num_recv = static_cast<int32_t>(R),
+        .num_l = static_cast<int32_t>(L),
+        .num_i = static_cast<int32_t>(I),
+        .num_rows = static_cast<int32_t>(C),
+        .num_work = static_cast<int32_t>(W),
+        .k_gate = static_cast<int32_t>(k_gate),
+        .k_down = static_cast<int32_t>(k_down),
+        .topk = static_cast<int32_t>(K),
+        .num_local_experts = static_cast<int32_t>(J),
+        .rows_per_source = static_cast<int32_t>(rows_per_source),
+        .max_tokens = static_cast<int32_t>(max_tokens),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::ExpertStagePlannedParams>() == ep_abi::kExpertStagePlannedParamsCount,
+              "ep_abi.h: visit_params(ExpertStagePlannedParams) must pass every parameter once");
+static_assert(ep_abi::kExpertStagePlannedParamsCount <= KernelParams::kCapacity,
+              "KernelParams holds too few parameters");
+
+// ---------------------------------------------------------------------------------------------------------
 // expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
 // scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
 
@@ -702,6 +858,7 @@ Targets combine_targets() { return targets<Combine>(); }
 Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
 Targets expert_plan_targets() { return targets<ExpertPlan>(); }
 Targets expert_stage_targets() { return targets<ExpertStage>(); }
+Targets expert_stage_planned_targets() { return targets<ExpertStagePlanned>(); }
 Targets row_sum_targets() { return targets<RowSum>(); }
 
 }  // namespace jax_latent_ep

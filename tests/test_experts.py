@@ -353,3 +353,40 @@ def test_one_launch_where_gate_up_is_split():
     assert not experts._stage_fits(pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
     assert not experts._stage_fits(pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
     assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
+
+
+def test_plan_inside_the_launch_where_it_fits():
+    """`expert_stage(impl="kernel")` builds the plan inside the one launch (`plan_impl="stage"`) exactly where the
+    launch applies and the plan fits its shared memory (`planned_stage_fits`), else takes the plan kernel."""
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    gate = spec(448, 3584, 512)
+    fits = experts.planned_stage_fits
+    assert fits(16, 16, 448, 32, gate, gate, 16)  # N = 2, T = 1: R = 16, C = 32
+    assert fits(64, 16, 112, 128, spec(112, 3584, 512), spec(112, 3584, 512), 16)  # N = 8, T = 1
+    assert not fits(16, 16, 448, 256, gate, gate, 8 * 16)  # T = 8: gate / up not split, two launches
+    assert not fits(16, 16, 448, 32, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
+    assert not fits(16, 33, 448, 32, gate, gate, 16)  # K > NUM_MAX_TOPK
+    # 1 + 4 W + C words past NUM_STAGE_PLAN_WORDS: J = 448 and C = 1600 (W = 473) at a split gate / up
+    assert experts._stage_fits_shape(448, 1600, gate, gate, 16) and not fits(200, 16, 448, 1600, gate, gate, 16)
+    # J * (2 + ceil(R / 32)) past NUM_STAGE_PLAN_SCRATCH_WORDS: J = 896, R = 1024
+    assert not fits(1024, 16, 896, 32, spec(896, 3584, 512), spec(896, 3584, 512), 16)
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="checks the CPU refusal")
+def test_plan_in_the_launch_refusals():
+    """On a machine without GPUs `expert_stage(impl="kernel")` at decode sizes asks for the plan in the launch (the
+    default there) and says it needs a GPU; `plan_impl="stage"` with an XLA implementation, or where it does not
+    fit, is refused by name before anything is traced."""
+    rng = np.random.default_rng(6)
+    recv = jax.tree.map(jnp.asarray, random_received(rng, ranks=2, rank=0, tokens=1, max_tokens=1, latent=1024,
+                                                     experts=64, topk=8))
+    w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16))  # noqa: E731
+    ws = (w(32, 1024, 128), w(32, 1024, 128), w(32, 128, 1024))
+    run = lambda **kw: experts.expert_stage(recv, 0, *ws, max_tokens=1, ranks=2, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"plan_impl='stage'\) runs on NVIDIA GPUs"):
+        run(impl="kernel")
+    with pytest.raises(ValueError, match="plan_impl='stage' is the kernel's one launch; impl='ragged_dot'"):
+        run(impl="ragged_dot", plan_impl="stage")
+    with pytest.raises(ValueError, match="takes bf16 gate and up weights of their own"):
+        experts.expert_stage(recv, 0, w(32, 1024, 256), None, ws[2], impl="kernel", max_tokens=1, ranks=2,
+                             plan_impl="stage")

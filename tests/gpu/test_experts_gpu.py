@@ -183,3 +183,42 @@ def test_row_sum_kernel_bit_exact(n, t, lat, plan_impl, splits):
     assert not np.any(np.isnan(want.astype(np.float32)))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     assert np.all(got[rows.sum(axis=1) == 0].astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("n,t,rank,inter", [(2, 1, 0, 256), (8, 1, 3, 512), (8, 3, 1, 256), (16, 2, 5, 128)])
+def test_planned_stage_is_the_plan_kernel_and_the_stage(n, t, rank, inter):
+    """The one launch after its own plan (`experts._planned_stage`) against the plan kernel and the one launch after
+    it (`plan(impl="kernel")`, `_kernel_stage`), bit for bit: every plan word, down's partials of every used pair,
+    and `expert_stage`'s output with `plan_impl="stage"` and `"kernel"`; that against ragged_dot. Padded tokens and
+    slots, duplicate ids, a different live count per source, rows with no local expert, R = 16 to 128 receive rows
+    (1 to 4 bitmap words an expert) and a rank other than 0."""
+    rng = np.random.default_rng(5000 + 100 * n + 10 * t + rank)
+    lat, e, k = 1024, 16 * n, 8
+    j = e // n
+    recv = jax.tree.map(jnp.asarray, random_received(
+        rng, ranks=n, rank=rank, tokens=[t - (s % t) for s in range(n)], max_tokens=t, latent=lat, experts=e, topk=k,
+        pad_tokens=0.1, pad_slots=0.1, duplicates=0.3, local_bias=0.3))
+    w = lambda *s: jnp.asarray((rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16))  # noqa: E731
+    ws = (w(j, lat, inter), w(j, lat, inter), w(j, inter, lat))
+    rows = recv.ids.shape[0]
+    s_rows, mt, cap = experts._plan_shape(rows, k, j, t, n)
+    assert experts.planned_stage_fits(rows, k, j, cap, *ws[:2], t * k)
+    pl_s, parts_s = jax.jit(lambda r, a, b, c: experts._planned_stage(r, rank, j, s_rows, mt, cap, a, b, c, t * k))(
+        recv, *ws)
+    pl_k = experts.plan(recv, rank, j, max_tokens=t, ranks=n, impl="kernel")
+    parts_k = jax.jit(lambda r, p, a, b, c: experts._kernel_stage(r, p, a, b, c, t * k))(recv, pl_k, *ws)
+    for name in ("row", "expert", "weight", "group_sizes", "count", "row_pairs"):
+        got, want = np.asarray(getattr(pl_s, name)), np.asarray(getattr(pl_k, name))
+        np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
+                                      want.view(np.uint32) if want.dtype == np.float32 else want, err_msg=name)
+    used = int(pl_k.count)
+    no_pair = np.all(np.asarray(pl_k.row_pairs) >= cap, axis=1)
+    assert used > 0 and np.any(no_pair)
+    np.testing.assert_array_equal(np.asarray(parts_s)[:, :used].view(np.uint32),
+                                  np.asarray(parts_k)[:, :used].view(np.uint32))
+    stage = lambda plan_impl, impl="kernel": np.asarray(jax.jit(lambda r, a, b, c: experts.expert_stage(  # noqa: E731
+        r, rank, a, b, c, impl=impl, max_tokens=t, ranks=n, plan_impl=plan_impl))(recv, *ws), np.float32)
+    got = stage("stage")
+    np.testing.assert_array_equal(got.view(np.uint32), stage("kernel").view(np.uint32))
+    assert np.all(got[no_pair] == 0) and np.any(got != 0)
+    _close(got, stage("xla", "ragged_dot"))
