@@ -54,7 +54,7 @@ PLAN_THREADS = 1024
 #: non-empty items, `GEMM_WORK_WORDS` words a work item, and the receive row of each pair: `1 + 4 W + C` of them),
 #: and the words of its scratch inside the GEMM ring (per local expert a count, an offset and a row bitmap:
 #: `J * (2 + ceil(R / 32))`).
-NUM_STAGE_PLAN_WORDS = 1024
+NUM_STAGE_PLAN_WORDS = 2048
 NUM_STAGE_PLAN_SCRATCH_WORDS = 16384
 #: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
 ROW_SUM_COLUMNS = 512
