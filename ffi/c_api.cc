@@ -80,9 +80,6 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpExpertPlan(XLA_FFI_CallFrame* call_frame) 
 extern "C" EP_EXPORT XLA_FFI_Error* EpExpertStage(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::expert_stage_targets().traced);
 }
-extern "C" EP_EXPORT XLA_FFI_Error* EpExpertStagePlanned(XLA_FFI_CallFrame* call_frame) {
-  return remember_api(call_frame, ep::expert_stage_planned_targets().traced);
-}
 extern "C" EP_EXPORT XLA_FFI_Error* EpRowSum(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::row_sum_targets().traced);
 }
@@ -204,23 +201,20 @@ EP_EXPORT int ep_register_record_targets(const char* dispatch_name, const char* 
 #endif
 }
 
-// The same for the expert stage's record targets `gemm_name` / `plan_name` / `stage_name` / `planned_name` /
-// `row_sum_name` (the grouped GEMM, the expert plan, the fused stage, the fused stage after its own plan, the row
-// sum): a kernel node each in XLA's command buffers, updated in place, instead of a stream capture per record.
+// The same for the expert stage's record targets `gemm_name` / `plan_name` / `stage_name` / `row_sum_name` (the
+// grouped GEMM, the expert plan, the fused stage, the row sum): a kernel node each in XLA's command buffers, updated
+// in place, instead of a stream capture per record.
 EP_EXPORT int ep_register_expert_record_targets(const char* gemm_name, const char* plan_name, const char* stage_name,
-                                                const char* planned_name, const char* row_sum_name) {
+                                                const char* row_sum_name) {
 #if !JAX_LATENT_EP_RECORD
   (void)gemm_name;
   (void)plan_name;
   (void)stage_name;
-  (void)planned_name;
   (void)row_sum_name;
   return ep::fail(kNoRecordStage);
 #else
   return register_record_targets({{gemm_name, ep::grouped_gemm_targets()}, {plan_name, ep::expert_plan_targets()},
-                                  {stage_name, ep::expert_stage_targets()},
-                                  {planned_name, ep::expert_stage_planned_targets()},
-                                  {row_sum_name, ep::row_sum_targets()}});
+                                  {stage_name, ep::expert_stage_targets()}, {row_sum_name, ep::row_sum_targets()}});
 #endif
 }
 

@@ -17,7 +17,6 @@ Targets combine_targets();
 Targets grouped_gemm_targets();
 Targets expert_plan_targets();
 Targets expert_stage_targets();
-Targets expert_stage_planned_targets();
 Targets row_sum_targets();
 
 }  // namespace jax_latent_ep

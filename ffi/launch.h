@@ -36,7 +36,7 @@ namespace ffi = xla::ffi;
 // pointer to each value) and the record stage (device addresses and by-value scalars).
 class KernelParams {
  public:
-  static constexpr int kCapacity = 32;
+  static constexpr int kCapacity = 24;
 
   // Appends one parameter: a scalar (`i64`, `i32`, `f32`), or with `is_address` a 64-bit device address
   // (`.param .u64`: an XLA buffer, the peer table, the status record, or 0).

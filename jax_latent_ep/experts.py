@@ -165,10 +165,22 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     Returns:
       A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
     """
+    from jax_latent_ep.layout import stride
+
     rows, k = recv.ids.shape
     j = int(num_local_experts)
-    s_rows, mt, cap = _plan_shape(rows, k, j, max_tokens, ranks)
+    if j < 1:
+        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
     m = min(k, j)
+    cap = capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
         raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
     if impl == "kernel":
@@ -205,24 +217,6 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     row_pairs = jnp.take_along_axis(pos, slots, axis=1)
     row_pairs = jnp.where(jnp.take_along_axis(first, slots, axis=1), row_pairs, cap)
     return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
-
-
-def _plan_shape(rows: int, k: int, j: int, max_tokens, ranks) -> tuple[int, int, int]:
-    """`(S, max_tokens, C)` of a plan of `rows` receive rows of `k` ids over `j` local experts (`plan`'s rules for
-    `max_tokens` and `ranks`); raises ValueError for values they refuse."""
-    from jax_latent_ep.layout import stride
-
-    if j < 1:
-        raise ValueError(f"num_local_experts={j} must be >= 1")
-    if ranks is None:
-        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
-    if rows % ranks:
-        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
-    s_rows = rows // ranks
-    mt = s_rows if max_tokens is None else int(max_tokens)
-    if not 1 <= mt <= s_rows:
-        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
-    return s_rows, mt, capacity(ranks, mt, k, j)
 
 
 def _gpus(what: str):
@@ -419,12 +413,7 @@ def _split_sum(parts):
 
 def _expected_active(pl: Plan, expected_pairs) -> int:
     """The local experts a kernel call's contraction splits are chosen for: `min(J, C, expected_pairs)`."""
-    return _active(pl.num_local_experts, pl.capacity, expected_pairs)
-
-
-def _active(j: int, cap: int, expected_pairs) -> int:
-    """`_expected_active` of a plan of `j` local experts and capacity `cap`."""
-    return min(j, cap, expected_pairs or cap)
+    return min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
 
 
 def _kernel_setup(pl: Plan, expected_pairs):
@@ -441,35 +430,11 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     `L` a multiple of 128 and `I` of 64, and gate / up's contraction split (few experts expected active, decode at
     a handful of tokens: there the kernel boundaries and XLA's kernels around the GEMMs are a large part of the
     time; with more experts active the two launches are 1-7 % faster, docs/performance.md)."""
-    return _stage_fits_shape(pl.num_local_experts, pl.capacity, w_gate, w_up, expected_pairs)
-
-
-def _stage_fits_shape(j: int, cap: int, w_gate, w_up, expected_pairs) -> bool:
-    """`_stage_fits` of a plan of `j` local experts and capacity `cap`."""
     if isinstance(w_gate, BlockScaled) or w_up is None:
         return False
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    active = _active(j, cap, expected_pairs)
+    active = _expected_active(pl, expected_pairs)
     return lat % (2 * KERNEL_BLOCK_N) == 0 and inter % KERNEL_BLOCK_N == 0 and _kernel_splits(active, inter, lat)[0] > 1
-
-
-def _stage_splits(active: int, lat: int, inter: int) -> tuple[int, int]:
-    """`(k_gate, k_down)`: the one launch's contraction lengths of a gate / up and of a down split."""
-    return (_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
-            _kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
-
-
-def planned_stage_fits(rows: int, topk: int, num_local_experts: int, cap: int, w_gate, w_up,
-                       expected_pairs=None) -> bool:
-    """Whether the one launch can build its own plan (`expert_stage(..., plan_impl="stage")`): it runs as one launch
-    (`_stage_fits`), `K <= NUM_MAX_TOPK`, and the plan fits the launch's shared memory: `J * (2 + ceil(R / 32)) <=
-    NUM_STAGE_PLAN_SCRATCH_WORDS` and `1 + 4 W + C <= NUM_STAGE_PLAN_WORDS` with `W = min(J, C) + C / 64`
-    (`kernels/abi.py`; decode sizes: a few tokens per rank)."""
-    j = num_local_experts
-    num_work = min(j, cap) + cap // KERNEL_BLOCK_M
-    return (_stage_fits_shape(j, cap, w_gate, w_up, expected_pairs) and topk <= abi.NUM_MAX_TOPK
-            and j * (2 + -(-rows // 32)) <= abi.NUM_STAGE_PLAN_SCRATCH_WORDS
-            and 1 + 4 * num_work + cap <= abi.NUM_STAGE_PLAN_WORDS)
 
 
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
@@ -482,31 +447,10 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
-    k_gate, k_down = _stage_splits(active, w_gate.shape[1], w_gate.shape[2])
-    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work, k_gate=k_gate, k_down=k_down)
-
-
-def _planned_stage(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, w_gate, w_up, w_down,
-                   expected_pairs=None):
-    """`(plan, parts)`: `plan(recv, rank, j, ...)` (its words but the work list) and `_kernel_stage`'s down
-    partials, from one launch that builds the plan itself (`grouped_gemm.ExpertStagePlanned`): no plan kernel before
-    it. The same words and the same arithmetic as the plan kernel and `_kernel_stage`, bit for bit."""
-    from jax_latent_ep.runtime import ffi
-
-    rows, k = recv.ids.shape
-    _check_weights(recv.x.shape[1], j, w_gate, w_up, w_down)
-    if not planned_stage_fits(rows, k, j, cap, w_gate, w_up, expected_pairs):
-        raise ValueError(f"experts.expert_stage(plan_impl='stage') takes bf16 gate and up weights of their own, a split "
-                         f"gate / up contraction (few experts expected active), K <= {abi.NUM_MAX_TOPK} and a plan "
-                         f"that fits the launch (experts.planned_stage_fits), got J={j}, K={k}, R={rows}, C={cap}, "
-                         f"{expected_pairs} pairs expected: use plan_impl='kernel' or 'xla'")
-    ffi.load_expert_kernels(_gpus("experts.expert_stage(plan_impl='stage')"))
-    k_gate, k_down = _stage_splits(_active(j, cap, expected_pairs), w_gate.shape[1], w_gate.shape[2])
-    y, row, expert, weight, sizes, count, row_pairs = ffi.expert_stage_planned_call(
-        recv.x, recv.sf, recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32),
-        jnp.asarray(rank, jnp.int32).reshape(1), w_gate, w_up, w_down, capacity=cap, rows_per_source=s_rows,
-        max_tokens=mt, k_gate=k_gate, k_down=k_down)
-    return Plan(row, expert, weight, sizes, count[0], row_pairs), y
+    lat, inter = w_gate.shape[1], w_gate.shape[2]
+    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                 k_gate=_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
+                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
@@ -540,9 +484,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _ga
 GPU_ONLY = frozenset({"kernel"})
 
 
-def _check_weights(lat: int, j: int, w_gate, w_up, w_down):
-    """Raises ValueError unless the weights are all bf16 or all `BlockScaled`, shaped for `j` local experts and
-    latent `lat`."""
+def _check_weights(xb, w_gate, w_up, w_down, pl: Plan):
+    j, lat = pl.num_local_experts, xb.shape[1]
     given = [("w_gate", w_gate), ("w_down", w_down)] + ([("w_up", w_up)] if w_up is not None else [])
     fp8 = [name for name, w in given if isinstance(w, BlockScaled)]
     if fp8 and len(fp8) != len(given):
@@ -588,7 +531,7 @@ def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
     if xb.dtype != jnp.bfloat16 or len(xb.shape) != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
         raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
-    _check_weights(xb.shape[1], pl.num_local_experts, w_gate, w_up, w_down)
+    _check_weights(xb, w_gate, w_up, w_down, pl)
 
 
 def _row_sums(pl: Plan, y):
@@ -617,14 +560,6 @@ def _kernel_row_sums(pl: Plan, parts):
     return ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
 
 
-def _stage_row_sums(pl: Plan, parts):
-    """`_row_sums(pl, _split_sum(parts))` after the one launch: the row-sum kernel past `XLA_ROW_SUM_SLOTS` slots,
-    else XLA's (the same bits)."""
-    if pl.row_pairs.size > XLA_ROW_SUM_SLOTS:
-        return _kernel_row_sums(pl, parts)
-    return _row_sums(pl, _split_sum(parts))
-
-
 def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
            expected_pairs: int | None = None):
     """The rank's routed experts on its received rows: bf16 `[N*S, L]`, exactly what `combine` takes.
@@ -651,7 +586,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
     if impl == "kernel":
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
-            return _stage_row_sums(pl, _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs))
+            parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
+            if pl.row_pairs.size > XLA_ROW_SUM_SLOTS:
+                return _kernel_row_sums(pl, parts)
+            return _row_sums(pl, _split_sum(parts))
     return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
                        mx=(recv.x, recv.sf))
 
@@ -659,26 +597,13 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]` and `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N
-    of them here under uniform routing).
-
-    `plan_impl`: one of `PLAN_IMPLEMENTATIONS`, or "stage" (with `impl="kernel"`: the one launch builds the plan
-    itself, `_planned_stage`, where `planned_stage_fits`; the same plan and the same bits as "kernel", one launch
-    fewer). Default: "stage" with `impl="kernel"` where it fits, else "kernel" with `impl="kernel"` where
-    `plan_kernel_fits`, else "xla" (the same plan)."""
-    rows, k = recv.ids.shape
-    j = w_down.shape[0]
-    s_rows, mt, cap = _plan_shape(rows, k, j, max_tokens, ranks)
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
+    (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
+    them here under uniform routing)."""
     if plan_impl is None:
-        if impl == "kernel" and planned_stage_fits(rows, k, j, cap, w_gate, w_up, mt * k):
-            plan_impl = "stage"
-        else:
-            plan_impl = "kernel" if impl == "kernel" and plan_kernel_fits(rows, k, j) else "xla"
-    if plan_impl == "stage":
-        if impl != "kernel":
-            raise ValueError(f"experts.expert_stage: plan_impl='stage' is the kernel's one launch; impl={impl!r} "
-                             "takes plan_impl 'xla' or 'kernel'")
-        pl, parts = _planned_stage(recv, rank, j, s_rows, mt, cap, w_gate, w_up, w_down, mt * k)
-        return _stage_row_sums(pl, parts)
-    pl = plan(recv, rank, j, max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
+        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
+        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
+    rows, k = recv.ids.shape
+    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)

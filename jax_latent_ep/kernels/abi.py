@@ -50,12 +50,6 @@ NUM_MAX_PLAN_EXPERTS = 2048
 NUM_PLAN_BITMAP_WORDS = 24576
 #: Threads of the expert plan kernel's one CTA.
 PLAN_THREADS = 1024
-#: The one-launch stage that builds its own plan (`EXPERT_STAGE_PLANNED`): shared words a CTA keeps for the plan (the
-#: non-empty items, `GEMM_WORK_WORDS` words a work item, and the receive row of each pair: `1 + 4 W + C` of them),
-#: and the words of its scratch inside the GEMM ring (per local expert a count, an offset and a row bitmap:
-#: `J * (2 + ceil(R / 32))`).
-NUM_STAGE_PLAN_WORDS = 2048
-NUM_STAGE_PLAN_SCRATCH_WORDS = 16384
 #: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
 ROW_SUM_COLUMNS = 512
 
@@ -212,43 +206,6 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
 ))
 
-#: The same launch after its own plan (`ExpertStagePlanned`): every CTA builds the plan of `experts.plan` from the
-#: ids in shared memory, CTA 0 writes its words (for the row sum after it); no work list, no plan kernel before it.
-#: C = capacity (P above), M = min(K, J).
-EXPERT_STAGE_PLANNED = Kernel("expert_stage_planned", "ep_expert_stage_planned", (
-    _address("x", "float8_e4m3fn [R, num_l]: the receive rows' MXFP8 elements"),
-    _address("sf", "uint8 [R, num_l / 32]: their E8M0 scales"),
-    _address("ids", "int32 [R, K]: the receive rows' expert ids"),
-    _address("weights", "f32 [R, K]: their routing weights"),
-    _address("src", "int32 [R]: the receive rows' source words, -1 in empty rows"),
-    _address("rank", "int32 [1]: this rank (an id is local when id // J == rank)"),
-    _address("w_gate", "bf16 [J, num_l, num_i]"),
-    _address("w_up", "bf16 [J, num_l, num_i]"),
-    _address("w_down", "bf16 [J, num_i, num_l]"),
-    _address("counts", "int32 [2 + num_work (1 + num_i / 64)]: zero on entry, as EXPERT_STAGE's (output)"),
-    _address("xb", "bf16 [R, num_l]: the dequantized rows (output, scratch)"),
-    _address("parts", "f32 [S1, C, 2 num_i]: gate / up partials interleaved by 64 columns (S1 > 1; output, scratch)"),
-    _address("h", "bf16 [C, num_i]: silu(gate) * up of each pair (output, scratch)"),
-    _address("y", "f32 [S2, C, num_l]: down's partials; unused pairs untouched (output)"),
-    _address("pair_row", "int32 [C]: the receive row of each pair, 0 in unused pairs (output)"),
-    _address("pair_expert", "int32 [C]: the local expert of each pair, J in unused pairs (output)"),
-    _address("pair_weight", "f32 [C]: the pair's routing weight, 0 in unused pairs (output)"),
-    _address("group_sizes", "int32 [J]: pairs per local expert (output)"),
-    _address("count", "int32 [1]: pairs used (output)"),
-    _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or C (output)"),
-    Param("num_recv", "i32", False, "R, receive rows"),
-    Param("num_l", "i32", False, "L, a multiple of 128"),
-    Param("num_i", "i32", False, "I, a multiple of 64"),
-    Param("num_rows", "i32", False, "C, pairs (the capacity)"),
-    Param("num_work", "i32", False, "W, work items: min(J, C) + C / 64, 1 + 4 W + C <= NUM_STAGE_PLAN_WORDS"),
-    Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64"),
-    Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
-    Param("topk", "i32", False, "K, ids a row, <= NUM_MAX_TOPK"),
-    Param("num_local_experts", "i32", False, "J, J * (2 + ceil(R / 32)) <= NUM_STAGE_PLAN_SCRATCH_WORDS"),
-    Param("rows_per_source", "i32", False, "S, rows of one source block"),
-    Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
-))
-
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
 #: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
 #: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J).
@@ -291,8 +248,7 @@ ROW_SUM = Kernel("row_sum", "ep_row_sum", (
     Param("num_l", "i32", False, "L, a multiple of 4"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_STAGE_PLANNED,
-                               EXPERT_PLAN, ROW_SUM)}
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM)}
 
 
 def c_name(op: str) -> str:
@@ -405,8 +361,6 @@ def header() -> str:
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
-        f"constexpr int kStagePlanWords = {NUM_STAGE_PLAN_WORDS};",
-        f"constexpr int kStagePlanScratchWords = {NUM_STAGE_PLAN_SCRATCH_WORDS};",
         f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",

@@ -73,14 +73,6 @@ from jax_latent_ep.kernels.primitives import (
     store_shared_b32,
     store_v4,
     trap,
-    # the one launch after its own plan
-    add_rn,
-    atomic_add_shared,
-    atomic_or_shared,
-    bits_from_f32,
-    popc,
-    shfl_up,
-    store_b32,
 )
 
 # ---------------------------------------------------------------------------------------------------------
@@ -124,16 +116,9 @@ FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_
 WAIT_NS = 2_000_000_000
 #: Splits of the gate / up contraction the fused stage's finisher loads at once (more take several rounds).
 SUM_SPLITS = 8
-#: The planned stage's shared words after the ring: the finisher's flag, the next unit, the non-empty items, a
-#: word of padding, the warps' pair and item totals (2 x WARPS), then `abi.NUM_STAGE_PLAN_WORDS - 1` words for
-#: the work items (4 words each) and the pairs' receive rows.
-PLAN_HEAD_BYTES = 16 + 8 * WARPS
-PLANNED_SMEM_BYTES = SMEM_BYTES + PLAN_HEAD_BYTES + 4 * (abi.NUM_STAGE_PLAN_WORDS - 1)
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
-# The planned stage's per-expert scratch lives in the ring, which no unit uses before the plan is built.
-assert abi.NUM_STAGE_PLAN_SCRATCH_WORDS * 4 == SMEM_BYTES and WORK_WORDS == 4
 
 
 def smem_bytes() -> int:
@@ -142,12 +127,9 @@ def smem_bytes() -> int:
 
 
 def launch_shape(kernel: str) -> tuple[int, int]:
-    """(threads, dynamic shared memory bytes) of "grouped_gemm", "grouped_gemm_fp8", "expert_stage" or
-    "expert_stage_planned"."""
+    """(threads, dynamic shared memory bytes) of "grouped_gemm", "grouped_gemm_fp8" or "expert_stage"."""
     if kernel == "grouped_gemm_fp8":
         return FP8_THREADS, FP8_SMEM_BYTES
-    if kernel == "expert_stage_planned":
-        return THREADS, PLANNED_SMEM_BYTES
     return (THREADS, STAGE_SMEM_BYTES) if kernel == "expert_stage" else (THREADS, SMEM_BYTES)
 
 
@@ -159,9 +141,6 @@ def launch_shape(kernel: str) -> tuple[int, int]:
 class GroupedGemm:
     """The grouped GEMM kernel (every size a run-time parameter); `compile_grouped_gemm` builds it, with `fp8=True`
     the FP8-weight variant (module docstring)."""
-
-    #: Whether the work list and the pairs' rows are in shared memory (`ExpertStagePlanned`), not global.
-    planned = False
 
     def __init__(self, fp8: bool = False):
         self.fp8 = fp8
@@ -250,18 +229,6 @@ class GroupedGemm:
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
-    def item_words(self, work: Int64, item: Int32):
-        """`(group, first pair, pairs)` of work item `item`: words 0-2 of its row of the work list, in global memory
-        (`work` a global address) or, `planned`, in shared memory (`work` a shared address)."""
-        if cutlass.const_expr(self.planned):
-            at = Uint32(work) + Uint32(item * (4 * WORK_WORDS))
-            return (Int32(load_shared_b32(at)), Int32(load_shared_b32(at + Uint32(4))),
-                    Int32(load_shared_b32(at + Uint32(8))))
-        return (Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS))),
-                Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4)),
-                Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8)))
-
-    @cute.jit
     def non_empty_items(self, work: Int64, num_work: Int32):
         """The work list's non-empty items (word 3; they come first), never past its `num_work` items (a list of
         another shape)."""
@@ -288,7 +255,9 @@ class GroupedGemm:
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
-        group, first, rows = self.item_words(work, item)
+        group = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS)))
+        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
         if rows > 0:
             k_begin = split * k_per_split
             k_end = k_begin + k_per_split
@@ -457,10 +426,7 @@ class GroupedGemm:
             row = first + r
             size = Uint32(16)
             if a_rows != Int64(0):
-                if cutlass.const_expr(self.planned):
-                    row = Int32(load_shared_b32(Uint32(a_rows) + Uint32((first + r) * 4)))
-                else:
-                    row = Int32(load_b32(a_rows + Int64(first + r) * 4))
+                row = Int32(load_b32(a_rows + Int64(first + r) * 4))
         return row, size
 
     @cute.jit
@@ -776,11 +742,8 @@ class ExpertStage(GroupedGemm):
                item: Int32, tile: Int32, tid: Int32):
         """Tile `tile` of the item's `h`: `bf16(silu(g) * u)`, `g` and `u` the FP32 sums of the splits' partials in
         split order (from split 0), `SUM_SPLITS` splits' loads issued at once."""
-        if cutlass.const_expr(self.planned):
-            _, first, rows = self.item_words(work, item)
-        else:
-            first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
-            rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
+        first = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 4))
+        rows = Int32(load_b32(work + Int64(item) * (4 * WORK_WORDS) + 8))
         out_n = 2 * num_i
         split_bytes = Int64(num_rows) * Int64(out_n) * 4
         for idx in range(tid, rows * (BLOCK_N // 2), THREADS):
@@ -813,357 +776,6 @@ class ExpertStage(GroupedGemm):
                              silu_mul(g0, u0), silu_mul(g1, u1))
 
 
-class ExpertStagePlanned(ExpertStage):
-    """`ExpertStage` after its own plan (`abi.EXPERT_STAGE_PLANNED`): no plan kernel and no work list before it.
-
-    A CTA first takes its dequantization units (they need no plan), then builds the plan of `experts.plan` in its
-    shared memory, then takes gate / up and down units as `ExpertStage` does, reading the work items and the
-    pairs' rows from shared memory. The plan, every CTA the same (phases end at a CTA barrier; the scratch is the
-    ring, zeroed before the launch's wait):
-      1. a thread a receive row: its ids (and source word) in one round trip; a live row's slot whose id is local
-         and named by no earlier slot is a pair: one to its expert's count, the row's bit in its expert's bitmap;
-      2. exclusive scans of the pairs and of the 64-pair work items per expert (a thread a run of experts, warp
-         shuffles, then the warps' totals); each thread writes its experts' items and, walking their bitmaps in
-         row order, their pairs' rows: the order of `experts.plan` (expert, then row);
-      3. CTA 0 writes the plan's words (`pair_row`, `pair_expert`, `group_sizes` in phase 2; here each live row's
-         `row_pairs` and pair weights, the FP32 sum from 0 of the row's weights of that id in slot order, as
-         `experts.plan` adds them; unused pairs; `count`) for the row sum after the launch.
-    """
-
-    planned = True
-
-    @cute.jit
-    def launch(
-        self,
-        x: Int64,
-        sf: Int64,
-        ids: Int64,
-        weights: Int64,
-        src: Int64,
-        rank: Int64,
-        w_gate: Int64,
-        w_up: Int64,
-        w_down: Int64,
-        counts: Int64,
-        xb: Int64,
-        parts: Int64,
-        h: Int64,
-        y: Int64,
-        pair_row: Int64,
-        pair_expert: Int64,
-        pair_weight: Int64,
-        group_sizes: Int64,
-        count: Int64,
-        row_pairs: Int64,
-        num_recv: Int32,
-        num_l: Int32,
-        num_i: Int32,
-        num_rows: Int32,
-        num_work: Int32,
-        k_gate: Int32,
-        k_down: Int32,
-        topk: Int32,
-        num_local_experts: Int32,
-        rows_per_source: Int32,
-        max_tokens: Int32,
-    ):
-        self.kernel(x, sf, ids, weights, src, rank, w_gate, w_up, w_down, counts, xb, parts, h, y, pair_row,
-                    pair_expert, pair_weight, group_sizes, count, row_pairs, num_recv, num_l, num_i, num_rows,
-                    num_work, k_gate, k_down, topk, num_local_experts, rows_per_source, max_tokens).launch(
-            # The FFI handler sets the grid; three CTAs an SM, as ExpertStage.
-            grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=PLANNED_SMEM_BYTES, preferred_smem_carveout=-1,
-            min_blocks_per_mp=3,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        x: Int64,
-        sf: Int64,
-        ids: Int64,
-        weights: Int64,
-        src: Int64,
-        rank: Int64,
-        w_gate: Int64,
-        w_up: Int64,
-        w_down: Int64,
-        counts: Int64,
-        xb: Int64,
-        parts: Int64,
-        h: Int64,
-        y: Int64,
-        pair_row: Int64,
-        pair_expert: Int64,
-        pair_weight: Int64,
-        group_sizes: Int64,
-        count: Int64,
-        row_pairs: Int64,
-        num_recv: Int32,
-        num_l: Int32,
-        num_i: Int32,
-        num_rows: Int32,
-        num_work: Int32,
-        k_gate: Int32,
-        k_down: Int32,
-        topk: Int32,
-        num_local_experts: Int32,
-        rows_per_source: Int32,
-        max_tokens: Int32,
-    ):
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        tid = Int32(tid)
-        cta = Int32(cta)
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(PLANNED_SMEM_BYTES), 128)
-        smem_a = Uint32(ring.iterator.toint())
-        smem_w = smem_a + Uint32(STAGES * A_STAGE_BYTES)
-        smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag, then the next unit, the non-empty items
-        smem_next = smem_word + Uint32(4)
-        s_items = smem_word + Uint32(PLAN_HEAD_BYTES)  # [W, 4]: the work list
-        s_pairs = s_items + Uint32(num_work * (4 * WORK_WORDS))  # [C]: each pair's receive row
-        j = num_local_experts
-        row_words = (num_recv + 31) // 32
-        # The plan's scratch in the ring: per expert a count, an offset, a row bitmap (shared memory only before
-        # the wait: nothing of another kernel's).
-        for i in range(tid, j * (2 + row_words), THREADS):
-            store_shared_b32(smem_a + Uint32(4 * i), Uint32(0))
-        grid, _, _ = cute.arch.grid_dim()
-        griddepcontrol_wait()  # the receive rows and the zeroed counts come from the previous kernels
-        tiles_gate = num_i // BLOCK_N
-        splits_gate = (num_l + k_gate - 1) // k_gate
-        tiles_down = num_l // BLOCK_N
-        splits_down = (num_i + k_down - 1) // k_down
-        units_dq = num_recv
-        fuse = Int32(0)
-        gate_out = parts
-        if splits_gate == 1:
-            fuse = Int32(1)
-            gate_out = h
-        ticket = counts + (Int64(1) + Int64(num_work) * Int64(1 + tiles_gate)) * 4
-
-        # ---- The dequantization units (CTA `c` first unit `c`, then tickets, as ExpertStage): no plan needed.
-        unit_idx = cta
-        while unit_idx < units_dq:
-            next_unit = Uint32(0)
-            if tid == 0:
-                next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))
-            self.dequantize(x, sf, xb, num_l, unit_idx, tid)
-            self.count_unit(counts, tid)
-            if tid == 0:
-                store_shared_b32(smem_next, next_unit + Uint32(grid))
-            cute.arch.sync_threads()
-            unit_idx = Int32(load_shared_b32(smem_next))
-            cute.arch.sync_threads()
-
-        # ---- The plan, then the gate / up and down units of its work items.
-        num_items = self.plan(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count,
-                              row_pairs, num_recv, num_rows, topk, j, rows_per_source, max_tokens, smem_a, smem_word,
-                              s_items, s_pairs, tid, cta)
-        work = Int64(s_items)
-        a_rows = Int64(s_pairs)
-        end_gate = units_dq + num_items * splits_gate * tiles_gate
-        num_units = end_gate + num_items * splits_down * tiles_down
-        while unit_idx < num_units:
-            next_unit = Uint32(0)
-            if tid == 0:
-                next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))  # waited for only at its store below
-            if unit_idx < end_gate:
-                v = unit_idx - units_dq
-                tile = v % tiles_gate
-                rest = v // tiles_gate
-                item = rest // splits_gate
-                self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
-                          num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
-                          counts, units_dq)
-                self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
-                            smem_word, tid)
-            else:
-                v = unit_idx - end_gate
-                rest = v // tiles_down
-                item = rest // splits_down
-                self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
-                          num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
-                          tid, True, counts + Int64(1 + item) * 4, tiles_gate)
-            if tid == 0:
-                store_shared_b32(smem_next, next_unit + Uint32(grid))
-            cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
-            unit_idx = Int32(load_shared_b32(smem_next))
-            cute.arch.sync_threads()  # every thread has read the next unit before thread 0 writes the one after
-
-    @cute.jit
-    def plan(self, ids: Int64, weights: Int64, src: Int64, rank: Int64, pair_row: Int64, pair_expert: Int64,
-             pair_weight: Int64, group_sizes: Int64, count: Int64, row_pairs: Int64, num_recv: Int32,
-             num_rows: Int32, topk: Int32, j: Int32, rows_per_source: Int32, max_tokens: Int32, smem_a: Uint32,
-             smem_word: Uint32, s_items: Uint32, s_pairs: Uint32, tid: Int32, cta: Int32):
-        """The plan's three phases (class docstring); returns the non-empty work items. Every thread of the CTA
-        calls it; on return the ring is free again."""
-        lane = tid % 32
-        warp = tid // 32
-        row_words = (num_recv + 31) // 32
-        s_count = smem_a
-        s_offset = s_count + Uint32(4 * j)
-        s_bits = s_offset + Uint32(4 * j)  # [J, row_words]: bit r % 32 of word r / 32: row r has a pair
-        s_warp = smem_word + Uint32(16)  # [2, WARPS]: the warps' pair totals, then their item totals
-        first_id = Int32(load_b32(rank)) * j
-
-        # ---- Phase 1: the pairs of each live row.
-        for r in range(tid, num_recv, THREADS):
-            ids_r = self.row_ids(ids, r, topk)
-            src_word = Int32(load_b32(src + Int64(r) * 4))
-            if src_word != Int32(-1) and r % rows_per_source < max_tokens:
-                for k in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-                    if k < topk:
-                        if self.first_local(ids_r, k, first_id, j) != 0:
-                            e = ids_r[k] - first_id
-                            atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
-                            atomic_or_shared(s_bits + Uint32(4 * (e * row_words + r // 32)),
-                                             Uint32(1) << Uint32(r % 32))
-        cute.arch.sync_threads()
-
-        # ---- Phase 2: exclusive scans of pairs and items over the experts; the work items and pairs' rows.
-        per = (j + THREADS - 1) // THREADS
-        e0 = tid * per
-        e1 = e0 + per
-        if e1 > j:
-            e1 = j
-        mine_pairs = Int32(0)
-        mine_items = Int32(0)
-        for e in range(e0, e1):
-            c = Int32(load_shared_b32(s_count + Uint32(4 * e)))
-            mine_pairs = mine_pairs + c
-            mine_items = mine_items + (c + (BLOCK_M - 1)) // BLOCK_M
-        inc_pairs = mine_pairs
-        inc_items = mine_items
-        for sh in cutlass.range_constexpr(5):
-            up_pairs = Int32(shfl_up(inc_pairs, 1 << sh))
-            up_items = Int32(shfl_up(inc_items, 1 << sh))
-            if lane >= (1 << sh):
-                inc_pairs = inc_pairs + up_pairs
-                inc_items = inc_items + up_items
-        if lane == 31:
-            store_shared_b32(s_warp + Uint32(4 * warp), Uint32(inc_pairs))
-            store_shared_b32(s_warp + Uint32(4 * (WARPS + warp)), Uint32(inc_items))
-        cute.arch.sync_threads()
-        run_pairs = inc_pairs - mine_pairs
-        run_items = inc_items - mine_items
-        total_pairs = Int32(0)
-        total_items = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            t_pairs = Int32(load_shared_b32(s_warp + Uint32(4 * w)))
-            t_items = Int32(load_shared_b32(s_warp + Uint32(4 * (WARPS + w))))
-            if w < warp:
-                run_pairs = run_pairs + t_pairs
-                run_items = run_items + t_items
-            total_pairs = total_pairs + t_pairs
-            total_items = total_items + t_items
-        for e in range(e0, e1):
-            c = Int32(load_shared_b32(s_count + Uint32(4 * e)))
-            store_shared_b32(s_offset + Uint32(4 * e), Uint32(run_pairs))
-            if cta == 0:
-                store_b32(group_sizes + Int64(e) * 4, Uint32(c))
-            left = c
-            first_pair = run_pairs
-            item = run_items
-            while left > 0:
-                rows = left
-                if rows > BLOCK_M:
-                    rows = BLOCK_M
-                at = s_items + Uint32(item * (4 * WORK_WORDS))
-                store_shared_b32(at, Uint32(e))
-                store_shared_b32(at + Uint32(4), Uint32(first_pair))
-                store_shared_b32(at + Uint32(8), Uint32(rows))
-                store_shared_b32(at + Uint32(12), Uint32(0))
-                item = item + 1
-                first_pair = first_pair + BLOCK_M
-                left = left - BLOCK_M
-            p = run_pairs
-            if c > 0:
-                for wd in range(row_words):
-                    bits = load_shared_b32(s_bits + Uint32(4 * (e * row_words + wd)))
-                    if bits != Uint32(0):
-                        for b in cutlass.range_constexpr(32):
-                            if (bits >> Uint32(b)) & Uint32(1) != Uint32(0):
-                                r = wd * 32 + b
-                                store_shared_b32(s_pairs + Uint32(4 * p), Uint32(r))
-                                if cta == 0:
-                                    store_b32(pair_row + Int64(p) * 4, Uint32(r))
-                                    store_b32(pair_expert + Int64(p) * 4, Uint32(e))
-                                p = p + 1
-            run_pairs = run_pairs + c
-            run_items = run_items + (c + (BLOCK_M - 1)) // BLOCK_M
-        cute.arch.sync_threads()
-
-        # ---- Phase 3 (CTA 0): each live row's pairs and weights, the unused pairs, the count.
-        if cta == 0:
-            m_slots = topk
-            if j < m_slots:
-                m_slots = j
-            for r in range(tid, num_recv, THREADS):
-                ids_r = self.row_ids(ids, r, topk)
-                w_r = cute.make_rmem_tensor(cute.make_layout(abi.NUM_MAX_TOPK), cutlass.Uint32)
-                for k in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-                    w_r[k] = Uint32(0)
-                    if k < topk:
-                        w_r[k] = load_b32(weights + (Int64(r) * Int64(topk) + Int64(k)) * 4)
-                src_word = Int32(load_b32(src + Int64(r) * 4))
-                m = Int32(0)
-                if src_word != Int32(-1) and r % rows_per_source < max_tokens:
-                    for k in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-                        if k < topk:
-                            if self.first_local(ids_r, k, first_id, j) != 0:
-                                e = ids_r[k] - first_id
-                                bits = s_bits + Uint32(4 * e * row_words)
-                                place = Int32(load_shared_b32(s_offset + Uint32(4 * e)))
-                                for wd in range(r // 32):
-                                    place = place + Int32(popc(load_shared_b32(bits + Uint32(4 * wd))))
-                                own = load_shared_b32(bits + Uint32(4 * (r // 32)))
-                                place = place + Int32(popc(own & ((Uint32(1) << Uint32(r % 32)) - Uint32(1))))
-                                coef = cutlass.Float32(0.0)
-                                for k2 in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-                                    if k2 < topk:
-                                        add = cutlass.Float32(0.0)
-                                        if ids_r[k2] == ids_r[k]:
-                                            add = f32_from_bits(w_r[k2])
-                                        coef = add_rn(coef, add)
-                                store_b32(pair_weight + Int64(place) * 4, bits_from_f32(coef))
-                                store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(m)) * 4, Uint32(place))
-                                m = m + 1
-                for mm in range(m, m_slots):
-                    store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(mm)) * 4, Uint32(num_rows))
-            for p in range(total_pairs + tid, num_rows, THREADS):
-                store_b32(pair_row + Int64(p) * 4, Uint32(0))
-                store_b32(pair_expert + Int64(p) * 4, Uint32(j))
-                store_b32(pair_weight + Int64(p) * 4, Uint32(0))
-            if tid == 0:
-                store_b32(count, Uint32(total_pairs))
-        cute.arch.sync_threads()  # the scratch is read before the ring takes it back
-        return total_items
-
-    @cute.jit
-    def row_ids(self, ids: Int64, r: Int32, topk: Int32):
-        """Receive row `r`'s `topk` ids in registers (0 past them), their loads issued together."""
-        ids_r = cute.make_rmem_tensor(cute.make_layout(abi.NUM_MAX_TOPK), cutlass.Int32)
-        for k in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-            ids_r[k] = Int32(0)
-            if k < topk:
-                ids_r[k] = Int32(load_b32(ids + (Int64(r) * Int64(topk) + Int64(k)) * 4))
-        return ids_r
-
-    @cute.jit
-    def first_local(self, ids_r, k: cutlass.Constexpr, first_id: Int32, j: Int32):
-        """1 if slot `k` names a local expert (`first_id <= id < first_id + J`, i.e. `id // J == rank`) that no
-        earlier slot of the row names, else 0."""
-        v = ids_r[k]
-        ok = Int32(0)
-        if v >= first_id and v < first_id + j:
-            ok = Int32(1)
-        for k2 in cutlass.range_constexpr(k):
-            if ids_r[k2] == v:
-                ok = Int32(0)
-        return ok
-
-
 def _name(op: abi.Kernel) -> None:
     """Names the kernel symbol of the next compile after `op` (the BF16 and the FP8 cubin each carry their own)."""
     GroupedGemm.kernel.set_name_prefix(op.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
@@ -1189,13 +801,6 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a"):
         return compile_cubin(abi.GROUPED_GEMM_FP8, GroupedGemm(fp8=True), arch)
     finally:
         _name(abi.GROUPED_GEMM)
-
-
-def compile_expert_stage_planned(arch: str = "sm_90a"):
-    """Compiles the expert stage that builds its own plan for `arch`; returns `(symbol, cubin bytes)`."""
-    ExpertStagePlanned.kernel.set_name_prefix(abi.EXPERT_STAGE_PLANNED.symbol, remove_cutlass_symbol=True,
-                                              keep_mangled_name=False)
-    return compile_cubin(abi.EXPERT_STAGE_PLANNED, ExpertStagePlanned(), arch)
 
 
 def compile_expert_stage(arch: str = "sm_90a"):

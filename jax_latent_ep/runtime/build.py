@@ -40,7 +40,6 @@ SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernel
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
 #: kernel -> its module in `jax_latent_ep.kernels`.
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
-              "expert_stage_planned": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum"}
 MANIFEST_VERSION = 1
 

@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL:
         lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
         lib.ep_register_expert_record_targets.restype = ctypes.c_int
-        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 5
+        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 4
     return lib
 
 
@@ -382,19 +382,16 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
                   "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan"),
                   "expert_stage": ("jax_latent_ep_expert_stage", "EpExpertStage"),
-                  "expert_stage_planned": ("jax_latent_ep_expert_stage_planned", "EpExpertStagePlanned"),
                   "row_sum": ("jax_latent_ep_row_sum", "EpRowSum")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
-EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "expert_stage_planned",
-                  "row_sum")
+EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
 EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
                          "expert_plan": "jax_latent_ep_expert_plan_rec",
                          "expert_stage": "jax_latent_ep_expert_stage_rec",
-                         "expert_stage_planned": "jax_latent_ep_expert_stage_planned_rec",
                          "row_sum": "jax_latent_ep_row_sum_rec"}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
@@ -410,8 +407,7 @@ def _register_expert_record_targets(lib) -> None:
     if not _expert_record_final:
         _expert_record_error, _expert_record_final = _register_record(
             lib, "ep_register_expert_record_targets",
-            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage",
-                                                       "expert_stage_planned", "row_sum")),
+            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage", "row_sum")),
             "load_expert_kernels")
 
 
@@ -534,27 +530,3 @@ def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int,
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={7: 0})
     return call(x, sf, a_rows, w_gate, w_up, w_down, work, counts, k_gate=np.int64(k_gate), k_down=np.int64(k_down),
                 **extra)[4]
-
-
-def expert_stage_planned_call(x, sf, ids, weights, src, rank, w_gate, w_up, w_down, *, capacity: int,
-                              rows_per_source: int, max_tokens: int, k_gate: int, k_down: int):
-    """The fused expert stage after its own plan (`kernels/abi.py` EXPERT_STAGE_PLANNED, whose table says what each
-    operand holds): `(y, pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs)`, `y` FP32
-    `[S2, C, L]` down's partials, the rest the words of `experts.plan`; `rank` int32 `[1]`."""
-    rows, lat = x.shape
-    k = ids.shape[1]
-    j, inter = w_gate.shape[0], w_gate.shape[2]
-    num_work = min(j, capacity) + capacity // abi.GEMM_BLOCK_M
-    s1, s2 = -(-lat // k_gate), -(-inter // k_down)
-    counts = jnp.zeros((2 + num_work * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    out_types = (i32(*counts.shape), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
-                 f32(s1, capacity, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((capacity, inter), jnp.bfloat16),
-                 f32(s2, capacity, lat), i32(capacity), i32(capacity), f32(capacity), i32(j), i32(1),
-                 i32(rows, min(k, j)))
-    target, extra = _expert_target("expert_stage_planned")
-    call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={9: 0})
-    return call(x, sf, ids, weights, src, rank, w_gate, w_up, w_down, counts, k_gate=np.int64(k_gate),
-                k_down=np.int64(k_down), rows_per_source=np.int64(rows_per_source), max_tokens=np.int64(max_tokens),
-                **extra)[4:]

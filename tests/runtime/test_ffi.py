@@ -141,8 +141,8 @@ class FakeRecordLibrary:
                         2: b"record stage not available yet: no XLA FFI API seen (test)"}[rc]
         return rc
 
-    def ep_register_expert_record_targets(self, gemm, plan, stage, planned, row_sum):
-        return self.ep_register_record_targets(gemm, plan, stage, planned, row_sum)
+    def ep_register_expert_record_targets(self, gemm, plan, stage, row_sum):
+        return self.ep_register_record_targets(gemm, plan, stage, row_sum)
 
     def ep_last_error(self):
         return self.message
@@ -225,8 +225,7 @@ def test_expert_record_registration_fallback(codes, path, calls, monkeypatch):
         ffi._register_expert_record_targets(fake)
     assert len(fake.calls) == calls
     assert fake.calls[0] == tuple(ffi.EXPERT_RECORD_TARGETS[op].encode()
-                                  for op in ("grouped_gemm", "expert_plan", "expert_stage", "expert_stage_planned",
-                                             "row_sum"))
+                                  for op in ("grouped_gemm", "expert_plan", "expert_stage", "row_sum"))
     want = "traced" if path == "traced" else "record"
     got = "record" if ffi._expert_target("grouped_gemm")[0] == ffi.EXPERT_RECORD_TARGETS["grouped_gemm"] else "traced"
     assert got == want
