@@ -189,8 +189,6 @@ def child(args):
         experts.KERNEL_MIN_UNITS = args.min_units
     if args.stage_units:  # the one launch's gate / up and down split targets
         experts.KERNEL_STAGE_GATE_UNITS, experts.KERNEL_STAGE_DOWN_UNITS = args.stage_units
-    if args.warm_mb is not None:  # the plan kernel's L2 warming budget (`experts.KERNEL_WARM_BYTES`)
-        experts.KERNEL_WARM_BYTES = int(args.warm_mb * (1 << 20)) // 16 * 16
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
@@ -200,7 +198,6 @@ def child(args):
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_MIN_UNITS)
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_GATE_UNITS)
         out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_DOWN_UNITS)
-        out(backend="kernel_warm_mb", ranks=1, tokens=0, metric="MiB", value=experts.KERNEL_WARM_BYTES / (1 << 20))
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -463,15 +460,10 @@ def main(argv=None):
     p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
                    help="the one launch's gate / up and down split targets (default `experts.KERNEL_STAGE_GATE_UNITS`, "
                         "`KERNEL_STAGE_DOWN_UNITS`; recorded as `kernel_stage_*_units` rows)")
-    p.add_argument("--warm-mb", type=float, default=None,
-                   help="MiB of the first active experts' gate / up weights the plan kernel brings into L2, 0: none "
-                        "(default `experts.KERNEL_WARM_BYTES`; recorded as the `kernel_warm_mb` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage_units and min(args.stage_units) < 1:
         p.error(f"--stage-units={args.stage_units}: give two positive numbers of units")
-    if args.warm_mb is not None and not 0 <= args.warm_mb < 2048:
-        p.error(f"--warm-mb={args.warm_mb}: give MiB in [0, 2048)")
     if args.min_units < 0:
         p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
     if args.smoke:

@@ -468,9 +468,8 @@ static_assert(visited_count<ep_abi::ExpertStageParams>() == ep_abi::kExpertStage
 static_assert(ep_abi::kExpertStageParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
 // ---------------------------------------------------------------------------------------------------------
-// expert_plan(ids, weights, src, rank, warm_gate, warm_up) -> (pair_row, pair_expert, pair_weight, group_sizes, count,
-// row_pairs, work, scratch): the expert stage's plan (kernels/expert_plan.py) in CTA 0, and with warm_bytes > 0
-// `warm_ctas` more CTAs that bring the first active experts' gate / up weights into L2; no rank registration.
+// expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
+// scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
 
 struct ExpertPlan {
   static constexpr const char* kWhat = "expert_plan";
@@ -483,8 +482,6 @@ struct ExpertPlan {
         .template Arg<ffi::AnyBuffer>()             // weights: f32 [R, K]
         .template Arg<ffi::AnyBuffer>()             // src: int32 [R], -1 in empty rows
         .template Arg<ffi::AnyBuffer>()             // rank: int32 [1]
-        .template Arg<ffi::AnyBuffer>()             // warm_gate: bf16 [J, ...] (read only with warm_bytes > 0)
-        .template Arg<ffi::AnyBuffer>()             // warm_up: bf16, warm_gate's shape (read only with warm_bytes > 0)
         .template Ret<ffi::AnyBuffer>()             // pair_row: int32 [C]
         .template Ret<ffi::AnyBuffer>()             // pair_expert: int32 [C]
         .template Ret<ffi::AnyBuffer>()             // pair_weight: f32 [C]
@@ -494,19 +491,15 @@ struct ExpertPlan {
         .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
         .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
         .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
-        .template Attr<int64_t>("max_tokens")       // rows t >= max_tokens of a block are not planned
-        .template Attr<int64_t>("warm_bytes")       // gate and up bytes of the first active experts for L2, 0: none
-        .template Attr<int64_t>("warm_ctas");       // CTAs that issue them (with warm_bytes > 0)
+        .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer src,
-                            ffi::AnyBuffer rank, ffi::AnyBuffer warm_gate, ffi::AnyBuffer warm_up,
-                            ffi::Result<ffi::AnyBuffer> pair_row,
+                            ffi::AnyBuffer rank, ffi::Result<ffi::AnyBuffer> pair_row,
                             ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
                             ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
                             ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
-                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens,
-                            int64_t warm_bytes, int64_t warm_ctas) {
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
     auto rd = row_pairs->dimensions(), wd = work->dimensions();
@@ -541,29 +534,7 @@ struct ExpertPlan {
         e.failure()) {
       return e;
     }
-    // The warming CTAs read one expert's weights in 16-byte-aligned chunks: [J, X] bf16 of 16-byte multiples.
-    int64_t expert_bytes = 0;
-    if (warm_bytes != 0) {
-      auto gw = warm_gate.dimensions();
-      int64_t elems = 1;
-      for (size_t i = 1; i < gw.size(); ++i) elems *= gw[i];
-      expert_bytes = 2 * elems;
-      bool same = warm_up.dimensions().size() == gw.size();
-      for (size_t i = 0; same && i < gw.size(); ++i) same = warm_up.dimensions()[i] == gw[i];
-      if (warm_bytes < 0 || warm_bytes > INT32_MAX || warm_ctas < 1 || warm_ctas > ep_abi::kMaxWarmCtas ||
-          warm_gate.element_type() != ffi::DataType::BF16 || warm_up.element_type() != ffi::DataType::BF16 ||
-          gw.size() < 2 || gw[0] != J || !same || expert_bytes % 16 || expert_bytes > INT32_MAX ||
-          reinterpret_cast<uintptr_t>(warm_gate.untyped_data()) % 16 ||
-          reinterpret_cast<uintptr_t>(warm_up.untyped_data()) % 16) {
-        return ffi::Error::InvalidArgument(
-            "jax_latent_ep expert_plan: warm_bytes=" + std::to_string(warm_bytes) + " must be in [0, 2^31), "
-            "warm_ctas=" + std::to_string(warm_ctas) + " in [1, " + std::to_string(ep_abi::kMaxWarmCtas) +
-            "], warm_gate (" + dtype_name(warm_gate.element_type()) + dims_str(gw) + ") and warm_up (" +
-            dtype_name(warm_up.element_type()) + dims_str(warm_up.dimensions()) + ") bf16 [J=" + std::to_string(J) +
-            ", ...] of one shape, 16-byte aligned, each expert's a multiple of 16 bytes below 2^31");
-      }
-    }
-    l.grid = warm_bytes != 0 ? 1 + warm_ctas : 1;
+    l.grid = 1;
     l.params = make_params(ep_abi::ExpertPlanParams{
         .ids = address(ids.untyped_data()),
         .weights = address(weights.untyped_data()),
@@ -577,8 +548,6 @@ struct ExpertPlan {
         .row_pairs = address(row_pairs->untyped_data()),
         .work = address(work->untyped_data()),
         .scratch = address(scratch->untyped_data()),
-        .warm_gate = warm_bytes != 0 ? address(warm_gate.untyped_data()) : 0,
-        .warm_up = warm_bytes != 0 ? address(warm_up.untyped_data()) : 0,
         .num_rows = static_cast<int32_t>(R),
         .topk = static_cast<int32_t>(K),
         .num_local_experts = static_cast<int32_t>(J),
@@ -586,8 +555,6 @@ struct ExpertPlan {
         .max_tokens = static_cast<int32_t>(max_tokens),
         .capacity = static_cast<int32_t>(C),
         .num_work = static_cast<int32_t>(W),
-        .expert_bytes = static_cast<int32_t>(expert_bytes),
-        .warm_bytes = static_cast<int32_t>(warm_bytes),
     });
     return ffi::Error::Success();
   }

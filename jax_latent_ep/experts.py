@@ -149,7 +149,7 @@ PLAN_IMPLEMENTATIONS = ("xla", "kernel")
 
 
 def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None,
-         impl: str = "xla", warm=None) -> Plan:
+         impl: str = "xla") -> Plan:
     """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
 
     Args:
@@ -161,9 +161,6 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
       ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
         `max_tokens` is given, else 1 (one block of all rows).
       impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, where `plan_kernel_fits`.
-      warm: None, or `(w_gate, w_up)`, bf16 `[J, L, I]` each, the weights `swiglu` will read: with `impl="kernel"`
-        the plan kernel's other CTAs bring the first `KERNEL_WARM_BYTES` of the active experts' gate and up
-        weights into L2 while it plans (performance only: the plan is the same; "xla" ignores it).
 
     Returns:
       A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
@@ -186,10 +183,8 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     cap = capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
         raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
-    if warm is not None:
-        _check_warm(warm, j)
     if impl == "kernel":
-        return _plan_kernel(recv, rank, j, s_rows, mt, cap, warm)
+        return _plan_kernel(recv, rank, j, s_rows, mt, cap)
     ids, w = recv.ids, recv.weights.astype(jnp.float32)
     rank = jnp.asarray(rank, jnp.int32)
 
@@ -241,26 +236,8 @@ def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
     return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
 
 
-#: Gate and up bytes of the first active experts the plan kernel brings into L2 (`plan(warm=...)`): the HBM is idle
-#: while it plans (docs/performance.md); 0 turns it off.
-KERNEL_WARM_BYTES = 16 << 20
-#: The CTAs that issue them (each an SM: the plan kernel's shared memory takes one CTA an SM).
-KERNEL_WARM_CTAS = 64
-
-
-def _check_warm(warm, j: int) -> None:
-    """Raises ValueError unless `warm` is `(w_gate, w_up)`, bf16 `[J, L, I]` arrays of one shape."""
-    if not (isinstance(warm, (tuple, list)) and len(warm) == 2):
-        raise ValueError(f"experts.plan: warm must be (w_gate, w_up), got {type(warm).__name__}")
-    for name, w in zip(("w_gate", "w_up"), warm):
-        shape, dtype = getattr(w, "shape", None), getattr(w, "dtype", None)
-        if shape is None or len(shape) != 3 or shape[0] != j or dtype != jnp.bfloat16 or shape != warm[0].shape:
-            raise ValueError(f"experts.plan: warm's {name} must be bf16 [J={j}, L, I] like w_gate, got "
-                             f"{dtype}{list(shape) if shape is not None else ''}")
-
-
-def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, warm=None) -> Plan:
-    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list; `warm`: `plan`'s)."""
+def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
+    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
     from jax_latent_ep.runtime import ffi
 
     rows, k = recv.ids.shape
@@ -273,8 +250,7 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, w
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
     row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
         recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
-        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt,
-        warm=warm, warm_bytes=KERNEL_WARM_BYTES if warm is not None else 0, warm_ctas=KERNEL_WARM_CTAS)
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
     return Plan(row, expert, weight, sizes, count[0], row_pairs, work)
 
 
@@ -622,17 +598,12 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
     w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
-    (the same plan; the kernel warms L2 with bf16 `w_gate` and `w_up`, `plan`'s `warm`); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
+    (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
     them here under uniform routing)."""
     if plan_impl is None:
         fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
-    # Warm only weights `swiglu` takes (its checks name anything else).
-    bf16_pair = (not isinstance(w_gate, BlockScaled) and w_up is not None and w_gate.dtype == jnp.bfloat16
-                 and getattr(w_up, "dtype", None) == jnp.bfloat16 and w_gate.shape == w_up.shape
-                 and len(w_gate.shape) == 3 and w_gate.shape[0] == w_down.shape[0])
-    warm = (w_gate, w_up) if impl == "kernel" and plan_impl == "kernel" and bf16_pair else None
-    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl, warm=warm)
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
     mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)

@@ -48,14 +48,8 @@ GEMM_FP8_SCALE_BLOCK = 128
 NUM_MAX_PLAN_EXPERTS = 2048
 #: Words of the plan kernel's per-expert row bitmaps (`J * ceil(R / 32)` must not exceed it).
 NUM_PLAN_BITMAP_WORDS = 24576
-#: Threads of each expert plan kernel CTA.
+#: Threads of the expert plan kernel's one CTA.
 PLAN_THREADS = 1024
-#: Most active experts whose weights the plan kernel's warming CTAs take (their list lives in shared memory).
-NUM_MAX_WARM_EXPERTS = 64
-#: Bytes of one warming prefetch (one thread's `cp.async.bulk.prefetch.L2`).
-WARM_CHUNK_BYTES = 16384
-#: Most warming CTAs of the plan kernel (CTAs 1 ..).
-NUM_MAX_WARM_CTAS = 128
 #: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
 ROW_SUM_COLUMNS = 512
 
@@ -212,11 +206,9 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
 ))
 
-#: The expert stage's plan (`kernels/expert_plan.py`, CTA 0): the (row, local expert) pairs of one rank's receive
+#: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
 #: rows grouped by local expert, the way back and the grouped GEMM's work list, exactly as `experts.plan` and
-#: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J). The grid's other CTAs (at most
-#: NUM_MAX_WARM_CTAS) write nothing: they bring the first `warm_bytes` of the active experts' gate and up weights
-#: into L2 while CTA 0 plans (the HBM is idle then).
+#: `experts.work_items` compute them in XLA. C = capacity, M = min(K, J).
 EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("ids", "int32 [R, K]: the receive rows' expert ids"),
     _address("weights", "f32 [R, K]: their routing weights"),
@@ -231,9 +223,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
     _address("scratch", "int32 [3, R*K]: each slot's local expert (or -1: no pair), rank in its row, weight (output, "
              "unused)"),
-    _address("warm_gate", "bf16 [J, X]: the gate weights the CTAs past the first bring into L2 (read only with "
-             "warm_bytes > 0)"),
-    _address("warm_up", "bf16 [J, X]: the up weights, in the same chunks (read only with warm_bytes > 0)"),
     Param("num_rows", "i32", False, "R, receive rows"),
     Param("topk", "i32", False, "K, ids per row, <= 32"),
     Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS, J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS"),
@@ -241,8 +230,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
     Param("capacity", "i32", False, "C, pairs"),
     Param("num_work", "i32", False, "work items"),
-    Param("expert_bytes", "i32", False, "X * 2, bytes of one expert's gate (and up) weights, a multiple of 16"),
-    Param("warm_bytes", "i32", False, "gate and up bytes of the first active experts to bring into L2, 0: none"),
 ))
 
 #: The expert stage's last step (`kernels/row_sum.py`): each receive row's sum over its pairs of the pair's
@@ -374,7 +361,6 @@ def header() -> str:
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
-        f"constexpr int kMaxWarmCtas = {NUM_MAX_WARM_CTAS};",
         f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",

@@ -1,11 +1,10 @@
 """EpExpertPlan: the expert stage's plan and the grouped GEMM's work list in one CTA, the same words as the XLA plan
-(`experts.plan`, `experts.work_items`) in one launch instead of a chain of small XLA kernels; the grid's other CTAs
-warm L2 with the first active experts' gate and up weights meanwhile.
+(`experts.plan`, `experts.work_items`) in one launch instead of a chain of small XLA kernels.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.EXPERT_PLAN`. CTA 0 of `THREADS` plans; per-expert counters and per-expert row bitmaps
-(`J * ceil(R / 32)` words) live in shared memory. Its phases, each ending at a CTA barrier:
+Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters and per-expert row bitmaps
+(`J * ceil(R / 32)` words) live in shared memory. Phases, each ending at a CTA barrier:
   1. rows: a warp takes `32 / P` rows at a time (`P`, the power of two >= K, lanes per row; lane k of a row holds
      slot k). A slot is a pair when its id is local, its row live and no earlier slot of the row names the same
      id (`match.any`); its weight is the FP32 sum, from 0 in ascending slot order, of the row's weights of that
@@ -18,12 +17,7 @@ Parameters: `kernels.abi.EXPERT_PLAN`. CTA 0 of `THREADS` plans; per-expert coun
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
      has one pair per expert): the XLA plan's order, expert then row. Unused pairs get row 0, expert J, weight 0.
 Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
-once, by CTA 0.
-
-CTAs 1 .. (`warm`, with `warm_bytes > 0`): the HBM is idle while CTA 0 plans and until the expert stage's first
-weight loads; each warming CTA finds the active experts itself (a bit per expert) and issues
-`cp.async.bulk.prefetch.L2` of its share of the first `warm_bytes` of their gate and up weights, in the order the
-stage's first units read them. A prefetch is a hint: the plan's words never depend on it.
+once.
 """
 
 from __future__ import annotations
@@ -46,7 +40,6 @@ from jax_latent_ep.kernels.primitives import (
     load_shared_b32,
     match_any,
     popc,
-    prefetch_bulk_l2,
     shfl_idx,
     shfl_up,
     store_b32,
@@ -67,16 +60,11 @@ BITMAP_WORDS = abi.NUM_PLAN_BITMAP_WORDS
 EXPERTS_PER_THREAD = NUM_MAX_EXPERTS // THREADS
 #: Pairs of one work item.
 BLOCK_M = abi.GEMM_BLOCK_M
-#: The warming CTAs' words: a bit per local expert, then the first active experts.
-ACTIVE_WORDS = NUM_MAX_EXPERTS // 32
-NUM_MAX_WARM_EXPERTS = abi.NUM_MAX_WARM_EXPERTS
-WARM_CHUNK = abi.WARM_CHUNK_BYTES
 #: Shared words: counts, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals, the bitmaps.
 SMEM_WORDS = 3 * NUM_MAX_EXPERTS + 2 * 32 + BITMAP_WORDS
 SMEM_BYTES = 4 * SMEM_WORDS
 
 assert NUM_MAX_EXPERTS % THREADS == 0 and abi.NUM_MAX_TOPK == 32 and abi.GEMM_WORK_WORDS == 4
-assert ACTIVE_WORDS % 32 == 0 and ACTIVE_WORDS + NUM_MAX_WARM_EXPERTS + 1 <= SMEM_WORDS and WARM_CHUNK % 16 == 0
 
 
 def smem_bytes() -> int:
@@ -107,8 +95,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        warm_gate: Int64,
-        warm_up: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -116,14 +102,11 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        expert_bytes: Int32,
-        warm_bytes: Int32,
     ):
         self.kernel(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-                    scratch, warm_gate, warm_up, num_rows, topk, num_local_experts, rows_per_source, max_tokens,
-                    capacity, num_work, expert_bytes, warm_bytes).launch(
-            # The FFI handler sets the grid (1 + the warming CTAs).
-            grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1)
+                    scratch, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity,
+                    num_work).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
+                                     preferred_smem_carveout=-1)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -143,8 +126,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        warm_gate: Int64,
-        warm_up: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -152,32 +133,14 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        expert_bytes: Int32,
-        warm_bytes: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        smem = cutlass.memory.SmemAllocator()
-        words = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 16)
-        smem_base = Uint32(words.iterator.toint())
-        if Int32(cta) == 0:
-            self.plan(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-                      scratch, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity, num_work,
-                      smem_base, Int32(tid))
-        else:
-            self.warm(ids, src, rank, warm_gate, warm_up, num_rows, topk, num_local_experts, rows_per_source,
-                      max_tokens, expert_bytes, warm_bytes, smem_base, Int32(tid), Int32(cta) - 1, Int32(grid) - 1)
-
-    @cute.jit
-    def plan(self, ids: Int64, weights: Int64, src: Int64, rank: Int64, pair_row: Int64, pair_expert: Int64,
-             pair_weight: Int64, group_sizes: Int64, count: Int64, row_pairs: Int64, work: Int64, scratch: Int64,
-             num_rows: Int32, topk: Int32, num_local_experts: Int32, rows_per_source: Int32, max_tokens: Int32,
-             capacity: Int32, num_work: Int32, smem_base: Uint32, tid: Int32):
-        """CTA 0: the plan (module docstring, phases 1-3); `smem_base` is the shared memory's first byte."""
+        tid = Int32(tid)
         lane = tid % 32
         warp = tid // 32
-        s_count = smem_base
+        smem = cutlass.memory.SmemAllocator()
+        words = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 16)
+        s_count = Uint32(words.iterator.toint())
         s_offset = s_count + Uint32(4 * NUM_MAX_EXPERTS)
         s_chunk = s_offset + Uint32(4 * NUM_MAX_EXPERTS)
         s_warp = s_chunk + Uint32(4 * NUM_MAX_EXPERTS)  # [2, 32]: pairs, then work items, of each warp
@@ -368,78 +331,6 @@ class ExpertPlan:
             store_b32(pair_expert + Int64(p) * 4, Uint32(j))
             store_b32(pair_weight + Int64(p) * 4, zero)
 
-
-    @cute.jit
-    def warm(self, ids: Int64, src: Int64, rank: Int64, warm_gate: Int64, warm_up: Int64, num_rows: Int32,
-             topk: Int32, num_local_experts: Int32, rows_per_source: Int32, max_tokens: Int32, expert_bytes: Int32,
-             warm_bytes: Int32, smem_base: Uint32, tid: Int32, warmer: Int32, num_warmers: Int32):
-        """A warming CTA (`warmer` of `num_warmers`): the local experts that have a pair (the plan's rule, without its
-        order), then L2 prefetches of the first ones' gate and up weights in ascending expert order (the order of
-        the work list, so of the expert stage's first units): chunk `c` of `WARM_CHUNK` bytes (at `c * WARM_CHUNK`
-        of both weights) by CTA `c % num_warmers`, at most `warm_bytes` of both weights together. Writes nothing."""
-        lane = tid % 32
-        warp = tid // 32
-        s_active = smem_base  # [ACTIVE_WORDS]: bit e % 32 of word e / 32 is set when local expert e has a pair
-        s_list = s_active + Uint32(4 * ACTIVE_WORDS)  # [NUM_MAX_WARM_EXPERTS]: the first active experts, ascending
-        s_num = s_list + Uint32(4 * NUM_MAX_WARM_EXPERTS)
-        j = num_local_experts
-        for i in range(tid, ACTIVE_WORDS, THREADS):
-            store_shared_b32(s_active + Uint32(4 * i), Uint32(0))
-        griddepcontrol_wait()  # ids, src and rank come from the previous kernels
-        cute.arch.sync_threads()
-        first_id = Int32(load_b32(rank)) * j
-        for x in range(tid, num_rows * topk, THREADS):
-            r = x // topk
-            slot_id = Int32(load_b32(ids + Int64(x) * 4))
-            src_word = Int32(load_b32(src + Int64(r) * 4))
-            if src_word != Int32(-1) and r % rows_per_source < max_tokens:
-                if slot_id >= first_id and slot_id < first_id + j:
-                    e = slot_id - first_id
-                    atomic_or_shared(s_active + Uint32(4 * (e // 32)), Uint32(1) << Uint32(e % 32))
-        cute.arch.sync_threads()
-        # The experts the budget reaches: ceil(warm_bytes / (2 * expert_bytes)), at most NUM_MAX_WARM_EXPERTS.
-        pair_bytes = 2 * Int64(expert_bytes)
-        want = Int32((Int64(warm_bytes) + pair_bytes - 1) // pair_bytes)
-        if want > NUM_MAX_WARM_EXPERTS:
-            want = Int32(NUM_MAX_WARM_EXPERTS)
-        if warp == 0:
-            found = Int32(0)
-            for w0 in cutlass.range_constexpr(0, ACTIVE_WORDS, 32):
-                word = load_shared_b32(s_active + Uint32(4 * (w0 + lane)))
-                n = Int32(popc(word))
-                inc = n
-                for sh in cutlass.range_constexpr(5):
-                    up = Int32(shfl_up(inc, 1 << sh))
-                    if lane >= (1 << sh):
-                        inc = inc + up
-                place = found + inc - n  # active experts in the words before this lane's
-                while word != Uint32(0) and place < want:
-                    low = word & (Uint32(0) - word)
-                    store_shared_b32(s_list + Uint32(4 * place), Uint32((w0 + lane) * 32) + popc(low - Uint32(1)))
-                    word = word ^ low
-                    place = place + 1
-                found = found + Int32(shfl_idx(inc, 31))
-            if lane == 0:
-                if found > want:
-                    found = want
-                store_shared_b32(s_num, Uint32(found))
-        cute.arch.sync_threads()
-        num = Int32(load_shared_b32(s_num))
-        chunks_per_expert = (expert_bytes + (WARM_CHUNK - 1)) // WARM_CHUNK
-        total = num * chunks_per_expert
-        budget = Int32((Int64(warm_bytes) + (2 * WARM_CHUNK - 1)) // (2 * WARM_CHUNK))
-        if total > budget:
-            total = budget
-        for c in range(warmer + tid * num_warmers, total, THREADS * num_warmers):
-            m = c // chunks_per_expert
-            at = (c - m * chunks_per_expert) * WARM_CHUNK
-            size = expert_bytes - at
-            if size > WARM_CHUNK:
-                size = Int32(WARM_CHUNK)
-            e = Int32(load_shared_b32(s_list + Uint32(4 * m)))
-            offset = Int64(e) * Int64(expert_bytes) + Int64(at)
-            prefetch_bulk_l2(warm_gate + offset, Uint32(size))
-            prefetch_bulk_l2(warm_up + offset, Uint32(size))
 
     @cute.jit
     def place_pair(self, e: Int32, r: Int32, m: Int32, w_bits: Uint32, s_bits: Uint32, s_offset: Uint32,

@@ -425,15 +425,6 @@ def cp_async_4(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def prefetch_bulk_l2(gmem, size, *, loc=None, ip=None) -> None:
-    """Always issues one `cp.async.bulk.prefetch.L2.global` of `size` bytes (a multiple of 16) from `gmem` (16-byte
-    aligned, sm_90+): a hint that brings the bytes into L2 through the SM's copy engine; it reads no result, waits
-    for nothing and may be dropped, so it never changes a value (only when a later load finds its line in L2)."""
-    _asm(None, [_i64(gmem, loc, ip), _u32(size, loc, ip)], "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc,
-         ip)
-
-
-@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Always issues `cp.async.commit_group`: this thread's copies since the last commit form one group."""
     _asm(None, [], "cp.async.commit_group;", "~{memory}", loc, ip)

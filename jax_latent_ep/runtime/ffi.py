@@ -466,11 +466,9 @@ def load_expert_kernels(devices) -> None:
 
 
 def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_experts: int, num_work: int,
-                     rows_per_source: int, max_tokens: int, warm=None, warm_bytes: int = 0, warm_ctas: int = 1):
+                     rows_per_source: int, max_tokens: int):
     """The expert plan custom call (`kernels/abi.py` EXPERT_PLAN, whose table says what each operand holds):
-    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`. `warm`:
-    None, or bf16 `(w_gate, w_up)` of which `warm_ctas` more CTAs bring the first active experts' first `warm_bytes`
-    into L2."""
+    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`."""
     rows, k = ids.shape
     m = min(k, num_local_experts)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -478,11 +476,8 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
                  i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k))
     target, extra = _expert_target("expert_plan")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
-    if warm is None or warm_bytes == 0:
-        warm, warm_bytes = (ids, ids), 0  # operands the kernel does not read
-    return call(ids, weights, src, rank, *warm, rows_per_source=np.int64(rows_per_source),
-                max_tokens=np.int64(max_tokens), warm_bytes=np.int64(warm_bytes), warm_ctas=np.int64(warm_ctas),
-                **extra)[:7]
+    return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
+                max_tokens=np.int64(max_tokens), **extra)[:7]
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
