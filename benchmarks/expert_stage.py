@@ -189,6 +189,8 @@ def child(args):
         experts.KERNEL_MIN_UNITS = args.min_units
     if args.stage_units:  # the one launch's gate / up and down split targets
         experts.KERNEL_STAGE_GATE_UNITS, experts.KERNEL_STAGE_DOWN_UNITS = args.stage_units
+    if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`experts.XLA_ROW_SUM_SLOTS`)
+        experts.XLA_ROW_SUM_SLOTS = args.xla_row_sum_slots
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
@@ -198,6 +200,7 @@ def child(args):
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_MIN_UNITS)
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_GATE_UNITS)
         out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_DOWN_UNITS)
+        out(backend="xla_row_sum_slots", ranks=1, tokens=0, metric="slots", value=experts.XLA_ROW_SUM_SLOTS)
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -460,10 +463,15 @@ def main(argv=None):
     p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
                    help="the one launch's gate / up and down split targets (default `experts.KERNEL_STAGE_GATE_UNITS`, "
                         "`KERNEL_STAGE_DOWN_UNITS`; recorded as `kernel_stage_*_units` rows)")
+    p.add_argument("--xla-row-sum-slots", type=int, default=None,
+                   help="the one launch's row sum is XLA's up to this many slots (R * M), the row-sum kernel's above "
+                        "(default `experts.XLA_ROW_SUM_SLOTS`; recorded as the `xla_row_sum_slots` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage_units and min(args.stage_units) < 1:
         p.error(f"--stage-units={args.stage_units}: give two positive numbers of units")
+    if args.xla_row_sum_slots is not None and args.xla_row_sum_slots < 0:
+        p.error(f"--xla-row-sum-slots={args.xla_row_sum_slots}: give a number of slots >= 0")
     if args.min_units < 0:
         p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
     if args.smoke:

@@ -200,13 +200,16 @@ class ExpertPlan:
             first_id = Int32(load_b32(rank)) * j
             same = match_any(slot_id) & row_slots
             is_pair = Int32(0)
-            if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
-                if slot_id >= first_id and slot_id < first_id + j and (same & below) == zero:
-                    is_pair = Int32(1)
-            pairs = ballot(is_pair) & row_slots
             repeats = Int32(0)
-            if holds != 0 and popc(same) > Uint32(1):
-                repeats = Int32(1)
+            if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
+                if slot_id >= first_id and slot_id < first_id + j:
+                    if (same & below) == zero:
+                        is_pair = Int32(1)
+                    # Only a live local id's weight is used: an empty row's repeated id (the contract's filler) or
+                    # another rank's repeats take no per-slot adds.
+                    if popc(same) > Uint32(1):
+                        repeats = Int32(1)
+            pairs = ballot(is_pair) & row_slots
             # The weight, as the XLA plan adds it: 0 + w for an id named once (adding +0.0 after it changes
             # nothing: the sum is never -0.0), else one add per slot in ascending order.
             coef = add_rn(Float32(0.0), f32_from_bits(w_bits))

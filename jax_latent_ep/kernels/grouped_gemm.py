@@ -633,6 +633,9 @@ class ExpertStage(GroupedGemm):
         smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the plan, the rows and the zeroed counts come from the previous kernels
+        # The next kernel may start now (the row sum's CTAs load the plan's words beside this grid); its
+        # griddepcontrol.wait still waits for this grid's end.
+        cute.arch.griddepcontrol_launch_dependents()
         num_items = self.non_empty_items(work, num_work)
         tiles_gate = num_i // BLOCK_N
         splits_gate = (num_l + k_gate - 1) // k_gate
