@@ -633,9 +633,6 @@ class ExpertStage(GroupedGemm):
         smem_word = smem_a + Uint32(SMEM_BYTES)  # the finisher's flag
         grid, _, _ = cute.arch.grid_dim()
         griddepcontrol_wait()  # the plan, the rows and the zeroed counts come from the previous kernels
-        # The next kernel may start now (the row sum's CTAs load the plan's words beside this grid); its
-        # griddepcontrol.wait still waits for this grid's end.
-        cute.arch.griddepcontrol_launch_dependents()
         num_items = self.non_empty_items(work, num_work)
         tiles_gate = num_i // BLOCK_N
         splits_gate = (num_l + k_gate - 1) // k_gate
@@ -655,6 +652,10 @@ class ExpertStage(GroupedGemm):
         smem_next = smem_word + Uint32(4)
         unit_idx = cta
         while unit_idx < num_units:
+            if unit_idx + Int32(grid) >= num_units:
+                # A unit of the last round: once every CTA is in it (or done) the next kernel may start (the row
+                # sum's CTAs load the plan's words beside the tail); its griddepcontrol.wait still waits for the end.
+                cute.arch.griddepcontrol_launch_dependents()
             next_unit = Uint32(0)
             if tid == 0:
                 next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))  # waited for only at its store below
