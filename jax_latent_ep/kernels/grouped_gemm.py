@@ -652,10 +652,6 @@ class ExpertStage(GroupedGemm):
         smem_next = smem_word + Uint32(4)
         unit_idx = cta
         while unit_idx < num_units:
-            if unit_idx + Int32(grid) >= num_units:
-                # A unit of the last round: once every CTA is in it (or done) the next kernel may start (the row
-                # sum's CTAs load the plan's words beside the tail); its griddepcontrol.wait still waits for the end.
-                cute.arch.griddepcontrol_launch_dependents()
             next_unit = Uint32(0)
             if tid == 0:
                 next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))  # waited for only at its store below

@@ -5,11 +5,9 @@ Reading order: settings, the host-side launch signature, the device code, compil
 
 Parameters: `kernels.abi.ROW_SUM`. CTA `c` takes row `c / chunks` and its columns `(c % chunks) * COLUMNS ..`, four
 a thread. Phases:
-  1. before the grid dependency wait: every thread loads the row's `M` pairs and `count` (one round trip, no
-     barrier), a slot is used when its pair is below `count` and `n` is one past the last used slot; then the used
-     slots' weights. The expert stage lets this grid start right after its own wait, so this round trip runs
-     beside the stage and only the partials' loads follow its end.
-  2. over slots `0 .. n - 1` in batches of `BATCH` (a batch's outputs loaded before any is added): each
+  1. every thread loads the row's `M` pairs and `count` (one round trip, no barrier): a slot is used when its pair
+     is below `count`; `n` is one past the last used slot.
+  2. over slots `0 .. n - 1` in batches of `BATCH` (a batch's outputs and weights loaded before any is added): each
      pair's output, the FP32 sum of its `num_splits` partials in split order (from split 0), then the row's sum
      from 0 in slot order: `acc + y * weight` for a used slot (`mul.rn`, `add.rn`: never an FMA), `acc + 0` for an
      unused one, and one `acc + 0` for the slots past `n` (all unused: adding +0 twice is adding it once).
@@ -107,10 +105,10 @@ class RowSum:
         chunks = (num_l + COLUMNS - 1) // COLUMNS
         row = cta // chunks
         col = (cta % chunks) * COLUMNS + tid * 4
-        # ---- Phase 1, before the wait (loads only): the row's slots, every thread all of them (one round trip, the
-        # warp's loads one line), the used-slot mask and n, then the used slots' weights. The plan's words come from a
-        # kernel that completed before the previous one passed its wait, which is before that one can let this grid
-        # start (its trigger follows its wait): they may be read while the partials are still being written.
+        griddepcontrol_wait()  # the partials (and the plan before them) come from the previous kernels
+
+        # ---- Phase 1: the row's slots, every thread all of them (one round trip; the warp's loads are one line):
+        # the used-slot mask and n. Phase 2 loads each batch's pairs again (L1 hits) instead of holding 32.
         slot_row = row_pairs + Int64(row) * Int64(num_slots) * 4
         named = cute.make_rmem_tensor(cute.make_layout(abi.NUM_MAX_TOPK), cutlass.Int32)
         for m in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
@@ -120,39 +118,42 @@ class RowSum:
         total = Int32(load_b32(count))
         mask = Uint32(0)
         n = Int32(0)
-        w = cute.make_rmem_tensor(cute.make_layout(abi.NUM_MAX_TOPK), cutlass.Float32)
         for m in cutlass.range_constexpr(abi.NUM_MAX_TOPK):
-            pair = Int32(0)  # an unused slot's: its output is read, never added (the loads stay unconditional)
-            w[m] = cutlass.Float32(0.0)
             if named[m] < total:
                 mask = mask | Uint32(1 << m)
                 n = Int32(m + 1)
-                pair = named[m]
-                # Clamped into the partials as XLA's gather is: a corrupt plan reads inside them.
-                if pair > num_pairs - 1:
-                    pair = num_pairs - 1
-                if pair < 0:
-                    pair = Int32(0)
-                w[m] = f32_from_bits(load_b32(pair_weight + Int64(pair) * 4))
-            named[m] = pair
-        griddepcontrol_wait()  # the partials come from the previous kernel
 
-        # ---- Phase 2: the row's sum over slots 0 .. n - 1, BATCH slots' outputs loaded at once.
+        # ---- Phase 2: the row's sum over slots 0 .. n - 1, BATCH slots' loads (outputs and weights) at once.
         if col < num_l:
             acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
             acc.fill(0.0)
             y = cute.make_rmem_tensor(cute.make_layout(4 * BATCH), cutlass.Float32)
+            w = cute.make_rmem_tensor(cute.make_layout(BATCH), cutlass.Float32)
             split_bytes = Int64(num_pairs) * Int64(num_l) * 4
             for b in cutlass.range_constexpr(abi.NUM_MAX_TOPK // BATCH):
                 if b * BATCH < n:
+                    pairs = cute.make_rmem_tensor(cute.make_layout(BATCH), cutlass.Int32)
                     for j in cutlass.range_constexpr(BATCH):
-                        v = load_v4(parts + (Int64(named[b * BATCH + j]) * Int64(num_l) + Int64(col)) * 4)
+                        m = b * BATCH + j
+                        pair = Int32(0)  # an unused slot's: read, never added (the loads stay unconditional)
+                        if (mask >> Uint32(m)) & Uint32(1) != Uint32(0):
+                            pair = Int32(load_b32(slot_row + Int64(m * 4)))
+                            # Clamped into the partials as XLA's gather is: a corrupt plan reads inside them.
+                            if pair > num_pairs - 1:
+                                pair = num_pairs - 1
+                            if pair < 0:
+                                pair = Int32(0)
+                        pairs[j] = pair
+                    for j in cutlass.range_constexpr(BATCH):
+                        src = parts + (Int64(pairs[j]) * Int64(num_l) + Int64(col)) * 4
+                        v = load_v4(src)
+                        w[j] = f32_from_bits(load_b32(pair_weight + Int64(pairs[j]) * 4))
                         for k in cutlass.range_constexpr(4):
                             y[4 * j + k] = f32_from_bits(v[k])
                     if num_splits > 1:
                         # Split partials pair by pair (down is split only where few experts are active).
                         for j in cutlass.range_constexpr(BATCH):
-                            src = parts + (Int64(named[b * BATCH + j]) * Int64(num_l) + Int64(col)) * 4
+                            src = parts + (Int64(pairs[j]) * Int64(num_l) + Int64(col)) * 4
                             y0, y1, y2, y3 = y[4 * j], y[4 * j + 1], y[4 * j + 2], y[4 * j + 3]
                             for s in range(1, num_splits):
                                 v = load_v4(src + Int64(s) * split_bytes)
@@ -165,7 +166,7 @@ class RowSum:
                         if b * BATCH + j < n:
                             if (mask >> Uint32(b * BATCH + j)) & Uint32(1) != Uint32(0):
                                 for k in cutlass.range_constexpr(4):
-                                    acc[k] = add_rn(acc[k], mul_rn(y[4 * j + k], w[b * BATCH + j]))
+                                    acc[k] = add_rn(acc[k], mul_rn(y[4 * j + k], w[j]))
                             else:
                                 for k in cutlass.range_constexpr(4):
                                     acc[k] = add_rn(acc[k], cutlass.Float32(0.0))
