@@ -12,7 +12,7 @@ own routing (weights per layer >> L2, so no cache reuse); the median of `--repea
 Paths (`backend` column `<path>/J<J>/I<I>`): `plan` (the XLA plan and the kernel's work list alone: the part of
 every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel, `kernels/expert_plan.py`), `kernel`
 (the plan kernel and the project's grouped GEMM, `kernels/grouped_gemm.py`), `kernel-xla-plan` (the grouped GEMM
-on the XLA plan), `kernel-xla-zeros` (`kernel` through `plan` and `swiglu`: XLA zeroes the one launch's counts),
+on the XLA plan),
 `kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
 `floor-fp8/..`, counts 1 byte a weight and the scales), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
@@ -45,8 +45,7 @@ GROUPS = {
 }
 PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
          "kernel-fp8": ("default", "kernel-fp8"),
-         "kernel-xla-plan": ("default", "kernel-xla-plan"), "kernel-xla-zeros": ("default", "kernel-xla-zeros"),
-         "ragged_dot-default": ("default", "ragged_dot"),
+         "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
 #: time metric -> its ratio to the floor
@@ -284,9 +283,6 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
                 return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
             if impl == "plan-kernel":
                 return [experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel").work for r in recvs]
-            if impl == "kernel-xla-zeros":  # the plan kernel, then `swiglu`: XLA zeroes the one launch's counts
-                return [experts.swiglu(r, experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel"), *w,
-                                       impl="kernel", expected_pairs=t * k) for r, w in zip(recvs, ws)]
             if impl == "kernel-xla-plan":
                 return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n, plan_impl="xla")
                         for r, w in zip(recvs, ws)]
