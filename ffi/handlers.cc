@@ -469,8 +469,7 @@ static_assert(ep_abi::kExpertStageParamsCount <= KernelParams::kCapacity, "Kerne
 
 // ---------------------------------------------------------------------------------------------------------
 // expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-// scratch, zeros): the expert stage's plan (kernels/expert_plan.py), one CTA, and the one launch's zeroed counts;
-// no rank registration.
+// scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
 
 struct ExpertPlan {
   static constexpr const char* kWhat = "expert_plan";
@@ -491,7 +490,6 @@ struct ExpertPlan {
         .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
         .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
         .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
-        .template Ret<ffi::AnyBuffer>()             // zeros: int32 [Z], Z >= 1 (the one launch's counts)
         .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
         .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
   }
@@ -501,17 +499,15 @@ struct ExpertPlan {
                             ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
                             ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
                             ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
-                            ffi::Result<ffi::AnyBuffer> scratch, ffi::Result<ffi::AnyBuffer> zeros,
-                            int64_t rows_per_source, int64_t max_tokens) {
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
-    auto rd = row_pairs->dimensions(), wd = work->dimensions(), zd = zeros->dimensions();
-    if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2 || zd.size() != 1 ||
-        zd[0] < 1 || zd[0] > (int64_t{1} << 30)) {
+    auto rd = row_pairs->dimensions(), wd = work->dimensions();
+    if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2) {
       return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: expected ids [R, K], pair_row [C], "
-                                         "group_sizes [J], row_pairs [R, M], work [W, 4], zeros [Z] (1 <= Z <= 2^30)");
+                                         "group_sizes [J], row_pairs [R, M], work [W, 4]");
     }
-    const int64_t R = id[0], K = id[1], C = pd[0], J = gd[0], W = wd[0], M = K < J ? K : J, Z = zd[0];
+    const int64_t R = id[0], K = id[1], C = pd[0], J = gd[0], W = wd[0], M = K < J ? K : J;
     if (K < 1 || K > ep_abi::kMaxTopk || J < 1 || J > ep_abi::kPlanMaxExperts || C < 1 || W < 1 ||
         J * ((R + 31) / 32) > ep_abi::kPlanBitmapWords ||
         rows_per_source < 1 || R % rows_per_source || max_tokens < 1 || max_tokens > rows_per_source ||
@@ -534,8 +530,7 @@ struct ExpertPlan {
                                     expect(kWhat, "count", *count, ffi::DataType::S32, {1}),
                                     expect(kWhat, "row_pairs", *row_pairs, ffi::DataType::S32, {R, M}),
                                     expect(kWhat, "work", *work, ffi::DataType::S32, {W, ep_abi::kGemmWorkWords}),
-                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {3, R * K}),
-                                    expect(kWhat, "zeros", *zeros, ffi::DataType::S32, {Z})});
+                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {3, R * K})});
         e.failure()) {
       return e;
     }
@@ -553,7 +548,6 @@ struct ExpertPlan {
         .row_pairs = address(row_pairs->untyped_data()),
         .work = address(work->untyped_data()),
         .scratch = address(scratch->untyped_data()),
-        .zeros = address(zeros->untyped_data()),
         .num_rows = static_cast<int32_t>(R),
         .topk = static_cast<int32_t>(K),
         .num_local_experts = static_cast<int32_t>(J),
@@ -561,7 +555,6 @@ struct ExpertPlan {
         .max_tokens = static_cast<int32_t>(max_tokens),
         .capacity = static_cast<int32_t>(C),
         .num_work = static_cast<int32_t>(W),
-        .num_zeros = static_cast<int32_t>(Z),
     });
     return ffi::Error::Success();
   }

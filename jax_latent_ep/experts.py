@@ -165,13 +165,26 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     Returns:
       A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
     """
+    from jax_latent_ep.layout import stride
+
     rows, k = recv.ids.shape
-    j, s_rows, mt, cap = _plan_shape(recv, num_local_experts, max_tokens, ranks)
+    j = int(num_local_experts)
+    if j < 1:
+        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
     m = min(k, j)
+    cap = capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
         raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
     if impl == "kernel":
-        return _plan_kernel(recv, rank, j, s_rows, mt, cap)[0]
+        return _plan_kernel(recv, rank, j, s_rows, mt, cap)
     ids, w = recv.ids, recv.weights.astype(jnp.float32)
     rank = jnp.asarray(rank, jnp.int32)
 
@@ -206,25 +219,6 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
 
 
-def _plan_shape(recv: Received, num_local_experts: int, max_tokens, ranks) -> tuple[int, int, int, int]:
-    """`plan`'s `(J, S, max_tokens, capacity)` of `recv` (its arguments' rules, `plan`'s docstring)."""
-    from jax_latent_ep.layout import stride
-
-    rows, k = recv.ids.shape
-    j = int(num_local_experts)
-    if j < 1:
-        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
-    if ranks is None:
-        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
-    if rows % ranks:
-        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
-    s_rows = rows // ranks
-    mt = s_rows if max_tokens is None else int(max_tokens)
-    if not 1 <= mt <= s_rows:
-        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
-    return j, s_rows, mt, capacity(ranks, mt, k, j)
-
-
 def _gpus(what: str):
     """This process's NVIDIA GPUs, or a ValueError naming `what` and its XLA alternative."""
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
@@ -242,10 +236,8 @@ def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
     return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
 
 
-def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, stage_inter: int | None = None):
-    """`(plan, counts)`: `plan` by the plan kernel (one launch; the XLA plan's words, and the work list); with
-    `stage_inter` (`I` of the one launch that follows, `_kernel_stage`) `counts` are that launch's zeroed counts, which
-    the plan kernel writes (so no XLA kernel comes between the two), else None."""
+def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
+    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
     from jax_latent_ep.runtime import ffi
 
     rows, k = recv.ids.shape
@@ -256,12 +248,10 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, s
     ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
     num_work = min(j, cap) + cap // KERNEL_BLOCK_M
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
-    num_zeros = ffi.expert_stage_counts(num_work, stage_inter) if stage_inter else 1
-    row, expert, weight, sizes, count, row_pairs, work, zeros = ffi.expert_plan_call(
+    row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
         recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
-        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt,
-        num_zeros=num_zeros)
-    return Plan(row, expert, weight, sizes, count[0], row_pairs, work), (zeros if stage_inter else None)
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
+    return Plan(row, expert, weight, sizes, count[0], row_pairs, work)
 
 
 def activations(recv: Received):
@@ -447,22 +437,20 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     return lat % (2 * KERNEL_BLOCK_N) == 0 and inter % KERNEL_BLOCK_N == 0 and _kernel_splits(active, inter, lat)[0] > 1
 
 
-def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None, counts=None):
+def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
     """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch
     (`grouped_gemm.ExpertStage`): the dequantization, gate / up and down as phases that wait only for what they
     read, down's weights streaming while gate / up finishes; gate / up's contraction split for
     `KERNEL_STAGE_GATE_UNITS` units, down's for `KERNEL_STAGE_DOWN_UNITS`. Numerics as the two launches'
     (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
-    XLA's: a few FP32 ulps before the bf16 rounding). `counts`: its zeroed counts from the plan kernel
-    (`_plan_kernel`'s), or None (XLA zeroes them)."""
+    XLA's: a few FP32 ulps before the bf16 rounding)."""
     from jax_latent_ep.runtime import ffi
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
                                  k_gate=_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
-                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1],
-                                 counts=counts)
+                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
@@ -595,15 +583,10 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
       experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
       `src == -1`.
     """
-    return _swiglu(recv, pl, w_gate, w_up, w_down, impl, expected_pairs)
-
-
-def _swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, impl: str, expected_pairs, stage_counts=None):
-    """`swiglu`; `stage_counts`: the one launch's zeroed counts from the plan kernel (`_plan_kernel`), or None."""
     if impl == "kernel":
         _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
         if _stage_fits(pl, w_gate, w_up, expected_pairs):
-            parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs, stage_counts)
+            parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
             if pl.row_pairs.size > XLA_ROW_SUM_SLOTS:
                 return _kernel_row_sums(pl, parts)
             return _row_sums(pl, _split_sum(parts))
@@ -620,14 +603,7 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
     if plan_impl is None:
         fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
         plan_impl = "kernel" if impl == "kernel" and fits else "xla"
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
     mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
-    # The plan kernel before a one launch (bf16 gate and up of one shape) also zeroes that launch's counts.
-    stage = (impl == "kernel" and plan_impl == "kernel" and w_up is not None and not isinstance(w_gate, BlockScaled)
-             and getattr(w_gate, "shape", None) == getattr(w_up, "shape", None) and len(w_gate.shape) == 3)
-    if stage and plan_kernel_fits(rows, k, w_down.shape[0]):
-        pl, counts = _plan_kernel(recv, rank, *_plan_shape(recv, w_down.shape[0], max_tokens, ranks),
-                                  stage_inter=int(w_gate.shape[2]))
-        return _swiglu(recv, pl, w_gate, w_up, w_down, impl, mt * k, stage_counts=counts)
-    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)

@@ -223,7 +223,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
     _address("scratch", "int32 [3, R*K]: each slot's local expert (or -1: no pair), rank in its row, weight (output, "
              "unused)"),
-    _address("zeros", "int32 [num_zeros]: zeros, the one launch's counts (output)"),
     Param("num_rows", "i32", False, "R, receive rows"),
     Param("topk", "i32", False, "K, ids per row, <= 32"),
     Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS, J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS"),
@@ -231,7 +230,6 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
     Param("capacity", "i32", False, "C, pairs"),
     Param("num_work", "i32", False, "work items"),
-    Param("num_zeros", "i32", False, "words of `zeros`, >= 1"),
 ))
 
 #: The expert stage's last step (`kernels/row_sum.py`): each receive row's sum over its pairs of the pair's

@@ -17,8 +17,7 @@ Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
      has one pair per expert): the XLA plan's order, expert then row. Unused pairs get row 0, expert J, weight 0.
 Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
-once. After its wait the kernel lets the next one start (the one launch's CTAs then wait beside it) and zeroes
-`zeros`, the one launch's counts: no XLA kernel between the two.
+once.
 """
 
 from __future__ import annotations
@@ -96,7 +95,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        zeros: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -104,11 +102,10 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        num_zeros: Int32,
     ):
         self.kernel(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
-                    scratch, zeros, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity,
-                    num_work, num_zeros).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
+                    scratch, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity,
+                    num_work).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
                                      preferred_smem_carveout=-1)
 
     # -----------------------------------------------------------------------------------------------------
@@ -129,7 +126,6 @@ class ExpertPlan:
         row_pairs: Int64,
         work: Int64,
         scratch: Int64,
-        zeros: Int64,
         num_rows: Int32,
         topk: Int32,
         num_local_experts: Int32,
@@ -137,7 +133,6 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
-        num_zeros: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
@@ -163,10 +158,6 @@ class ExpertPlan:
         for i in range(tid, j * row_words, THREADS):
             store_shared_b32(s_bits + Uint32(4 * i), zero)
         griddepcontrol_wait()  # ids, weights, src and rank come from the previous kernels
-        # The next kernel (the one launch) may start now: its griddepcontrol.wait still waits for this grid's end.
-        cute.arch.griddepcontrol_launch_dependents()
-        for i in range(tid, num_zeros, THREADS):
-            store_b32(zeros + Int64(i) * 4, zero)
         # Lanes per row: the power of two >= K; a warp takes 32 / lanes rows at a time.
         lanes = Int32(1)
         while lanes < topk:

@@ -466,21 +466,18 @@ def load_expert_kernels(devices) -> None:
 
 
 def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_experts: int, num_work: int,
-                     rows_per_source: int, max_tokens: int, num_zeros: int = 1):
+                     rows_per_source: int, max_tokens: int):
     """The expert plan custom call (`kernels/abi.py` EXPERT_PLAN, whose table says what each operand holds):
-    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work, zeros [num_zeros])`; `rank` int32
-    `[1]`; `zeros` are `expert_stage_call`'s counts (no XLA kernel between the two)."""
+    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`."""
     rows, k = ids.shape
     m = min(k, num_local_experts)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     out_types = (i32(capacity), i32(capacity), jax.ShapeDtypeStruct((capacity,), jnp.float32),
-                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k),
-                 i32(num_zeros))
+                 i32(num_local_experts), i32(1), i32(rows, m), i32(num_work, abi.GEMM_WORK_WORDS), i32(3, rows * k))
     target, extra = _expert_target("expert_plan")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
-    out = call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source), max_tokens=np.int64(max_tokens),
-               **extra)
-    return (*out[:7], out[8])
+    return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
+                max_tokens=np.int64(max_tokens), **extra)[:7]
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,
@@ -515,23 +512,16 @@ def row_sum_call(parts, row_pairs, pair_weight, count):
     return jax.ffi.ffi_call(target, out_type, has_side_effect=False)(parts, row_pairs, pair_weight, count, **extra)
 
 
-def expert_stage_counts(num_work: int, inter: int) -> int:
-    """Words of the fused expert stage's counts (`kernels/abi.py` EXPERT_STAGE `counts`)."""
-    return 2 + num_work * (1 + inter // abi.GEMM_BLOCK_N)
-
-
-def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int, counts=None):
+def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int):
     """The fused expert stage custom call (`kernels/abi.py` EXPERT_STAGE, whose table says what each operand holds):
     FP32 `[S2, P, L]` partials of down, `S2 = ceil(I / k_down)`. `x` float8_e4m3fn `[R, L]` and `sf` uint8
     `[R, L / 32]` the receive rows, `a_rows` int32 `[P]` the plan's row of each pair, bf16 weights `[J, L, I]`,
-    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`; `counts`: int32 `[expert_stage_counts(W, I)]` zeros (the plan
-    kernel's), or None (XLA's)."""
+    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`."""
     rows, lat = x.shape
     p = a_rows.shape[0]
     inter = w_gate.shape[2]
     s1, s2 = -(-lat // k_gate), -(-inter // k_down)
-    if counts is None:
-        counts = jnp.zeros((expert_stage_counts(work.shape[0], inter),), jnp.int32)
+    counts = jnp.zeros((2 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
                  f32(s1, p, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((p, inter), jnp.bfloat16),
