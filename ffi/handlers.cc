@@ -386,7 +386,8 @@ struct ExpertStage {
         .template Ret<ffi::AnyBuffer>()      // h: bf16 [P, I]
         .template Ret<ffi::AnyBuffer>()      // y: f32 [S2, P, L] down's partials
         .template Attr<int64_t>("k_gate")    // contraction length of each gate / up split
-        .template Attr<int64_t>("k_down");   // contraction length of each down split
+        .template Attr<int64_t>("k_down")    // contraction length of each down split
+        .template Attr<int64_t>("direct");   // 1: no dequantization phase (items of <= kStageDirectPairs pairs)
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer a_rows,
@@ -394,7 +395,7 @@ struct ExpertStage {
                             ffi::AnyBuffer counts_in, ffi::Result<ffi::AnyBuffer> counts,
                             ffi::Result<ffi::AnyBuffer> xb, ffi::Result<ffi::AnyBuffer> parts,
                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y, int64_t k_gate,
-                            int64_t k_down) {
+                            int64_t k_down, int64_t direct) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
     auto yd = y->dimensions();
@@ -411,6 +412,11 @@ struct ExpertStage {
           ", I=" + std::to_string(I) + " of " + std::to_string(kTile) + ", and the splits of k_gate=" +
           std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
           ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
+    }
+    if (direct != 0 && (direct != 1 || k_gate > ep_abi::kStageDirectK)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: direct=" + std::to_string(direct) +
+                                         " must be 0 or 1, and 1 only with k_gate=" + std::to_string(k_gate) +
+                                         " <= " + std::to_string(ep_abi::kStageDirectK));
     }
     const int64_t num_counts = 2 + W * (1 + I / kTile);
     ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
@@ -459,6 +465,7 @@ struct ExpertStage {
         .num_work = static_cast<int32_t>(W),
         .k_gate = static_cast<int32_t>(k_gate),
         .k_down = static_cast<int32_t>(k_down),
+        .direct = static_cast<int32_t>(direct),
     });
     return ffi::Error::Success();
   }

@@ -448,9 +448,21 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
-                                 k_gate=_kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1],
-                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
+    k_gate = _kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1]
+    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work, k_gate=k_gate,
+                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1],
+                                 direct=_stage_direct(pl, k_gate))
+
+
+#: Whether the one launch may run `direct` (`_stage_direct`); False keeps its dequantization phase (a benchmark's A/B).
+KERNEL_STAGE_DIRECT = True
+
+
+def _stage_direct(pl: Plan, k_gate: int) -> bool:
+    """Whether the one launch runs without its dequantization phase (`abi.EXPERT_STAGE`'s `direct`): no expert can
+    have more pairs than the planned rows, `capacity / min(K, J)` (`N * max_tokens`), and those fit one row tile."""
+    return (KERNEL_STAGE_DIRECT and pl.capacity // pl.row_pairs.shape[1] <= abi.STAGE_DIRECT_PAIRS
+            and k_gate <= abi.STAGE_DIRECT_K)
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):

@@ -353,3 +353,21 @@ def test_one_launch_where_gate_up_is_split():
     assert not experts._stage_fits(pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
     assert not experts._stage_fits(pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
     assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
+
+
+@pytest.mark.parametrize("ranks,max_tokens,k_gate,direct", [
+    (2, 1, 448, True), (8, 2, 448, True), (1, 16, 512, True),  # at most 16 pairs an expert, k_gate <= 512
+    (1, 17, 448, False), (8, 3, 448, False),  # an expert may have more pairs than one row tile
+    (2, 1, 576, False),  # a unit's slice past the `a` slots
+])
+def test_one_launch_direct_where_items_fit_a_row_tile(ranks, max_tokens, k_gate, direct, monkeypatch):
+    """The one launch runs `direct` (no dequantization phase: `abi.EXPERT_STAGE`'s `direct`) exactly where no local
+    expert can have more pairs than `abi.STAGE_DIRECT_PAIRS` (the plan's rows, `N * max_tokens`) and `k_gate <=
+    abi.STAGE_DIRECT_K`; `KERNEL_STAGE_DIRECT = False` keeps the phase everywhere."""
+    rng = np.random.default_rng(ranks * 100 + max_tokens)
+    recv = jax.tree.map(jnp.asarray, random_received(rng, ranks=ranks, rank=0, tokens=max_tokens, max_tokens=max_tokens,
+                                                     latent=256, experts=64, topk=8))
+    pl = experts.plan(recv, 0, 64 // ranks, max_tokens=max_tokens, ranks=ranks)
+    assert experts._stage_direct(pl, k_gate) == direct
+    monkeypatch.setattr(experts, "KERNEL_STAGE_DIRECT", False)
+    assert not experts._stage_direct(pl, k_gate)

@@ -44,6 +44,11 @@ GEMM_WORK_WORDS = 4
 #: The FP8-weight grouped GEMM: columns of one CTA, and the block of one FP32 weight scale (rows and columns).
 GEMM_FP8_BLOCK_N = 128
 GEMM_FP8_SCALE_BLOCK = 128
+#: The one-launch expert stage without a dequantization phase (`direct`): every work item has at most
+#: `STAGE_DIRECT_PAIRS` pairs (one MMA row tile) and `k_gate <= STAGE_DIRECT_K`, so a gate / up unit's slice of its
+#: rows fits the ring's `a` slots and the unit dequantizes it there itself.
+STAGE_DIRECT_PAIRS = 16
+STAGE_DIRECT_K = 512
 #: Most local experts the expert plan kernel takes (its per-expert counters live in shared memory).
 NUM_MAX_PLAN_EXPERTS = 2048
 #: Words of the plan kernel's per-expert row bitmaps (`J * ceil(R / 32)` must not exceed it).
@@ -204,6 +209,9 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     Param("num_work", "i32", False, "work items"),
     Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64"),
     Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
+    Param("direct", "i32", False, "1: no dequantization phase; each gate / up unit dequantizes its rows' slice into "
+          "shared memory (items of <= STAGE_DIRECT_PAIRS pairs, k_gate <= STAGE_DIRECT_K; `xb` unwritten); 0: the "
+          "phase"),
 ))
 
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive
@@ -358,6 +366,8 @@ def header() -> str:
         f"constexpr int kGemmWorkWords = {GEMM_WORK_WORDS};",
         f"constexpr int kGemmFp8BlockN = {GEMM_FP8_BLOCK_N};",
         f"constexpr int kGemmFp8ScaleBlock = {GEMM_FP8_SCALE_BLOCK};",
+        f"constexpr int kStageDirectPairs = {STAGE_DIRECT_PAIRS};",
+        f"constexpr int kStageDirectK = {STAGE_DIRECT_K};",
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",

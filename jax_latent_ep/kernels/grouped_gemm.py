@@ -71,6 +71,7 @@ from jax_latent_ep.kernels.primitives import (
     load_v4,
     red_add_relaxed_gpu,
     store_shared_b32,
+    store_shared_v4,
     store_v4,
     trap,
 )
@@ -112,12 +113,20 @@ FP8_A_STAGE_BYTES = BLOCK_M * FP8_A_ROW_BYTES
 FP8_SF_STAGE_BYTES = BLOCK_M * 4
 FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16)
 
+#: The direct stage (`abi.STAGE_DIRECT_PAIRS`): a gate / up unit's `a` slice, one 16-row tile a contraction step,
+#: at `DIRECT_STEP_BYTES` apart in the ring's `a` slots (`STAGE_DIRECT_K / BLOCK_K` steps fit), and each thread's
+#: 16-element chunks of it (their loads issued at once).
+DIRECT_STEP_BYTES = abi.STAGE_DIRECT_PAIRS * ROW_BYTES
+DIRECT_STEPS = abi.STAGE_DIRECT_K // BLOCK_K
+DIRECT_CHUNKS = DIRECT_STEPS * abi.STAGE_DIRECT_PAIRS * (BLOCK_K // 16) // THREADS
 #: The fused stage's bound on one wait for another CTA's count (they come within microseconds): then a trap.
 WAIT_NS = 2_000_000_000
 #: Splits of the gate / up contraction the fused stage's finisher loads at once (more take several rounds).
 SUM_SPLITS = 8
 
 assert BLOCK_K * 2 == ROW_BYTES and BLOCK_N * 2 == ROW_BYTES and BLOCK_N == 16 * WARPS and BLOCK_M == 4 * 16
+assert DIRECT_STEPS * DIRECT_STEP_BYTES <= STAGES * A_STAGE_BYTES and abi.STAGE_DIRECT_PAIRS == 16
+assert THREADS == 2 * abi.STAGE_DIRECT_PAIRS * (BLOCK_K // 16) and DIRECT_CHUNKS * 2 == DIRECT_STEPS
 assert FP8_BLOCK_N == ROW_BYTES and abi.GEMM_FP8_SCALE_BLOCK == 2 * BLOCK_K == FP8_BLOCK_N and FP8_THREADS == 256
 
 
@@ -225,7 +234,7 @@ class GroupedGemm:
                 rest = unit_idx // column_tiles
                 self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
                           k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid,
-                          False, Int64(0), Int32(0))
+                          False, Int64(0), Int32(0), Int32(0))
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
@@ -248,10 +257,12 @@ class GroupedGemm:
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
              w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
              k_per_split: Int32, fuse_glu: Int32, split: Int32, item: Int32, tile: Int32, smem_a: Uint32,
-             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32):
+             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32, direct: Int32):
         """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16) the prologue's
         weight stages are issued first, then the CTA waits until the word at `ready_addr` reaches `ready` (the rows
-        of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages."""
+        of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages; with `direct` too
+        (gate / up of the direct stage) `a` is the MXFP8 rows (`a_scale` their scales) and the unit dequantizes its
+        slice of them into the `a` slots itself (`dequantize_slice`) instead: no wait, no `a` stages."""
         lane = tid % 32
         warp = tid // 32
         two = w_second != Int64(0)
@@ -293,12 +304,15 @@ class GroupedGemm:
                 a_size.append(size // Uint32(4))
                 a_live.append(tid < rows_padded)
             else:
+                copied_rows = rows_padded
+                if direct != 0:
+                    copied_rows = Int32(0)  # `a` is in shared memory before the main loop
                 for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                     r = tid // 8 + i * (self.threads // 8)
                     row, size = self.pair_row(a_rows, first, r, rows)
                     a_src.append(a + Int64(row) * Int64(num_k) * 2 + Int64(chunk * 16))
                     a_size.append(size)
-                    a_live.append(r < rows_padded)
+                    a_live.append(r < copied_rows)
             acc = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
             acc.fill(0.0)
             acc_up = cute.make_rmem_tensor(cute.make_layout(BLOCK_M // 16 * 2 * 4), cutlass.Float32)
@@ -309,7 +323,8 @@ class GroupedGemm:
                 # ---- Two weights: stage c holds weight c % 2 (`w`, `acc`; `w_second`, `acc_up`) of contraction
                 # step c // 2.
                 self.prologue(2, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin, steps,
-                              num_n, tid, chunk, waits, ready_addr, ready)
+                              num_n, tid, chunk, waits, ready_addr, ready, direct, a, a_scale, a_rows, first, rows,
+                              num_k)
                 # Main loop, stages 2 kt + h: wait for the stage, refill the slot the stage before freed with stage
                 # 2 kt + h + stages - 1 (its weight and step fixed by h), multiply.
                 for kt in range(steps):
@@ -322,12 +337,14 @@ class GroupedGemm:
                                             a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
                                             (2 * kt + ahead) % stages, num_n, tid, chunk)
                         cp_async_commit()
-                        self.multiply(acc if h == 0 else acc_up, smem_a, smem_w, (2 * kt + h) % stages, kt % 2, rows,
-                                      warp, lane)
+                        self.multiply(acc if h == 0 else acc_up, self.a_slot(smem_a, (2 * kt + h) % stages, kt, direct,
+                                                                                waits),
+                                      smem_w, (2 * kt + h) % stages, kt % 2, rows, warp, lane)
             else:
                 # ---- One weight.
                 self.prologue(1, w_col, u_col, w_sc, u_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin, steps,
-                              num_n, tid, chunk, waits, ready_addr, ready)
+                              num_n, tid, chunk, waits, ready_addr, ready, direct, a, a_scale, a_rows, first, rows,
+                              num_k)
                 # Main loop: wait for stage kt, refill the slot the previous step freed, multiply stage kt.
                 for kt in range(steps):
                     cp_async_wait(stages - 2)
@@ -337,7 +354,8 @@ class GroupedGemm:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
                                         nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, smem_a, smem_w, kt % stages, kt % 2, rows, warp, lane)
+                    self.multiply(acc, self.a_slot(smem_a, kt % stages, kt, direct, waits), smem_w, kt % stages, kt % 2, rows,
+                                  warp, lane)
 
             if fuse_glu != 0:
                 # ---- Epilogue, SwiGLU: each warp holds the gate and the up of its 16 columns; it stores
@@ -376,20 +394,86 @@ class GroupedGemm:
     @cute.jit
     def prologue(self, per_step: cutlass.Constexpr, w_col: Int64, u_col: Int64, w_sc: Int64, u_sc: Int64, a_src,
                  a_size, a_live, smem_a: Uint32, smem_w: Uint32, k_begin: Int32, steps: Int32, num_n: Int32,
-                 tid: Int32, chunk: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32):
+                 tid: Int32, chunk: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32, direct: Int32,
+                 a: Int64, a_scale: Int64, a_rows: Int64, first: Int32, rows: Int32, num_k: Int32):
         """Ring stages 0 .. stages - 2 in flight, stage c holding weight c % `per_step` (`w_col`, else `u_col`) of
         contraction step c // `per_step`. With `waits`: the weight rows (no dependency) as groups 0 .. stages - 2,
         the wait, then the `a` rows as groups stages - 1 + c (the main loop's wait for a stage still covers both of
-        its halves)."""
+        its halves); with `direct` the slice's dequantization instead of the wait and the `a` groups (the main
+        loop's first wait then covers the first weight stage only)."""
         for part in cutlass.range_constexpr(1, 3 if waits else 2):
             if cutlass.const_expr(waits and part == 2):
-                self.wait_count(ready_addr, ready, tid)
-            for c in cutlass.range_constexpr(self.stages - 1):
-                if c // per_step < steps:
-                    self.load_stage(w_col if c % per_step == 0 else u_col, w_sc if c % per_step == 0 else u_sc,
-                                    a_src, a_size, a_live, smem_a, smem_w, k_begin + (c // per_step) * BLOCK_K,
-                                    Int32(c), num_n, tid, chunk, parts=part if waits else 3)
-                cp_async_commit()
+                if direct != 0:
+                    self.dequantize_slice(a, a_scale, a_rows, first, rows, num_k, k_begin, steps, smem_a, tid)
+                else:
+                    self.wait_count(ready_addr, ready, tid)
+            if cutlass.const_expr(waits and part == 2):
+                if direct == 0:
+                    for c in cutlass.range_constexpr(self.stages - 1):
+                        if c // per_step < steps:
+                            self.load_stage(w_col if c % per_step == 0 else u_col,
+                                            w_sc if c % per_step == 0 else u_sc, a_src, a_size, a_live, smem_a,
+                                            smem_w, k_begin + (c // per_step) * BLOCK_K, Int32(c), num_n, tid, chunk,
+                                            parts=2)
+                        cp_async_commit()
+            else:
+                for c in cutlass.range_constexpr(self.stages - 1):
+                    if c // per_step < steps:
+                        self.load_stage(w_col if c % per_step == 0 else u_col, w_sc if c % per_step == 0 else u_sc,
+                                        a_src, a_size, a_live, smem_a, smem_w, k_begin + (c // per_step) * BLOCK_K,
+                                        Int32(c), num_n, tid, chunk, parts=part if waits else 3)
+                    cp_async_commit()
+
+    @cute.jit
+    def a_slot(self, smem_a: Uint32, slot: Int32, step: Int32, direct: Int32, waits: cutlass.Constexpr):
+        """Shared address of the `a` tile a stage multiplies: ring slot `slot`'s, or with `direct` (`waits` only)
+        contraction step `step`'s of the unit's dequantized slice."""
+        at = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
+        if cutlass.const_expr(waits):
+            if direct != 0:
+                at = smem_a + Uint32(step) * Uint32(DIRECT_STEP_BYTES)
+        return at
+
+    @cute.jit
+    def dequantize_slice(self, x: Int64, sf: Int64, a_rows: Int64, first: Int32, rows: Int32, num_k: Int32,
+                         k_begin: Int32, steps: Int32, smem_a: Uint32, tid: Int32):
+        """The direct stage's `a`: contraction steps `0 .. steps - 1` of the work item's rows (through `a_rows`), MXFP8
+        elements `k_begin ..` dequantized to BF16 as `dequantize` does (bit for bit), step `s` as a 16-row tile at
+        `s * DIRECT_STEP_BYTES` in the `a` slots (the ring's swizzle; rows past the item's pairs zero). Thread `t`:
+        row `(t % 64) / 4`, 16-element chunk `t % 4` of steps `t / 64 + 2 i`, every load issued before any is
+        converted (the first ring stage's weights are already in flight). An item of more rows or more steps than
+        the direct stage takes is a host bug: a trap, never a wrong `h`."""
+        if rows > abi.STAGE_DIRECT_PAIRS or steps > DIRECT_STEPS:
+            trap()
+        r = (tid % 64) // 4
+        c16 = tid % 4
+        r_load = r
+        keep = Uint32(0xFFFFFFFF)
+        if r >= rows:
+            r_load = Int32(0)  # a repeated load of the item's first pair, stored as zeros: the loads stay unconditional
+            keep = Uint32(0)
+        row = Int32(load_b32(a_rows + Int64(first + r_load) * 4))
+        src = x + Int64(row) * Int64(num_k)
+        sf_row = sf + Int64(row) * Int64(num_k // 32)
+        qs, words = [], []
+        for i in cutlass.range_constexpr(DIRECT_CHUNKS):
+            s = tid // 64 + 2 * i
+            if s > steps - 1:
+                s = steps - 1
+            col = k_begin + s * BLOCK_K + c16 * 16
+            qs.append(load_v4(src + Int64(col)))
+            words.append(load_b32(sf_row + Int64(col // 128 * 4)))
+        for i in cutlass.range_constexpr(DIRECT_CHUNKS):
+            s = tid // 64 + 2 * i
+            if s < steps:
+                col = k_begin + s * BLOCK_K + c16 * 16
+                e = (words[i] >> Uint32(8 * ((col // 32) % 4))) & Uint32(0xFF)
+                scale = f32_from_bits(e << Uint32(23))
+                lo = [v & keep for v in e4m3x8_to_bf16x8(qs[i][0], qs[i][1], scale)]
+                hi = [v & keep for v in e4m3x8_to_bf16x8(qs[i][2], qs[i][3], scale)]
+                tile = smem_a + Uint32(s * DIRECT_STEP_BYTES + r * ROW_BYTES)
+                store_shared_v4(tile + Uint32(((2 * c16) ^ (r % 8)) * 16), lo)
+                store_shared_v4(tile + Uint32(((2 * c16 + 1) ^ (r % 8)) * 16), hi)
 
     @cute.jit
     def wait_count(self, addr: Int64, target: Int32, tid: Int32):
@@ -481,12 +565,12 @@ class GroupedGemm:
         return sf + Uint32(slot) * Uint32(FP8_SF_STAGE_BYTES), ws + Uint32(slot) * Uint32(16)
 
     @cute.jit
-    def multiply(self, acc, smem_a: Uint32, smem_w: Uint32, slot: Int32, half: Int32, rows: Int32, warp: Int32,
+    def multiply(self, acc, a_slot: Uint32, smem_w: Uint32, slot: Int32, half: Int32, rows: Int32, warp: Int32,
                  lane: Int32):
-        """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage, row tiles past `rows` skipped
-        (warp-uniform). BF16: BLOCK_K / 16 MMA steps. FP8: two e4m3 MMAs of 32 contraction rows per row tile and
-        column tile, each result times its scales; `half` (0, 1) is the stage's half of its 128-row scale block."""
-        a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
+        """`acc += a_tile @ w_tile` for this warp's 16 columns over one stage (the `a` tile at `a_slot`, the weights
+        in ring slot `slot`), row tiles past `rows` skipped (warp-uniform). BF16: BLOCK_K / 16 MMA steps. FP8: two
+        e4m3 MMAs of 32 contraction rows per row tile and column tile, each result times its scales; `half` (0, 1)
+        is the stage's half of its 128-row scale block."""
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         q = lane // 8
         i8 = lane % 8
@@ -556,7 +640,9 @@ class ExpertStage(GroupedGemm):
     Units, in the order the CTAs take them (CTA `c` first unit `c`, then the next ticket of the last counts word,
     so a CTA that ends early takes the next unit):
       1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit); each counts itself
-         in word 0;
+         in word 0. Not with `direct` (items of at most `abi.STAGE_DIRECT_PAIRS` pairs, decode): there each gate /
+         up unit dequantizes its rows' slice into its `a` slots while its first weight stages stream, so no unit
+         waits for a phase of the launch before its first MMA;
       2. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
          then a wait for word 0 (every row dequantized), then the rows. One split stores its tile of `h` (the
          SwiGLU epilogue); several store FP32 partials and count themselves in the (item, tile) word, and the CTA
@@ -591,9 +677,10 @@ class ExpertStage(GroupedGemm):
         num_work: Int32,
         k_gate: Int32,
         k_down: Int32,
+        direct: Int32,
     ):
         self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, xb, parts, h, y, num_recv, num_l, num_i,
-                    num_rows, num_work, k_gate, k_down).launch(
+                    num_rows, num_work, k_gate, k_down, direct).launch(
             # The FFI handler sets the grid; three CTAs an SM whatever the other phases hold.
             grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=STAGE_SMEM_BYTES, preferred_smem_carveout=-1,
             min_blocks_per_mp=3,
@@ -621,6 +708,7 @@ class ExpertStage(GroupedGemm):
         num_work: Int32,
         k_gate: Int32,
         k_down: Int32,
+        direct: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -639,6 +727,12 @@ class ExpertStage(GroupedGemm):
         tiles_down = num_l // BLOCK_N
         splits_down = (num_i + k_down - 1) // k_down
         units_dq = num_recv
+        gate_a = xb
+        gate_a_scale = Int64(0)
+        if direct != 0:
+            units_dq = Int32(0)  # each gate / up unit dequantizes its own slice
+            gate_a = x
+            gate_a_scale = sf
         end_gate = units_dq + num_items * splits_gate * tiles_gate
         num_units = end_gate + num_items * splits_down * tiles_down
         fuse = Int32(0)
@@ -663,9 +757,9 @@ class ExpertStage(GroupedGemm):
                 tile = v % tiles_gate
                 rest = v // tiles_gate
                 item = rest // splits_gate
-                self.unit(xb, a_rows, Int64(0), w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i,
-                          num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
-                          counts, units_dq)
+                self.unit(gate_a, a_rows, gate_a_scale, w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l,
+                          num_i, num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
+                          counts, units_dq, direct)
                 self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
                             smem_word, tid)
             else:
@@ -674,7 +768,7 @@ class ExpertStage(GroupedGemm):
                 item = rest // splits_down
                 self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
                           num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
-                          tid, True, counts + Int64(1 + item) * 4, tiles_gate)
+                          tid, True, counts + Int64(1 + item) * 4, tiles_gate, Int32(0))
             if tid == 0:
                 store_shared_b32(smem_next, next_unit + Uint32(grid))
             cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue

@@ -548,6 +548,13 @@ def store_shared_b32(smem, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_shared_v4(smem, words, *, loc=None, ip=None) -> None:
+    """Always issues one `st.shared.v4.b32` of 4 words at shared address `smem` (16-byte aligned)."""
+    operands = [_u32(smem, loc, ip)] + [_u32(w, loc, ip) for w in words]
+    _asm(None, operands, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", loc, ip)
+
+
+@dsl_user_op
 def atomic_add_shared(smem, value, *, loc=None, ip=None) -> Uint32:
     """`atom.shared.add.u32`: adds `value` to the word at shared address `smem`; returns the word before (the
     order among concurrent adds is unspecified)."""
