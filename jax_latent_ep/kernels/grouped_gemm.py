@@ -47,8 +47,6 @@ from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
     cp_async_4,
     cp_async_16,
-    cp_async_16_hinted,
-    l2_evict_first,
     cp_async_commit,
     mma_e4m3_16832,
     prmt,
@@ -535,12 +533,10 @@ class GroupedGemm:
         a_slot = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
         w_slot = smem_w + Uint32(slot) * Uint32(W_STAGE_BYTES)
         if cutlass.const_expr(parts & 1):
-            policy = l2_evict_first()  # each weight byte is read once: L2 keeps the small words around the stream
             for i in cutlass.range_constexpr(BLOCK_K // (self.threads // 8)):
                 r = tid // 8 + i * (self.threads // 8)
                 src = w_col + Int64(k0 + r) * Int64(num_n) * self.elem
-                cp_async_16_hinted(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src,
-                                   Uint32(16), policy)
+                cp_async_16(w_slot + Uint32(r * ROW_BYTES + ((chunk ^ self.w_swizzle(r)) * 16)), src, Uint32(16))
         if cutlass.const_expr(self.fp8):
             r = tid // 4
             if a_live[0]:

@@ -417,20 +417,6 @@ def cp_async_16(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def l2_evict_first(*, loc=None, ip=None) -> Int64:
-    """`createpolicy.fractional.L2::evict_first`: an L2 cache policy for data read once (a weight stream), so the
-    lines it brings in are the first L2 evicts and the small words around it (plans, rows, partials) stay."""
-    return Int64(_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", loc, ip))
-
-
-@dsl_user_op
-def cp_async_16_hinted(smem, gmem, src_bytes, policy, *, loc=None, ip=None) -> None:
-    """`cp_async_16` with an L2 cache policy (`l2_evict_first`)."""
-    _asm(None, [_u32(smem, loc, ip), _i64(gmem, loc, ip), _u32(src_bytes, loc, ip), _i64(policy, loc, ip)],
-         "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;", "r,l,r,l", loc, ip)
-
-
-@dsl_user_op
 def cp_async_4(smem, gmem, src_bytes, *, loc=None, ip=None) -> None:
     """Always issues one `cp.async.ca.shared.global` of 4 bytes from `gmem` (4-byte aligned) to `smem`, the first
     `src_bytes` (0 or 4) read and the rest zero-filled; completes only at `cp_async_wait`, like `cp_async_16`."""
