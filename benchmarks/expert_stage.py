@@ -191,8 +191,6 @@ def child(args):
         experts.KERNEL_STAGE_GATE_UNITS, experts.KERNEL_STAGE_DOWN_UNITS = args.stage_units
     if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`experts.XLA_ROW_SUM_SLOTS`)
         experts.XLA_ROW_SUM_SLOTS = args.xla_row_sum_slots
-    if args.stage_phase:  # the one launch keeps its dequantization phase (`experts.KERNEL_STAGE_DIRECT`)
-        experts.KERNEL_STAGE_DIRECT = False
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
@@ -203,7 +201,6 @@ def child(args):
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_GATE_UNITS)
         out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_DOWN_UNITS)
         out(backend="xla_row_sum_slots", ranks=1, tokens=0, metric="slots", value=experts.XLA_ROW_SUM_SLOTS)
-        out(backend="kernel_stage_direct", ranks=1, tokens=0, metric="enabled", value=int(experts.KERNEL_STAGE_DIRECT))
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -469,9 +466,6 @@ def main(argv=None):
     p.add_argument("--xla-row-sum-slots", type=int, default=None,
                    help="the one launch's row sum is XLA's up to this many slots (R * M), the row-sum kernel's above "
                         "(default `experts.XLA_ROW_SUM_SLOTS`; recorded as the `xla_row_sum_slots` row)")
-    p.add_argument("--stage-phase", action="store_true",
-                   help="the one launch keeps its dequantization phase where it could run direct (default "
-                        "`experts.KERNEL_STAGE_DIRECT`; recorded as the `kernel_stage_direct` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage_units and min(args.stage_units) < 1:

@@ -355,19 +355,20 @@ def test_one_launch_where_gate_up_is_split():
     assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
 
 
-@pytest.mark.parametrize("ranks,max_tokens,k_gate,direct", [
-    (2, 1, 448, True), (8, 2, 448, True), (1, 16, 512, True),  # at most 16 pairs an expert, k_gate <= 512
-    (1, 17, 448, False), (8, 3, 448, False),  # an expert may have more pairs than one row tile
-    (2, 1, 576, False),  # a unit's slice past the `a` slots
+
+@pytest.mark.parametrize("ranks,max_tokens,inter,fits", [
+    (2, 1, 512, True), (8, 2, 512, True), (1, 16, 512, True),  # at most 16 pairs an expert, 8 splits of 448
+    (1, 17, 512, False), (8, 3, 512, False),  # an expert may have more pairs than one row tile
+    (2, 1, 2048, False),  # gate / up split in 2 x 1792 rows: past the `a` region
 ])
-def test_one_launch_direct_where_items_fit_a_row_tile(ranks, max_tokens, k_gate, direct, monkeypatch):
-    """The one launch runs `direct` (no dequantization phase: `abi.EXPERT_STAGE`'s `direct`) exactly where no local
-    expert can have more pairs than `abi.STAGE_DIRECT_PAIRS` (the plan's rows, `N * max_tokens`) and `k_gate <=
-    abi.STAGE_DIRECT_K`; `KERNEL_STAGE_DIRECT = False` keeps the phase everywhere."""
+def test_one_launch_only_where_items_fit_a_row_tile(ranks, max_tokens, inter, fits):
+    """The one launch also needs what its shared memory takes: no local expert with more pairs than
+    `abi.STAGE_DIRECT_PAIRS` (the plan's rows, `N * max_tokens`) and a gate / up split of at most
+    `abi.STAGE_DIRECT_K` rows; elsewhere the two launches run."""
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
     rng = np.random.default_rng(ranks * 100 + max_tokens)
     recv = jax.tree.map(jnp.asarray, random_received(rng, ranks=ranks, rank=0, tokens=max_tokens, max_tokens=max_tokens,
-                                                     latent=256, experts=64, topk=8))
-    pl = experts.plan(recv, 0, 64 // ranks, max_tokens=max_tokens, ranks=ranks)
-    assert experts._stage_direct(pl, k_gate) == direct
-    monkeypatch.setattr(experts, "KERNEL_STAGE_DIRECT", False)
-    assert not experts._stage_direct(pl, k_gate)
+                                                     latent=3584, experts=896, topk=16))
+    pl = experts.plan(recv, 0, 896 // ranks, max_tokens=max_tokens, ranks=ranks)
+    gate = spec(896 // ranks, 3584, inter)
+    assert experts._stage_fits(pl, gate, gate, 16) == fits

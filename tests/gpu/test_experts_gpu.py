@@ -97,24 +97,12 @@ def test_kernel_hot_experts_and_split_contraction(fused, fp8):
     _close(got, want)
 
 
-def _fused(recv, pl, ws, hint, monkeypatch, direct: bool, ran_direct: bool | None = None):
-    """`swiglu(impl="kernel")` as one launch with `experts.KERNEL_STAGE_DIRECT = direct`; checks that it ran direct
-    (no dequantization phase) exactly when `ran_direct` (default `direct`)."""
-    monkeypatch.setattr(experts, "KERNEL_STAGE_DIRECT", direct)
-    k_gate = experts._kernel_splits(min(pl.num_local_experts, pl.capacity, hint), ws[0].shape[2], ws[0].shape[1],
-                                    min_units=experts.KERNEL_STAGE_GATE_UNITS)[1]
-    assert experts._stage_direct(pl, k_gate) == (direct if ran_direct is None else ran_direct)
-    return np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=hint))(
-        recv, pl, *ws), np.float32)
-
-
 @pytest.mark.parametrize("inter,t", [(256, 1), (256, 2), (128, 3), (512, 1)])
-def test_fused_stage_against_two_launches(inter, t, monkeypatch):
+def test_fused_stage_against_two_launches(inter, t):
     """The one launch (`experts.swiglu(impl="kernel")`: bf16 gate and up, gate / up split) against the two
     grouped-GEMM launches on the same plan (`swiglu_rows(impl="kernel")`, where XLA dequantizes, sums the splits and
     applies the SwiGLU), within the GEMM tolerance (the kernel's SiLU instead of XLA's moves the bf16 rounding of
-    `h`); both against ragged_dot. The launch `direct` (each gate / up unit dequantizes its own rows) and with its
-    dequantization phase give the same bits."""
+    `h`); both against ragged_dot."""
     rng = np.random.default_rng(1000 + inter + t)
     lat, e, k = 1024, 64, 8
     recv = random_received(rng, ranks=2, rank=0, tokens=[t, t - 1 if t > 1 else t], max_tokens=t, latent=lat,
@@ -124,8 +112,8 @@ def test_fused_stage_against_two_launches(inter, t, monkeypatch):
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e // 2, max_tokens=t, ranks=2, impl="kernel")
     assert experts._stage_fits(pl, *ws[:2], t * k)
-    fused = _fused(recv, pl, ws, t * k, monkeypatch, direct=True)
-    np.testing.assert_array_equal(fused, _fused(recv, pl, ws, t * k, monkeypatch, direct=False))
+    fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=t * k))(
+        recv, pl, *ws), np.float32)
     rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
         p, x, a, b, c, impl=impl, expected_pairs=t * k))(pl, experts.activations(recv), *ws), np.float32)
     launches = rows("kernel")
@@ -137,30 +125,27 @@ def test_fused_stage_against_two_launches(inter, t, monkeypatch):
     assert np.any(no_pair) and np.all(fused[no_pair] == 0)
 
 
-@pytest.mark.parametrize("t", [16, 24])
-def test_fused_stage_hot_rows_and_split_down(monkeypatch, t):
-    """The one launch where work items hold many pairs (hot experts: 9-16 pairs each; at T = 16 the most the
-    `direct` launch takes, at T = 24, past it, the launch keeps its dequantization phase), down's contraction is split
-    (I = 512) and gate / up's too (a small `expected_pairs`): against the two launches, the NumPy model and
-    ragged_dot; with the row-sum kernel after it bit for bit as with XLA's row sum; at T = 16 `direct` and with
-    the phase bit for bit."""
-    rng = np.random.default_rng(2024 + t)
-    lat, e, k, inter = 1024, 8, 4, 512
+def test_fused_stage_hot_rows_and_split_down(monkeypatch):
+    """The one launch where work items hold many pairs (hot experts: one of 16 pairs, the most the launch takes,
+    others of 9-12), down's contraction is split (I = 512) and gate / up's too (a small `expected_pairs`): against
+    the two launches, the NumPy model and ragged_dot; with the row-sum kernel after it bit for bit as with XLA's row
+    sum."""
+    rng = np.random.default_rng(2024)
+    lat, e, k, t, inter = 1024, 8, 4, 16, 512
     recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=lat, experts=e, topk=k,
-                           pad_tokens=0.1, pad_slots=0.1, duplicates=0.2)
+                           pad_tokens=0.0, pad_slots=0.1, duplicates=0.2)
+    ids = np.array(recv.ids)
+    ids[:, 0] = 0  # expert 0 in every row: a work item of 16 pairs
+    recv = recv._replace(ids=ids)
     w = lambda *s: jnp.asarray((rng.standard_normal(s, np.float32) / np.sqrt(s[1])).astype(ml_dtypes.bfloat16))  # noqa: E731
     ws = (w(e, lat, inter), w(e, lat, inter), w(e, inter, lat))
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e, impl="kernel")
     hint = 4
-    most = int(np.max(np.asarray(pl.group_sizes)))
-    assert most > 8 and experts._stage_fits(pl, *ws[:2], hint)
+    assert int(np.max(np.asarray(pl.group_sizes))) == 16 and experts._stage_fits(pl, *ws[:2], hint)
     assert experts._kernel_splits(hint, lat, inter)[0] > 1
-    if t <= 16:
-        fused = _fused(recv, pl, ws, hint, monkeypatch, direct=True)
-        np.testing.assert_array_equal(fused, _fused(recv, pl, ws, hint, monkeypatch, direct=False))
-    else:
-        fused = _fused(recv, pl, ws, hint, monkeypatch, direct=True, ran_direct=False)
+    fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=hint))(
+        recv, pl, *ws), np.float32)
     rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
         p, x, a, b, c, impl=impl, expected_pairs=hint))(pl, experts.activations(recv), *ws), np.float32)
     want = reference_swiglu(jax.tree.map(np.asarray, recv), 0, *(np.asarray(a) for a in ws), max_tokens=t,
@@ -204,9 +189,9 @@ def test_row_sum_kernel_bit_exact(n, t, lat, plan_impl, splits):
     assert np.all(got[rows.sum(axis=1) == 0].astype(np.float32) == 0)
 
 
-def test_fused_stage_refuses_direct_past_its_slots():
-    """The FFI handler refuses `direct` with a gate / up split longer than `abi.STAGE_DIRECT_K` (its `a` slice would
-    not fit the ring's `a` slots), naming the values, before the kernel runs."""
+def test_fused_stage_refuses_a_gate_split_past_its_shared_memory():
+    """The FFI handler refuses a gate / up split longer than `abi.STAGE_DIRECT_K` rows (a unit's dequantized slice
+    would not fit its `a` region), naming the value, before the kernel runs."""
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
@@ -218,6 +203,6 @@ def test_fused_stage_refuses_direct_past_its_slots():
     w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16))  # noqa: E731
     k_gate = 2 * abi.STAGE_DIRECT_K
     call = jax.jit(lambda r, p, a, b, c: ffi.expert_stage_call(r.x, r.sf, p.row, a, b, c, p.work, k_gate=k_gate,
-                                                               k_down=inter, direct=True))
-    with pytest.raises(Exception, match=f"direct=1 must be 0 or 1, and 1 only with k_gate={k_gate}"):
+                                                               k_down=inter))
+    with pytest.raises(Exception, match=f"k_gate={k_gate} must be at most {abi.STAGE_DIRECT_K}"):
         jax.block_until_ready(call(recv, pl, w(j, lat, inter), w(j, lat, inter), w(j, inter, lat)))
