@@ -360,9 +360,9 @@ static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCo
               "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
 
 // ---------------------------------------------------------------------------------------------------------
-// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, counts) -> (counts, xb, parts, h, y): the expert stage's
-// dequantization and SwiGLU MLP in one launch (kernels/grouped_gemm.py ExpertStage, BF16, work items of at most
-// kStageDirectPairs pairs: the kernel traps on more); `counts` is zero on entry (the output aliases it).
+// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, counts) -> (counts, parts, h, y): the expert stage's
+// SwiGLU MLP on the MXFP8 receive rows in one launch (kernels/grouped_gemm.py ExpertStage, BF16, work items of at
+// most kStageDirectPairs pairs: the kernel traps on more); `counts` is zero on entry (the output aliases it).
 
 struct ExpertStage {
   static constexpr const char* kWhat = "expert_stage";
@@ -379,23 +379,20 @@ struct ExpertStage {
         .template Arg<ffi::AnyBuffer>()      // w_up: bf16 [J, L, I]
         .template Arg<ffi::AnyBuffer>()      // w_down: bf16 [J, I, L]
         .template Arg<ffi::AnyBuffer>()      // work: int32 [W, 4] (group, first pair, pairs, items)
-        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [2 + W (1 + I / 64)] zeros (`counts` aliases it)
+        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64)] zeros (`counts` aliases it)
         .template Ret<ffi::AnyBuffer>()      // counts: the same buffer, the kernel's counts
-        .template Ret<ffi::AnyBuffer>()      // xb: bf16 [R, L] dequantized rows
         .template Ret<ffi::AnyBuffer>()      // parts: f32 [S1, P, 2I] gate / up partials (S1 > 1), else f32 [1]
         .template Ret<ffi::AnyBuffer>()      // h: bf16 [P, I]
         .template Ret<ffi::AnyBuffer>()      // y: f32 [S2, P, L] down's partials
         .template Attr<int64_t>("k_gate")    // contraction length of each gate / up split
-        .template Attr<int64_t>("k_down")    // contraction length of each down split
-        .template Attr<int64_t>("direct");   // 1: no dequantization phase (items of <= kStageDirectPairs pairs)
+        .template Attr<int64_t>("k_down");   // contraction length of each down split
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer a_rows,
                             ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer work,
                             ffi::AnyBuffer counts_in, ffi::Result<ffi::AnyBuffer> counts,
-                            ffi::Result<ffi::AnyBuffer> xb, ffi::Result<ffi::AnyBuffer> parts,
-                            ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y, int64_t k_gate,
-                            int64_t k_down, int64_t direct) {
+                            ffi::Result<ffi::AnyBuffer> parts, ffi::Result<ffi::AnyBuffer> h,
+                            ffi::Result<ffi::AnyBuffer> y, int64_t k_gate, int64_t k_down) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
     auto yd = y->dimensions();
@@ -413,12 +410,12 @@ struct ExpertStage {
           std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
           ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
     }
-    if (direct != 0 && (direct != 1 || k_gate > ep_abi::kStageDirectK)) {
-      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: direct=" + std::to_string(direct) +
-                                         " must be 0 or 1, and 1 only with k_gate=" + std::to_string(k_gate) +
-                                         " <= " + std::to_string(ep_abi::kStageDirectK));
+    if (k_gate > ep_abi::kStageDirectK) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: k_gate=" + std::to_string(k_gate) +
+                                         " must be at most " + std::to_string(ep_abi::kStageDirectK) +
+                                         " (a gate / up unit's rows are dequantized into shared memory)");
     }
-    const int64_t num_counts = 2 + W * (1 + I / kTile);
+    const int64_t num_counts = 1 + W * (1 + I / kTile);
     ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
                                  : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
     if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
@@ -430,7 +427,7 @@ struct ExpertStage {
                                     expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}),
                                     expect(kWhat, "counts_in", counts_in, ffi::DataType::S32, {num_counts}),
                                     expect(kWhat, "counts", *counts, ffi::DataType::S32, {num_counts}),
-                                    expect(kWhat, "xb", *xb, ffi::DataType::BF16, {R, L}), parts_ok,
+                                    parts_ok,
                                     expect(kWhat, "h", *h, ffi::DataType::BF16, {P, I}),
                                     expect(kWhat, "y", *y, ffi::DataType::F32, {S2, P, L})});
         e.failure()) {
@@ -440,7 +437,7 @@ struct ExpertStage {
       return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: the counts output must alias counts_in");
     }
     // Every unit of the static shape; the CTAs that fit at once loop over the non-empty ones.
-    const int64_t units = R + W * (S1 * (I / kTile) + S2 * (L / kTile));
+    const int64_t units = W * (S1 * (I / kTile) + S2 * (L / kTile));
     if (units < 1 || units > (int64_t{1} << 31) - 1 || P > (int64_t{1} << 28) || R > (int64_t{1} << 28)) {
       return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: " + std::to_string(units) + " units");
     }
@@ -454,18 +451,15 @@ struct ExpertStage {
         .w_down = address(w_down.untyped_data()),
         .work = address(work.untyped_data()),
         .counts = address(counts->untyped_data()),
-        .xb = address(xb->untyped_data()),
         .parts = S1 > 1 ? address(parts->untyped_data()) : int64_t{0},
         .h = address(h->untyped_data()),
         .y = address(y->untyped_data()),
-        .num_recv = static_cast<int32_t>(R),
         .num_l = static_cast<int32_t>(L),
         .num_i = static_cast<int32_t>(I),
         .num_rows = static_cast<int32_t>(P),
         .num_work = static_cast<int32_t>(W),
         .k_gate = static_cast<int32_t>(k_gate),
         .k_down = static_cast<int32_t>(k_down),
-        .direct = static_cast<int32_t>(direct),
     });
     return ffi::Error::Success();
   }

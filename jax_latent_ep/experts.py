@@ -430,28 +430,28 @@ def _stage_fits(pl: Plan, w_gate, w_up, expected_pairs) -> bool:
     `L` a multiple of 128 and `I` of 64, gate / up's contraction split (few experts expected active, decode at a
     handful of tokens: there the kernel boundaries and XLA's kernels around the GEMMs are a large part of the time;
     with more experts active the two launches are 1-7 % faster, docs/performance.md), and what the launch's shared
-    memory takes (`abi.STAGE_DIRECT_PAIRS`): no expert can have more pairs than the planned rows,
-    `capacity / min(K, J)` (`N * max_tokens`), and those fit one 16-row tile."""
+    memory takes (`abi.STAGE_DIRECT_PAIRS`, `abi.STAGE_DIRECT_K`): no expert can have more pairs than the planned
+    rows, `capacity / min(K, J)` (`N * max_tokens`), and those fit one 16-row tile; a gate / up split of at most
+    512 rows of `L`."""
     if isinstance(w_gate, BlockScaled) or w_up is None:
         return False
     lat, inter = w_gate.shape[1], w_gate.shape[2]
     active = _expected_active(pl, expected_pairs)
     return (lat % (2 * KERNEL_BLOCK_N) == 0 and inter % KERNEL_BLOCK_N == 0
             and _kernel_splits(active, inter, lat)[0] > 1
-            and pl.capacity // pl.row_pairs.shape[1] <= abi.STAGE_DIRECT_PAIRS)
+            and pl.capacity // pl.row_pairs.shape[1] <= abi.STAGE_DIRECT_PAIRS
+            and _stage_k_gate(active, lat, inter) <= abi.STAGE_DIRECT_K)
 
 
-def _stage_direct(k_gate: int) -> bool:
-    """Whether the one launch runs `direct` (`abi.EXPERT_STAGE`): its gate / up units dequantize their own rows'
-    slice, which fits their shared memory up to `abi.STAGE_DIRECT_K` rows of `L`; else a dequantization phase."""
-    return k_gate <= abi.STAGE_DIRECT_K
+def _stage_k_gate(active: int, lat: int, inter: int) -> int:
+    """The one launch's gate / up split length (`KERNEL_STAGE_GATE_UNITS`)."""
+    return _kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1]
 
 
 def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs=None):
     """Down's FP32 per-pair partials `[S2, C, L]` of `swiglu(impl="kernel")` in one launch
-    (`grouped_gemm.ExpertStage`): gate / up units that dequantize their own rows' slice (`_stage_direct`, else a
-    dequantization phase first), and down units that wait only for their item's `h`, down's weights streaming while
-    gate / up finishes; gate / up's contraction split for
+    (`grouped_gemm.ExpertStage`): gate / up units that dequantize their own rows' slice, and down units that wait
+    only for their item's `h`, down's weights streaming while gate / up finishes; gate / up's contraction split for
     `KERNEL_STAGE_GATE_UNITS` units, down's for `KERNEL_STAGE_DOWN_UNITS`. Numerics as the two launches'
     (docs/experts.md), but for `h` where gate / up is split (the kernel's SiLU after the in-order split sum, not
     XLA's: a few FP32 ulps before the bf16 rounding)."""
@@ -459,10 +459,9 @@ def _kernel_stage(recv: Received, pl: Plan, w_gate, w_up, w_down, expected_pairs
 
     work, active = _kernel_setup(pl, expected_pairs)
     lat, inter = w_gate.shape[1], w_gate.shape[2]
-    k_gate = _kernel_splits(active, inter, lat, min_units=KERNEL_STAGE_GATE_UNITS)[1]
-    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work, k_gate=k_gate,
-                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1],
-                                 direct=_stage_direct(k_gate))
+    return ffi.expert_stage_call(recv.x, recv.sf, pl.row, w_gate, w_up, w_down, work,
+                                 k_gate=_stage_k_gate(active, lat, inter),
+                                 k_down=_kernel_splits(active, lat, inter, min_units=KERNEL_STAGE_DOWN_UNITS)[1])
 
 
 def _kernel(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):

@@ -45,8 +45,8 @@ GEMM_WORK_WORDS = 4
 GEMM_FP8_BLOCK_N = 128
 GEMM_FP8_SCALE_BLOCK = 128
 #: The one-launch expert stage (`EXPERT_STAGE`): every work item has at most `STAGE_DIRECT_PAIRS` pairs (one MMA
-#: row tile: its ring's `a` slots); with `k_gate <= STAGE_DIRECT_K` (`direct`) a gate / up unit's slice of its rows
-#: fits its `a` region and the unit dequantizes it there itself, with no dequantization phase.
+#: row tile) and `k_gate <= STAGE_DIRECT_K`, so a gate / up unit's slice of its rows fits its `a` region and the
+#: unit dequantizes it there itself.
 STAGE_DIRECT_PAIRS = 16
 STAGE_DIRECT_K = 512
 #: Most local experts the expert plan kernel takes (its per-expert counters live in shared memory).
@@ -184,11 +184,10 @@ GROUPED_GEMM = Kernel("grouped_gemm", "ep_grouped_gemm", (
 #: cubin): the same parameters, `num_k`, `num_n` and `k_per_split` multiples of 128.
 GROUPED_GEMM_FP8 = Kernel("grouped_gemm_fp8", "ep_grouped_gemm_fp8", GROUPED_GEMM.params, params_of="grouped_gemm")
 
-#: The expert stage's dequantization and SwiGLU MLP in one launch (`kernels/grouped_gemm.py` ExpertStage, BF16
-#: weights, work items of at most STAGE_DIRECT_PAIRS pairs: the kernel traps on more): the receive rows'
-#: dequantization, gate / up and down as phases of units that wait only for the counts they read (no kernel
-#: boundary). R receive rows, P pairs; J, L, I: local experts, latent, intermediate; S1 / S2
-#: the gate / up and down splits.
+#: The expert stage's SwiGLU MLP on the MXFP8 receive rows in one launch (`kernels/grouped_gemm.py` ExpertStage,
+#: BF16 weights, work items of at most STAGE_DIRECT_PAIRS pairs): gate / up units that dequantize their own rows'
+#: slice, and down units that wait only for the counts they read (no kernel boundary). R receive rows, P pairs;
+#: J, L, I: local experts, latent, intermediate; S1 / S2 the gate / up and down splits.
 EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     _address("x", "float8_e4m3fn [R, num_l]: the receive rows' MXFP8 elements"),
     _address("sf", "uint8 [R, num_l / 32]: their E8M0 scales"),
@@ -197,21 +196,17 @@ EXPERT_STAGE = Kernel("expert_stage", "ep_expert_stage", (
     _address("w_up", "bf16 [J, num_l, num_i]"),
     _address("w_down", "bf16 [J, num_i, num_l]"),
     _address("work", "int32 [num_work, 4]: the work list, as the grouped GEMM's"),
-    _address("counts", "int32 [2 + num_work (1 + num_i / 64)]: zero on entry; rows dequantized, per item the tiles "
-             "of `h` stored, per (item, tile) the gate / up splits stored, the units taken (output)"),
-    _address("xb", "bf16 [R, num_l]: the dequantized rows (output, scratch)"),
+    _address("counts", "int32 [1 + num_work (1 + num_i / 64)]: zero on entry; per item the tiles of `h` stored, per "
+             "(item, tile) the gate / up splits stored, the units taken (output)"),
     _address("parts", "f32 [S1, P, 2 num_i]: gate / up partials interleaved by 64 columns (S1 > 1; output, scratch)"),
     _address("h", "bf16 [P, num_i]: silu(gate) * up of each pair (output, scratch)"),
     _address("y", "f32 [S2, P, num_l]: down's partials; pairs outside every work item untouched (output)"),
-    Param("num_recv", "i32", False, "R, receive rows"),
     Param("num_l", "i32", False, "L, a multiple of 128"),
     Param("num_i", "i32", False, "I, a multiple of 64"),
     Param("num_rows", "i32", False, "P, pairs; each work item at most STAGE_DIRECT_PAIRS of them"),
     Param("num_work", "i32", False, "work items"),
-    Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64"),
+    Param("k_gate", "i32", False, "contraction length of each gate / up split, a multiple of 64, <= STAGE_DIRECT_K"),
     Param("k_down", "i32", False, "contraction length of each down split, a multiple of 64"),
-    Param("direct", "i32", False, "1: no dequantization phase; each gate / up unit dequantizes its rows' slice into "
-          "shared memory (k_gate <= STAGE_DIRECT_K; `xb` unwritten); 0: the phase"),
 ))
 
 #: The expert stage's plan (`kernels/expert_plan.py`, one CTA): the (row, local expert) pairs of one rank's receive

@@ -1,5 +1,5 @@
 """EpGroupedGemm / EpExpertStage: the expert stage's grouped GEMM at decode sizes, `out = a @ w[group]` per work item,
-streaming each group's weights from HBM once, and the stage's dequantization, gate / up and down in one launch.
+streaming each group's weights from HBM once, and the stage's gate / up and down in one launch.
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
@@ -15,9 +15,9 @@ The grid is 1-D and at most the CTAs that fit on the device at once; of it the f
 rows), over the `num_items` non-empty work items only (word 3 of the work list; they come first): no CTA is spent on
 the capacity's empty items.
 
-`ExpertStage` (`kernels.abi.EXPERT_STAGE`) runs the same gate / up and down units in one launch on work items of at
-most `abi.STAGE_DIRECT_PAIRS` pairs (decode), each unit waiting only for the counts of what it reads (its
-docstring); `GroupedGemm.unit` serves both.
+`ExpertStage` (`kernels.abi.EXPERT_STAGE`) runs the same gate / up and down units in one launch on items of at most
+`abi.STAGE_DIRECT_PAIRS` pairs, each gate / up unit dequantizing its own slice of the MXFP8 rows and each down unit
+waiting only for the counts of what it reads (its docstring); `GroupedGemm.unit` serves both.
 
 Decode sizes make it a weight stream: a group has a few rows, so each weight byte is read once from HBM and used by
 every row of its work item; the rows and the weights go through a `STAGES`-deep (FP8: `FP8_STAGES`) `cp.async` ring in shared memory
@@ -95,9 +95,6 @@ ROW_BYTES = 128
 A_STAGE_BYTES = BLOCK_M * ROW_BYTES
 W_STAGE_BYTES = BLOCK_K * ROW_BYTES
 SMEM_BYTES = STAGES * (A_STAGE_BYTES + W_STAGE_BYTES)
-#: 16-element chunks of a receive row each thread of a dequantization unit loads at once (a row of L <= 8192 in
-#: one round trip).
-DQ_CHUNKS = 4
 #: The one launch's ring (`ExpertStage`): its items have at most `abi.STAGE_DIRECT_PAIRS` pairs, one 16-row tile,
 #: so an `a` slot is 2 KB and the same 64 KB hold six stages (five in flight, against the grouped GEMM's three).
 STAGE_STAGES = 6
@@ -116,13 +113,13 @@ FP8_A_STAGE_BYTES = BLOCK_M * FP8_A_ROW_BYTES
 FP8_SF_STAGE_BYTES = BLOCK_M * 4
 FP8_SMEM_BYTES = FP8_STAGES * (FP8_A_STAGE_BYTES + W_STAGE_BYTES + FP8_SF_STAGE_BYTES + 16)
 
-#: The direct launch's gate / up `a` slice: one 16-row tile a contraction step, `DIRECT_STEP_BYTES` apart from the
-#: start of the `a` region (`STAGE_DIRECT_K / BLOCK_K` steps), and each thread's 16-element chunks of it (their
-#: loads issued at once).
+#: A gate / up unit's `a` slice in the one launch: one 16-row tile a contraction step, `DIRECT_STEP_BYTES` apart
+#: from the start of the `a` region (`STAGE_DIRECT_K / BLOCK_K` steps), and each thread's 16-element chunks of it
+#: (their loads issued at once).
 DIRECT_STEP_BYTES = STAGE_A_STAGE_BYTES
 DIRECT_STEPS = abi.STAGE_DIRECT_K // BLOCK_K
 DIRECT_CHUNKS = DIRECT_STEPS * abi.STAGE_DIRECT_PAIRS * (BLOCK_K // 16) // THREADS
-#: The one launch's shared memory: the `a` region (a direct gate / up unit's slice, or the ring's `a` slots), the
+#: The one launch's shared memory: the `a` region (a gate / up unit's slice, or a down unit's ring slots), the
 #: weight ring, the finisher's flag and the next unit (a 16-byte slot).
 STAGE_A_REGION_BYTES = max(DIRECT_STEPS * DIRECT_STEP_BYTES, STAGE_STAGES * STAGE_A_STAGE_BYTES)
 STAGE_SMEM_BYTES = STAGE_A_REGION_BYTES + STAGE_STAGES * W_STAGE_BYTES + 16
@@ -268,7 +265,7 @@ class GroupedGemm:
         """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16) the prologue's
         weight stages are issued first, then the CTA waits until the word at `ready_addr` reaches `ready` (the rows
         of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages; with `direct` too
-        (gate / up of the direct launch) `a` is the MXFP8 rows (`a_scale` their scales) and the unit dequantizes its
+        (the one launch's gate / up) `a` is the MXFP8 rows (`a_scale` their scales) and the unit dequantizes its
         slice of them into the `a` region itself (`dequantize_slice`) instead: no wait, no `a` stages."""
         lane = tid % 32
         warp = tid // 32
@@ -447,12 +444,13 @@ class GroupedGemm:
     @cute.jit
     def dequantize_slice(self, x: Int64, sf: Int64, a_rows: Int64, first: Int32, rows: Int32, num_k: Int32,
                          k_begin: Int32, steps: Int32, smem_a: Uint32, tid: Int32):
-        """The direct launch's `a`: contraction steps `0 .. steps - 1` of the work item's rows (through `a_rows`),
-        MXFP8 elements `k_begin ..` dequantized to BF16 as `dequantize` does (bit for bit), step `s` as a 16-row tile
-        at `s * DIRECT_STEP_BYTES` in the `a` region (the ring's swizzle; rows past the item's pairs zero). Thread
-        `t`: row `(t % 64) / 4`, 16-element chunk `t % 4` of steps `t / 64 + 2 i`, every load issued before any is
-        converted (the first ring stages' weights are already in flight). More steps than the region takes is a host
-        bug: a trap, never a wrong `h`."""
+        """A one-launch gate / up unit's `a`: contraction steps `0 .. steps - 1` of the work item's rows (through
+        `a_rows`), MXFP8 elements `k_begin ..`, each `e4m3 * 2^(e - 127)` (0 for `e = 0`) rounded once to BF16:
+        `activations` bit for bit. Step `s` is a 16-row tile at `s * DIRECT_STEP_BYTES` (the ring's swizzle; rows
+        past the item's pairs zero). Thread `t`: row `(t % 64) / 4`, 16-element chunk `t % 4` of steps
+        `t / 64 + 2 i`, every load issued before any is converted (the first ring stages' weights are already in
+        flight). An item of more pairs or more steps than the launch takes is a host bug: a trap, never a wrong
+        `h`."""
         if steps > DIRECT_STEPS:
             trap()
         r = (tid % 64) // 4
@@ -644,26 +642,23 @@ class GroupedGemm:
 
 
 class ExpertStage(GroupedGemm):
-    """The expert stage's dequantization and SwiGLU MLP in one launch (`abi.EXPERT_STAGE`, BF16 weights, work items
-    of at most `abi.STAGE_DIRECT_PAIRS` pairs: decode), with no kernel boundary between them: each phase waits only
-    for the counts of what it reads. The ring has `STAGE_STAGES` slots of 16-row `a` tiles.
+    """The expert stage's SwiGLU MLP on the MXFP8 receive rows in one launch (`abi.EXPERT_STAGE`, BF16 weights, work
+    items of at most `abi.STAGE_DIRECT_PAIRS` pairs: decode), with no kernel boundary between gate / up and down:
+    a unit waits only for the counts of what it reads.
 
     Units, in the order the CTAs take them (CTA `c` first unit `c`, then the next ticket of the last counts word,
     so a CTA that ends early takes the next unit):
-      1. dequantization: one receive row each, MXFP8 -> bf16 `xb` (`activations`, bit for bit); each counts itself
-         in word 0. Not with `direct` (`k_gate <= abi.STAGE_DIRECT_K`): there each gate / up unit dequantizes its
-         rows' slice into its `a` region while its first weight stages stream, so no unit waits for a phase of the
-         launch before its first MMA;
-      2. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
-         then a wait for word 0 (every row dequantized), then the rows. One split stores its tile of `h` (the
-         SwiGLU epilogue); several store FP32 partials and count themselves in the (item, tile) word, and the CTA
-         that brings it to the splits sums them in split order (from split 0), applies the SwiGLU and stores the
-         tile. Each tile of `h` stored counts in its item's word;
-      3. down `(item, split, tile)`: the first weight stages, a wait for its item's word to reach the tiles, then
+      1. gate / up `(item, split, tile)`, item-major (an item's `h` is complete early): the first weight stages,
+         then the unit's slice of its rows dequantized into the `a` region (`dequantize_slice`): no unit waits for
+         another before its first MMA. One split stores its tile of `h` (the SwiGLU epilogue); several store FP32
+         partials and count themselves in the (item, tile) word, and the CTA that brings it to the splits sums them
+         in split order (from split 0), applies the SwiGLU and stores the tile. Each tile of `h` stored counts in its
+         item's word;
+      2. down `(item, split, tile)`: the first weight stages, a wait for its item's word to reach the tiles, then
          its rows of `h`; FP32 partials `y`.
-    A unit waits only for units of an earlier phase, each a CTA's first or taken before it, by a CTA whose units
-    before it wait only for earlier phases: with every CTA resident (the grid is at most the CTAs that fit at once)
-    each wait ends.
+    A down unit waits only for gate / up units, all taken before it by CTAs whose units never wait: with every CTA
+    resident (the grid is at most the CTAs that fit at once) each wait ends. The ring has `STAGE_STAGES` slots of
+    16-row `a` tiles.
     """
 
     def __init__(self):
@@ -683,22 +678,19 @@ class ExpertStage(GroupedGemm):
         w_down: Int64,
         work: Int64,
         counts: Int64,
-        xb: Int64,
         parts: Int64,
         h: Int64,
         y: Int64,
-        num_recv: Int32,
         num_l: Int32,
         num_i: Int32,
         num_rows: Int32,
         num_work: Int32,
         k_gate: Int32,
         k_down: Int32,
-        direct: Int32,
     ):
-        self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, xb, parts, h, y, num_recv, num_l, num_i,
-                    num_rows, num_work, k_gate, k_down, direct).launch(
-            # The FFI handler sets the grid; three CTAs an SM whatever the other phases hold.
+        self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, parts, h, y, num_l, num_i, num_rows, num_work,
+                    k_gate, k_down).launch(
+            # The FFI handler sets the grid; three CTAs an SM whatever the phases hold.
             grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=STAGE_SMEM_BYTES, preferred_smem_carveout=-1,
             min_blocks_per_mp=3,
         )
@@ -714,18 +706,15 @@ class ExpertStage(GroupedGemm):
         w_down: Int64,
         work: Int64,
         counts: Int64,
-        xb: Int64,
         parts: Int64,
         h: Int64,
         y: Int64,
-        num_recv: Int32,
         num_l: Int32,
         num_i: Int32,
         num_rows: Int32,
         num_work: Int32,
         k_gate: Int32,
         k_down: Int32,
-        direct: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -743,14 +732,7 @@ class ExpertStage(GroupedGemm):
         splits_gate = (num_l + k_gate - 1) // k_gate
         tiles_down = num_l // BLOCK_N
         splits_down = (num_i + k_down - 1) // k_down
-        units_dq = num_recv
-        gate_a = xb
-        gate_a_scale = Int64(0)
-        if direct != 0:
-            units_dq = Int32(0)  # each gate / up unit dequantizes its own slice
-            gate_a = x
-            gate_a_scale = sf
-        end_gate = units_dq + num_items * splits_gate * tiles_gate
+        end_gate = num_items * splits_gate * tiles_gate
         num_units = end_gate + num_items * splits_down * tiles_down
         fuse = Int32(0)
         gate_out = parts
@@ -759,24 +741,20 @@ class ExpertStage(GroupedGemm):
             gate_out = h
         # The CTA's first unit is its own index, each next one a ticket taken as the unit starts (the CTAs that end
         # first take the next units: no CTA left with a round more than the others).
-        ticket = counts + (Int64(1) + Int64(num_work) * Int64(1 + tiles_gate)) * 4
+        ticket = counts + Int64(num_work) * Int64(1 + tiles_gate) * 4
         smem_next = smem_word + Uint32(4)
         unit_idx = cta
         while unit_idx < num_units:
             next_unit = Uint32(0)
             if tid == 0:
                 next_unit = atomic_add_relaxed_gpu(ticket, Uint32(1))  # waited for only at its store below
-            if unit_idx < units_dq:
-                self.dequantize(x, sf, xb, num_l, unit_idx, tid)
-                self.count_unit(counts, tid)
-            elif unit_idx < end_gate:
-                v = unit_idx - units_dq
-                tile = v % tiles_gate
-                rest = v // tiles_gate
+            if unit_idx < end_gate:
+                tile = unit_idx % tiles_gate
+                rest = unit_idx // tiles_gate
                 item = rest // splits_gate
-                self.unit(gate_a, a_rows, gate_a_scale, w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l,
-                          num_i, num_rows, k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True,
-                          counts, units_dq, direct)
+                self.unit(x, a_rows, sf, w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i, num_rows,
+                          k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True, Int64(0),
+                          Int32(0), Int32(1))
                 self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
                             smem_word, tid)
             else:
@@ -785,7 +763,7 @@ class ExpertStage(GroupedGemm):
                 item = rest // splits_down
                 self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
                           num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
-                          tid, True, counts + Int64(1 + item) * 4, tiles_gate, Int32(0))
+                          tid, True, counts + Int64(item) * 4, tiles_gate, Int32(0))
             if tid == 0:
                 store_shared_b32(smem_next, next_unit + Uint32(grid))
             cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
@@ -801,42 +779,18 @@ class ExpertStage(GroupedGemm):
             red_add_relaxed_gpu(word, Uint32(1))
 
     @cute.jit
-    def dequantize(self, x: Int64, sf: Int64, xb: Int64, num_l: Int32, row: Int32, tid: Int32):
-        """Receive row `row` of `xb`: 16 elements a thread a chunk (16 e4m3 bytes and the word holding their E8M0
-        scale, `2^(e - 127)`, 0 for `e = 0`), `DQ_CHUNKS` chunks' loads issued before any is converted."""
-        chunks = num_l // 16
-        src = x + Int64(row) * Int64(num_l)
-        sf_row = sf + Int64(row) * Int64(num_l // 32)
-        for base in range(0, chunks, THREADS * DQ_CHUNKS):
-            qs, words = [], []
-            for j in cutlass.range_constexpr(DQ_CHUNKS):
-                c = base + j * THREADS + tid
-                if c > chunks - 1:
-                    c = chunks - 1  # a repeated load, not stored: the loads stay unconditional
-                qs.append(load_v4(src + Int64(c * 16)))
-                words.append(load_b32(sf_row + Int64(c // 8 * 4)))  # blocks 4 (c / 8) .. + 3 (L / 32 % 4 == 0)
-            for j in cutlass.range_constexpr(DQ_CHUNKS):
-                c = base + j * THREADS + tid
-                if c < chunks:
-                    e = (words[j] >> Uint32(8 * ((c // 2) % 4))) & Uint32(0xFF)
-                    scale = f32_from_bits(e << Uint32(23))
-                    dst = xb + (Int64(row) * Int64(num_l) + Int64(c * 16)) * 2
-                    store_v4(dst, e4m3x8_to_bf16x8(qs[j][0], qs[j][1], scale))
-                    store_v4(dst + Int64(16), e4m3x8_to_bf16x8(qs[j][2], qs[j][3], scale))
-
-    @cute.jit
     def arrive(self, counts: Int64, parts: Int64, h: Int64, work: Int64, num_i: Int32, num_rows: Int32,
                num_work: Int32, splits: Int32, item: Int32, tile: Int32, smem_flag: Uint32, tid: Int32):
         """After gate / up unit (item, ., tile) stored: one split counts its tile of `h` in the item's word; several
         count the split in the (item, tile) word, and the last one's CTA stores the tile (`finish`), then counts it."""
-        item_word = counts + Int64(1 + item) * 4
+        item_word = counts + Int64(item) * 4
         if splits == 1:
             self.count_unit(item_word, tid)
         else:
             cute.arch.sync_threads()  # the CTA's stores are issued before thread 0's fence
             if tid == 0:
                 fence_acq_rel_gpu()
-                old = atomic_add_relaxed_gpu(counts + (Int64(1 + num_work) + Int64(item) * Int64(num_i // BLOCK_N)
+                old = atomic_add_relaxed_gpu(counts + (Int64(num_work) + Int64(item) * Int64(num_i // BLOCK_N)
                                                        + Int64(tile)) * 4, Uint32(1))
                 last = Uint32(0)
                 if Int32(old) == splits - 1:

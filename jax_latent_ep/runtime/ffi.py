@@ -512,22 +512,22 @@ def row_sum_call(parts, row_pairs, pair_weight, count):
     return jax.ffi.ffi_call(target, out_type, has_side_effect=False)(parts, row_pairs, pair_weight, count, **extra)
 
 
-def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int, direct: bool = False):
+def expert_stage_call(x, sf, a_rows, w_gate, w_up, w_down, work, *, k_gate: int, k_down: int):
     """The fused expert stage custom call (`kernels/abi.py` EXPERT_STAGE, whose table says what each operand holds):
     FP32 `[S2, P, L]` partials of down, `S2 = ceil(I / k_down)`. `x` float8_e4m3fn `[R, L]` and `sf` uint8
     `[R, L / 32]` the receive rows, `a_rows` int32 `[P]` the plan's row of each pair, bf16 weights `[J, L, I]`,
-    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]`; `direct`, no dequantization phase (the caller guarantees
-    every work item at most `abi.STAGE_DIRECT_PAIRS` pairs; `k_gate <= abi.STAGE_DIRECT_K`)."""
-    rows, lat = x.shape
+    `[J, L, I]`, `[J, I, L]`, `work` int32 `[W, 4]` (each item at most `abi.STAGE_DIRECT_PAIRS` pairs: the caller
+    guarantees it, the kernel traps on more); `k_gate <= abi.STAGE_DIRECT_K`."""
+    lat = x.shape[1]
     p = a_rows.shape[0]
     inter = w_gate.shape[2]
     s1, s2 = -(-lat // k_gate), -(-inter // k_down)
-    counts = jnp.zeros((2 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
+    counts = jnp.zeros((1 + work.shape[0] * (1 + inter // abi.GEMM_BLOCK_N),), jnp.int32)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32), jax.ShapeDtypeStruct((rows, lat), jnp.bfloat16),
+    out_types = (jax.ShapeDtypeStruct(counts.shape, jnp.int32),
                  f32(s1, p, 2 * inter) if s1 > 1 else f32(1), jax.ShapeDtypeStruct((p, inter), jnp.bfloat16),
                  f32(s2, p, lat))
     target, extra = _expert_target("expert_stage")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False, input_output_aliases={7: 0})
     return call(x, sf, a_rows, w_gate, w_up, w_down, work, counts, k_gate=np.int64(k_gate), k_down=np.int64(k_down),
-                direct=np.int64(int(direct)), **extra)[4]
+                **extra)[3]
