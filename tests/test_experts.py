@@ -355,7 +355,6 @@ def test_one_launch_where_gate_up_is_split():
     assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
 
 
-
 @pytest.mark.parametrize("ranks,max_tokens,inter,fits", [
     (2, 1, 512, True), (8, 2, 512, True), (1, 16, 512, True),  # at most 16 pairs an expert, 8 splits of 448
     (1, 17, 512, False), (8, 3, 512, False),  # an expert may have more pairs than one row tile

@@ -238,7 +238,7 @@ class GroupedGemm:
                 rest = unit_idx // column_tiles
                 self.unit(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work, out, num_k, num_n, num_rows,
                           k_per_split, fuse_glu, rest // num_items, rest % num_items, tile, smem_a, smem_w, tid,
-                          False, Int64(0), Int32(0), Int32(0))
+                          False, Int64(0), Int32(0), False)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
@@ -261,7 +261,8 @@ class GroupedGemm:
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,
              w_second_scale: Int64, work: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
              k_per_split: Int32, fuse_glu: Int32, split: Int32, item: Int32, tile: Int32, smem_a: Uint32,
-             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32, direct: Int32):
+             smem_w: Uint32, tid: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32,
+             direct: cutlass.Constexpr):
         """One unit `(split, item, tile)` (module docstring). With `waits` (the fused stage, BF16) the prologue's
         weight stages are issued first, then the CTA waits until the word at `ready_addr` reaches `ready` (the rows
         of `a` it reads are stored by other CTAs of the launch), then the prologue's `a` stages; with `direct` too
@@ -312,7 +313,7 @@ class GroupedGemm:
                 a_live.append(tid < rows_padded)
             else:
                 copied_rows = rows_padded
-                if direct != 0:
+                if cutlass.const_expr(direct):
                     copied_rows = Int32(0)  # `a` is in shared memory before the main loop
                 for i in cutlass.range_constexpr(BLOCK_M // (self.threads // 8)):
                     r = tid // 8 + i * (self.threads // 8)
@@ -344,8 +345,7 @@ class GroupedGemm:
                                             a_src, a_size, a_live, smem_a, smem_w, k_begin + (kt + ahead // 2) * BLOCK_K,
                                             (2 * kt + ahead) % stages, num_n, tid, chunk)
                         cp_async_commit()
-                        self.multiply(acc if h == 0 else acc_up, self.a_slot(smem_a, (2 * kt + h) % stages, kt, direct,
-                                                                                waits),
+                        self.multiply(acc if h == 0 else acc_up, self.a_slot(smem_a, (2 * kt + h) % stages, kt, direct),
                                       smem_w, (2 * kt + h) % stages, kt % 2, rows, warp, lane)
             else:
                 # ---- One weight.
@@ -361,7 +361,7 @@ class GroupedGemm:
                         self.load_stage(w_col, w_sc, a_src, a_size, a_live, smem_a, smem_w, k_begin + nxt * BLOCK_K,
                                         nxt % stages, num_n, tid, chunk)
                     cp_async_commit()
-                    self.multiply(acc, self.a_slot(smem_a, kt % stages, kt, direct, waits), smem_w, kt % stages,
+                    self.multiply(acc, self.a_slot(smem_a, kt % stages, kt, direct), smem_w, kt % stages,
                                   kt % 2, rows, warp, lane)
 
             if fuse_glu != 0:
@@ -401,7 +401,8 @@ class GroupedGemm:
     @cute.jit
     def prologue(self, per_step: cutlass.Constexpr, w_col: Int64, u_col: Int64, w_sc: Int64, u_sc: Int64, a_src,
                  a_size, a_live, smem_a: Uint32, smem_w: Uint32, k_begin: Int32, steps: Int32, num_n: Int32,
-                 tid: Int32, chunk: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32, direct: Int32,
+                 tid: Int32, chunk: Int32, waits: cutlass.Constexpr, ready_addr: Int64, ready: Int32,
+                 direct: cutlass.Constexpr,
                  a: Int64, a_scale: Int64, a_rows: Int64, first: Int32, rows: Int32, num_k: Int32):
         """Ring stages 0 .. stages - 2 in flight, stage c holding weight c % `per_step` (`w_col`, else `u_col`) of
         contraction step c // `per_step`. With `waits`: the weight rows (no dependency) as groups 0 .. stages - 2,
@@ -410,12 +411,10 @@ class GroupedGemm:
         loop's first wait then covers the first weight stage only)."""
         for part in cutlass.range_constexpr(1, 3 if waits else 2):
             if cutlass.const_expr(waits and part == 2):
-                if direct != 0:
+                if cutlass.const_expr(direct):
                     self.dequantize_slice(a, a_scale, a_rows, first, rows, num_k, k_begin, steps, smem_a, tid)
                 else:
                     self.wait_count(ready_addr, ready, tid)
-            if cutlass.const_expr(waits and part == 2):
-                if direct == 0:
                     for c in cutlass.range_constexpr(self.stages - 1):
                         if c // per_step < steps:
                             self.load_stage(w_col if c % per_step == 0 else u_col,
@@ -432,14 +431,12 @@ class GroupedGemm:
                     cp_async_commit()
 
     @cute.jit
-    def a_slot(self, smem_a: Uint32, slot: Int32, step: Int32, direct: Int32, waits: cutlass.Constexpr):
-        """Shared address of the `a` tile a stage multiplies: ring slot `slot`'s, or with `direct` (`waits` only)
-        contraction step `step`'s of the unit's dequantized slice."""
-        at = smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
-        if cutlass.const_expr(waits):
-            if direct != 0:
-                at = smem_a + Uint32(step) * Uint32(DIRECT_STEP_BYTES)
-        return at
+    def a_slot(self, smem_a: Uint32, slot: Int32, step: Int32, direct: cutlass.Constexpr):
+        """Shared address of the `a` tile a stage multiplies: ring slot `slot`'s, or with `direct` contraction step
+        `step`'s of the unit's dequantized slice."""
+        if cutlass.const_expr(direct):
+            return smem_a + Uint32(step) * Uint32(DIRECT_STEP_BYTES)
+        return smem_a + Uint32(slot) * Uint32(self.a_stage_bytes)
 
     @cute.jit
     def dequantize_slice(self, x: Int64, sf: Int64, a_rows: Int64, first: Int32, rows: Int32, num_k: Int32,
@@ -690,7 +687,7 @@ class ExpertStage(GroupedGemm):
     ):
         self.kernel(x, sf, a_rows, w_gate, w_up, w_down, work, counts, parts, h, y, num_l, num_i, num_rows, num_work,
                     k_gate, k_down).launch(
-            # The FFI handler sets the grid; three CTAs an SM whatever the phases hold.
+            # The FFI handler sets the grid; three CTAs an SM whatever a unit holds.
             grid=[num_work, 1, 1], block=[THREADS, 1, 1], smem=STAGE_SMEM_BYTES, preferred_smem_carveout=-1,
             min_blocks_per_mp=3,
         )
@@ -754,7 +751,7 @@ class ExpertStage(GroupedGemm):
                 item = rest // splits_gate
                 self.unit(x, a_rows, sf, w_gate, w_up, Int64(0), Int64(0), work, gate_out, num_l, num_i, num_rows,
                           k_gate, fuse, rest % splits_gate, item, tile, smem_a, smem_w, tid, True, Int64(0),
-                          Int32(0), Int32(1))
+                          Int32(0), True)
                 self.arrive(counts, parts, h, work, num_i, num_rows, num_work, splits_gate, item, tile,
                             smem_word, tid)
             else:
@@ -763,7 +760,7 @@ class ExpertStage(GroupedGemm):
                 item = rest // splits_down
                 self.unit(h, Int64(0), Int64(0), w_down, Int64(0), Int64(0), Int64(0), work, y, num_i, num_l,
                           num_rows, k_down, Int32(0), rest % splits_down, item, v % tiles_down, smem_a, smem_w,
-                          tid, True, counts + Int64(item) * 4, tiles_gate, Int32(0))
+                          tid, True, counts + Int64(item) * 4, tiles_gate, False)
             if tid == 0:
                 store_shared_b32(smem_next, next_unit + Uint32(grid))
             cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
