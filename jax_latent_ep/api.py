@@ -13,15 +13,16 @@ axis names and sizes) with it. JAX gives a `shard_map` body only that abstract m
 a mesh of the same shape over the devices in another order cannot be told apart: do not do that with the
 nvlink backend (its kernels number the ranks by the constructor's mesh, `lax.axis_index` by the
 `shard_map`'s). Every rank makes every call, in pairs: dispatch, then combine, then the next dispatch; what the
-traced program shows against that is refused at trace time on every backend (`jax_latent_ep.sequence`).
+traced program shows against that is refused at trace time on every backend (`jax_latent_ep.sequence`),
+whatever other functions traced before: a layer's dispatch and combine are traced into one function.
 
 Ids must lie in `[0, E)`, or be -1 (`NO_EXPERT`: a padded token or an unused slot, routed to no rank). With
 `check_ids=True` (a debugging flag; it works under vmap, grad, scan and remat) every dispatch and combine checks
 them: each rank finds its first bad id, a small `lax.all_gather` shares that, and a host `jax.pure_callback` (a
 device-host round trip) raises `BadIdError` (a ValueError) on every rank at the same point, which JAX surfaces
-as one `JaxRuntimeError` carrying its message (not logged per rank; `ep.checked(step)` raises the `BadIdError`
-itself, once) naming the
-first bad id, its token, its rank and the call that first received it (combine's check runs after its
+once, where the step's result is read, as a `JaxRuntimeError` carrying its message (not logged per rank, not
+raised again at exit; `ep.checked(step)` raises the `BadIdError` itself: docs/usage.md#ids-and-check_ids) naming
+the first bad id, its token, its rank and the call that first received it (combine's check runs after its
 dispatch's, through a data dependency on `out`, so a bad id passed to both is reported by dispatch). Without
 it nothing is
 checked; both backends then ignore an out-of-range id for routing (it selects no rank, in dispatch and combine
@@ -37,11 +38,13 @@ refused).
 A stuck peer (nvlink): every wait inside the kernels is bounded by `timeout_s` (a backend option, 5 s by
 default); a rank whose peer never answers traps its kernel, so the computation fails with a CUDA error, and
 `ep.check()` then raises RuntimeError naming the rank, the peer it waited for and the layer (`ep.status()`
-gives the raw records).
+gives the raw records). A dead process (multi-process meshes): the failure watcher this object arms
+(docs/usage.md#a-dead-process-ends-the-job).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
@@ -98,6 +101,22 @@ logging.getLogger("jax._src.callback").addFilter(_QuietBadIds())
 _last_bad_id: list[BadIdError] = []
 
 
+def _consume_bad_id_copy():
+    """JAX keeps a failed host callback's error for `jax.effects_barrier()`, which its own exit hook calls: the id
+    check's failure was raised at the step's result already, so its copy is consumed here (other errors stay)."""
+    if not _last_bad_id:
+        return
+    text = str(_last_bad_id.pop())
+    try:
+        jax.effects_barrier()
+    except jax.errors.JaxRuntimeError as e:
+        if text not in str(e):
+            raise
+
+
+atexit.register(_consume_bad_id_copy)  # runs before JAX's own (registered at its import, earlier)
+
+
 def _check_ids_host(table, experts, where):
     """Raises `BadIdError` (on every rank alike) if any rank's `[count, t, k, id]` row of `table` counts a bad
     id; `table` is `[N, 4]`, or `[..., N, 4]` under `jax.vmap` (the first bad batch element is named)."""
@@ -150,6 +169,9 @@ class ExpertParallel:
         the reason in `fallback_reason`). The chosen one is `self.backend`.
       check_ids: a debugging flag: check at run time that every id is in `[0, E)` or -1 ("no expert"); see
         the module docstring. It changes nothing else (it works under vmap, grad, scan and remat).
+      liveness: where the mesh spans processes, arm this process's failure watcher (`runtime.liveness.watch`
+        over the mesh's processes), so that a peer's raise or silent death ends this process, naming the peer,
+        instead of leaving it in a collective; False leaves that to the caller.
       **backend_opts: passed to the nvlink backend's constructor (e.g. `timeout_s`, `grid`); ignored when
         "auto" falls back to xla; an error with backend="xla".
 
@@ -169,6 +191,7 @@ class ExpertParallel:
         backend: str = "auto",
         *,
         check_ids: bool = False,
+        liveness: bool = True,
         **backend_opts,
     ):
         if max_tokens is None:
@@ -190,6 +213,14 @@ class ExpertParallel:
             raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
         self.mesh, self.axis_name, self.max_tokens, self.shape = mesh, axis_name, max_tokens, shape
         self.check_ids = bool(check_ids)
+        if not isinstance(liveness, bool):
+            raise ValueError(f"liveness={liveness!r} must be a bool")
+        processes = sorted({d.process_index for d in np.asarray(mesh.devices).flat})
+        if liveness and len(processes) > 1:
+            # Before the backend: the nvlink backend's buffer exchange already waits on every process.
+            from jax_latent_ep.runtime import liveness as watcher
+
+            watcher.watch(processes=processes)
         self.stride = stride(max_tokens)
         self.rows = self.ranks * self.stride
         #: Why "auto" did not pick nvlink (None when it did, or when the backend was named).
@@ -230,8 +261,6 @@ class ExpertParallel:
         self._dispatches = weakref.WeakKeyDictionary()
         # A weak reference to the result of the last combine traced into each JAX trace (`_after_combine`).
         self._combines = weakref.WeakKeyDictionary()
-        # Whether any dispatch was traced with this instance (a combine first in its trace needs one somewhere).
-        self._dispatch_traced = False
 
     # -- checks (trace time) -----------------------------------------------------------------------
 
@@ -470,16 +499,26 @@ class ExpertParallel:
         """Calls traced into one function must alternate: dispatch, combine, dispatch, ... (the contract's
         pairs; the NVLink kernels fail a second dispatch or combine at run time, error 3 / 4, and lose the CUDA
         context), and a combine takes the `T` of its dispatch (its `ids` are the dispatch's; the NVLink combine
-        reduces and sends by its own `T`). The first call of a trace may be either (a layer may be split over two
-        traced functions), but a combine only once a dispatch was traced with this instance. Keyed by the JAX trace of the first traced argument; outside tracing nothing is
-        checked."""
-        trace = next((getattr(a, "_trace", None) for a in arrays if isinstance(a, jax.core.Tracer)), None)
+        reduces and sends by its own `T`). A combine needs its dispatch traced before it in its own trace, or in
+        a trace enclosing it (a combine inside a `jax.checkpoint` or a nested `jit` of the layer's function),
+        whatever other functions traced before. Keyed by the JAX trace of the first traced argument; outside
+        tracing nothing is checked."""
+        trace = self._trace_of(arrays)
         if trace is None:
             return
         try:
             last, last_tokens = self._last_call.get(trace, (None, None))
         except TypeError:  # pragma: no cover - a JAX whose traces are not weakly referenceable
             return
+        if where == "combine" and last is None:
+            # A trace nested in the layer's function: its dispatch is the enclosing trace's last call.
+            outer = getattr(trace, "parent_trace", None)
+            while outer is not None and last is None:
+                last, last_tokens = self._last_call.get(outer, (None, None))
+                if last is None:
+                    outer = getattr(outer, "parent_trace", None)
+            if last == "dispatch":
+                self._last_call[outer] = ("combine", tokens)  # that dispatch is taken
         if last == "dispatch" and where == "combine" and tokens != last_tokens:
             raise ValueError(
                 f"ExpertParallel.combine: ids has T={tokens} tokens, but this layer's dispatch sent T={last_tokens}; "
@@ -490,10 +529,11 @@ class ExpertParallel:
                 "ExpertParallel.dispatch: called again in this traced function before the combine of the previous "
                 "dispatch; each layer is one dispatch followed by its combine"
             )
-        if where == "combine" and last is None and not self._dispatch_traced:
+        if where == "combine" and last is None:
             raise ValueError(
-                f"ExpertParallel.combine: {sequence.WITHOUT_DISPATCH}: no dispatch has been traced with this "
-                "ExpertParallel (a layer split over two traced functions traces its dispatch's function first)"
+                f"ExpertParallel.combine: {sequence.WITHOUT_DISPATCH}: no dispatch was traced before it in this "
+                "traced function; trace each layer's dispatch and combine into one function (a combine is refused "
+                "without its own dispatch, whatever was traced before)"
             )
         if last == where == "combine":
             raise ValueError(
@@ -502,8 +542,6 @@ class ExpertParallel:
                 "jax_latent_ep.numerics.rms_norm to the routed latent, or run the layer twice)"
             )
         self._last_call[trace] = (where, tokens)
-        if where == "dispatch":
-            self._dispatch_traced = True
 
     def _check_open(self):
         if self._closed:

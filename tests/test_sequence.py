@@ -48,18 +48,54 @@ def test_combine_whose_out_does_not_derive_from_its_dispatch_is_refused():
     run(ep, uses_weights_only, x, ids, w)
 
 
-def test_combine_with_no_dispatch_traced_is_refused():
-    """A combine traced before any dispatch of its instance (the kernels' error 4) is refused on every backend; once
-    a dispatch was traced, a combine may start a trace (a layer split over two traced functions)."""
-    ep = _ep()
+WITHOUT = r"ExpertParallel.combine: combine called without its dispatch: no dispatch was traced before it"
+
+
+@pytest.mark.parametrize("backend", ["xla", "auto"])
+def test_combine_without_its_dispatch_is_refused_whatever_was_traced_before(backend):
+    """A combine with no dispatch in its own trace (the kernels' error 4) is refused on every backend: alone, and
+    after the same ExpertParallel traced a dispatch alone, whole layers, and the refused call itself."""
+    ep = _ep(backend=backend)
     x, ids, w = good_inputs()
-    out = jnp.zeros((N * ep.rows, SHAPE.latent), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"ExpertParallel.combine: combine called without its dispatch: no dispatch "
-                                         r"has been traced with this ExpertParallel"):
-        run(ep, lambda o, i: ep.combine(o, i), out, ids)
-    recv = run(ep, lambda x, i, w: ep.dispatch(x, i, w), x, ids, w)
-    assert recv is not None
-    run(ep, lambda o, i: ep.combine(o, i), out, ids)  # accepted now
+    rng = np.random.default_rng(7)
+    out = jnp.asarray(rng.standard_normal((N * ep.rows, SHAPE.latent)), jnp.bfloat16)
+    combine_alone = lambda o, i: ep.combine(o, i)
+    with pytest.raises(ValueError, match=WITHOUT):
+        run(ep, combine_alone, out, ids)
+    run(ep, lambda x, i, w: ep.dispatch(x, i, w), x, ids, w)
+    layer = run(ep, _layer(ep), x, ids, w)
+    with pytest.raises(ValueError, match=WITHOUT):
+        run(ep, combine_alone, out, ids)
+    x2, ids2, _ = good_inputs(t=T - 1, seed=5)
+    with pytest.raises(ValueError, match=WITHOUT):  # a new shape, traced afresh
+        run(ep, combine_alone, np.asarray(out), ids2)
+    np.testing.assert_array_equal(run(ep, _layer(ep), x, ids, w).view(np.uint16), layer.view(np.uint16))
+
+
+def test_combine_nested_in_its_layers_function_is_accepted():
+    """A combine in a trace nested in the layer's function (`jax.checkpoint`, an inner `jit`) takes the dispatch
+    of the enclosing trace, and gives the same bits as the flat layer; a second combine there is refused."""
+    ep = _ep()
+    x, ids, w = good_inputs(seed=8)
+    flat = run(ep, _layer(ep), x, ids, w)
+
+    def nested(wrap):
+        def f(x, i, w):
+            recv = ep.dispatch(x, i, w)
+            return wrap(lambda r, i: ep.combine(_expert(r), i))(recv, i)
+        return f
+
+    for wrap in (jax.checkpoint, jax.jit):
+        got = run(ep, nested(wrap), x, ids, w)
+        np.testing.assert_array_equal(got.view(np.uint16), flat.view(np.uint16))
+
+    def twice(x, i, w):
+        recv = ep.dispatch(x, i, w)
+        first = jax.checkpoint(lambda r, i: ep.combine(_expert(r), i))(recv, i)
+        return first + ep.combine(_expert(recv), i)
+
+    with pytest.raises(ValueError, match="called again in this traced function without a dispatch"):
+        run(ep, twice, x, ids, w)
 
 
 def test_combine_with_other_ids_is_refused():
@@ -215,6 +251,36 @@ def test_bad_id_is_not_logged_per_rank(capfd):
     assert issubclass(BadIdError, ValueError)
     err = capfd.readouterr().err
     assert "pure_callback failed" not in err and "BadIdError" not in err, err
+
+
+_CATCH_AND_EXIT = """
+import jax
+from tests.test_api import good_inputs, run
+from tests.test_sequence import _ep, _layer
+x, ids, w = good_inputs()
+ids[4, 1] = 99
+ep = _ep(check_ids=True)
+try:
+    run(ep, _layer(ep), x, ids, w)
+except jax.errors.JaxRuntimeError as e:
+    print("caught:", "ExpertParallel.dispatch: ids[1, 1] = 99 on rank 1" in str(e))
+"""
+
+
+def test_failed_id_check_raises_once():
+    """By default (no `ep.checked`) a failed id check raises at the step's result, where the user catches it, and
+    not again when the interpreter exits (JAX's exit hook would re-raise its copy of the failed callback)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", _CATCH_AND_EXIT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "caught: True", (proc.stdout, proc.stderr)
+    assert "BadIdError" not in proc.stderr and "atexit" not in proc.stderr, proc.stderr
 
 
 # -- edges ------------------------------------------------------------------------------------------------

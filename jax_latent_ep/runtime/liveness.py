@@ -1,9 +1,10 @@
-"""A dead process ends its multi-process job, bounded and named: `initialize` (jax.distributed with short
-coordination timeouts) and `watch` (failure records in the key-value store, read by a watcher thread).
+"""A dead process ends its multi-process job, bounded and named: `watch` (failure records and heartbeats in
+`jax.distributed`'s key-value store, read by a watcher thread), armed by every `ExpertParallel` whose mesh spans
+processes (`ExpertParallel(..., liveness=False)` does not); `initialize` is `jax.distributed.initialize` with short
+coordination timeouts, then `watch`, for a job that wants the bound from its first line on.
 
-    from jax_latent_ep.runtime import liveness
-    liveness.initialize(coordinator_address, num_processes, process_id, timeout_s=60)   # instead of
-    # jax.distributed.initialize(...); or, after your own initialize:   liveness.watch(timeout_s=60)
+    jax.distributed.initialize(...)            # the plain path: ExpertParallel(mesh over processes) calls watch()
+    liveness.watch(timeout_s=30)               # or arm it yourself, before anything can fail
 
 Without it a process that raises waits in `jax.distributed`'s shutdown barrier (300 s by default) while its
 peers wait in a collective for it, and both end in SIGABRT. With it:
@@ -15,13 +16,17 @@ peers wait in a collective for it, and both end in SIGABRT. With it:
   process's record it prints `jax_latent_ep: ending process Q: process P failed: ...` to stderr and exits
   with status 1 (it cannot raise into a thread blocked in a collective; the job is SPMD, so it would wait
   there for the dead process anyway);
-- a process that dies without a word (SIGKILL, a crash) stops sending heartbeats: the coordination service
-  marks it failed after `timeout_s` and ends every other process with "The following tasks are unhealthy
-  (stopped sending heartbeats): P" (an abort raised by XLA's client, SIGABRT). A gloo collective waiting for
-  it fails at once ("Connection closed by peer"), naming only a socket: `fail` then waits for that abort.
+- a process that dies without a word (SIGKILL, a crash) stops its heartbeat (a counter under
+  `jax_latent_ep/alive/P`, raised every `BEAT_S`): a watcher that sees it unchanged for `timeout_s` prints
+  `jax_latent_ep: ending process Q: process P stopped its heartbeat ...` and exits with status 1 (so does one
+  that cannot reach the coordination service, process 0, for `timeout_s`). A gloo collective waiting for the dead
+  process fails at once ("Connection closed by peer"), naming only a socket: `fail` then waits for the watcher.
+  A process that ends normally marks its heartbeat `done`.
 
 The bound from a death to every peer's end is therefore about `poll_s` for a raise and `timeout_s` plus a
-few seconds for a silent death. The NVLink kernels bound their own waits (`timeout_s` of that backend, 5 s).
+second or two for a silent death (`DEFAULT_TIMEOUT_S`, 30 s). What it cannot see: a process that fails before it
+arms (before its `ExpertParallel`, where nothing called `watch` earlier), and one that hangs with its threads alive.
+The NVLink kernels bound their own waits (`timeout_s` of that backend, 5 s).
 """
 
 from __future__ import annotations
@@ -33,10 +38,14 @@ import time
 import traceback
 
 PREFIX = "jax_latent_ep/failed/"
-#: The default bound (seconds) on a silent death: heartbeat and shutdown-barrier timeouts.
-DEFAULT_TIMEOUT_S = 60
+#: Each process's heartbeat counter (`done` once it ends normally).
+ALIVE = "jax_latent_ep/alive/"
+#: The default bound (seconds) on a silent death: a heartbeat unchanged this long ends the watching process.
+DEFAULT_TIMEOUT_S = 30
+#: Seconds between two heartbeats of one process.
+BEAT_S = 1.0
 
-_state = {"thread": None, "stop": None, "timeout_s": DEFAULT_TIMEOUT_S}
+_state = {"thread": None, "stop": None, "timeout_s": DEFAULT_TIMEOUT_S, "processes": set()}
 
 
 def _client():
@@ -116,7 +125,7 @@ def fail(exc: BaseException) -> None:
     sys.stdout.flush()
     if "peer" in str(exc).lower() and " then process " not in text and _client()[0] is not None:
         print(f"jax_latent_ep: no process published a failure: a peer died silently; waiting up to "
-              f"{_state['timeout_s']} s for the coordination service to name it", file=sys.stderr, flush=True)
+              f"{_state['timeout_s']} s for the watcher to name it", file=sys.stderr, flush=True)
         time.sleep(_state["timeout_s"] + 10)
     os._exit(1)
 
@@ -129,33 +138,98 @@ def _die(exc_type, exc, tb):
     fail(exc)
 
 
+def _end(pid, text):
+    print(f"jax_latent_ep: ending process {pid}: {text}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _beat(client, pid, value: str):
+    try:
+        client.key_value_set(f"{ALIVE}{pid}", value, allow_overwrite=True)
+    except TypeError:  # a client without allow_overwrite
+        client.key_value_delete(f"{ALIVE}{pid}")
+        client.key_value_set(f"{ALIVE}{pid}", value)
+
+
 def _watch(stop: threading.Event, poll_s: float):
+    """The watcher thread: beats every `BEAT_S`, ends this process on another's failure record, on a watched
+    process's heartbeat unchanged for `timeout_s`, or on the coordination service unreachable for `timeout_s`."""
+    seen: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat value, when this process first saw it)
+    count, last_beat, reachable = 0, 0.0, time.monotonic()
     while not stop.wait(poll_s):
         client, pid = _client()
         if client is None:
             return
-        text = _others(client, pid)
-        if text and not stop.is_set():
-            print(f"jax_latent_ep: ending process {pid}: {text}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
+        now, timeout_s = time.monotonic(), _state["timeout_s"]
+        try:
+            if now - last_beat >= BEAT_S:
+                count, last_beat = count + 1, now
+                _beat(client, pid, str(count))
+            records = client.key_value_dir_get(PREFIX)
+            beats = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(ALIVE)}
+            reachable = now
+        except Exception as e:  # noqa: BLE001 - the service's own error, reported after timeout_s
+            if now - reachable > timeout_s and not stop.is_set():
+                _end(pid, f"the coordination service (process 0) has not answered for {now - reachable:.0f} s "
+                          f"({type(e).__name__}: {e}): process 0 died or is unreachable")
+            continue
+        others = sorted(v for k, v in records if k.rsplit("/", 1)[-1] != str(pid))
+        if others and not stop.is_set():
+            _end(pid, "; ".join(others))
+        for q in sorted(_state["processes"] - {pid}):
+            value = beats.get(q)
+            if value is None or value == "done":
+                continue  # not armed yet, or ended normally
+            if seen.get(q, (None,))[0] != value:
+                seen[q] = (value, now)
+            elif now - seen[q][1] > timeout_s and not stop.is_set():
+                _end(pid, f"process {q} stopped its heartbeat {now - seen[q][1]:.0f} s ago without publishing a "
+                          "failure: it was killed or crashed")
 
 
-def watch(poll_s: float = 0.25, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
-    """Installs the failure hooks and starts the watcher thread (idempotent; after `jax.distributed.initialize`).
+def finish():
+    """At a normal exit: stops the watcher and marks this process's heartbeat `done`."""
+    _state["stop"].set()
+    client, pid = _client()
+    if client is not None:
+        try:
+            _beat(client, pid, "done")
+        except Exception:  # noqa: BLE001 - the service is gone: nobody is left to tell
+            pass
 
-    Set `heartbeat_timeout_seconds` and `shutdown_timeout_seconds` in your own `jax.distributed.initialize`
-    to bound a silent death (see the module docstring), and pass that `timeout_s` here."""
+
+def watch(poll_s: float = 0.25, timeout_s: int = DEFAULT_TIMEOUT_S, processes=None) -> None:
+    """Installs the failure hooks and starts the watcher thread, after `jax.distributed.initialize`.
+
+    Args:
+      poll_s: seconds between two reads of the failure records and heartbeats.
+      timeout_s: seconds a watched heartbeat may stand still (and the coordination service stay silent) before
+        this process ends, naming the process.
+      processes: the process ids whose heartbeats to watch (an `ExpertParallel` passes its mesh's); None: every
+        process of the job. Calling `watch` again adds them to the running watcher (its other settings stay).
+    """
     import atexit
 
+    client, _ = _client()
+    if client is None:
+        raise RuntimeError("liveness.watch needs jax.distributed.initialize first")
+    if processes is None:
+        import jax
+
+        processes = range(jax.process_count())
+    _state["processes"] |= {int(p) for p in processes}
     if _state["thread"] is not None:
         return
-    if _client()[0] is None:
-        raise RuntimeError("liveness.watch needs jax.distributed.initialize first")
     sys.excepthook = _die
     threading.excepthook = lambda args: _die(args.exc_type, args.exc_value, args.exc_traceback)
     stop = threading.Event()
     thread = threading.Thread(target=_watch, args=(stop, poll_s), name="jax_latent_ep-liveness", daemon=True)
     _state.update(thread=thread, stop=stop, timeout_s=int(timeout_s))
-    atexit.register(stop.set)  # before jax.distributed.shutdown (atexit runs in reverse order of registration)
+    atexit.register(finish)  # before jax.distributed.shutdown (atexit runs in reverse order of registration)
     thread.start()
+
+
+def armed() -> bool:
+    """Whether this process's watcher runs."""
+    return _state["thread"] is not None

@@ -11,8 +11,10 @@ waiting for it) and raises AssertionError; if they are not all done within `time
 them all and raises AssertionError. Both messages show every rank's exit status and log.
 
 The processes join through `jax_latent_ep.runtime.liveness.initialize` (heartbeat and shutdown timeouts of
-`liveness_s`, 60 s by default; a watcher thread ends a process whose peer published a failure), so a dead
-process ends the others by itself, bounded and named. `run` leaves them to it: it waits for every process and
+`liveness_s`, 60 s by default; its watcher ends a process whose peer failed), so a dead process ends the others
+by itself, bounded and named. `plain=True` starts them as a user's job does instead: plain
+`jax.distributed.initialize` with JAX's defaults, uncaught exceptions left to Python; there the worker's
+`ExpertParallel` arms the watcher (`runtime.liveness`). `run` leaves them to it: it waits for every process and
 returns each one's exit status, log and exit time (the dead-process tests measure with it).
 """
 
@@ -36,9 +38,13 @@ if os.environ.get("JAX_LATENT_EP_LAUNCH_PLATFORM", "cpu") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception as e:  # older or newer jax: gloo is the default where the option is gone
         print(f"launcher: jax_cpu_collectives_implementation not set ({e})", flush=True)
-from jax_latent_ep.runtime import liveness
-liveness.initialize(coordinator, nproc, pid, timeout_s=int(os.environ.get("JAX_LATENT_EP_LIVENESS_S", "60")),
-                    initialization_timeout=60)
+plain = os.environ.get("JAX_LATENT_EP_LAUNCH_PLAIN") == "1"
+if plain:  # as a user's job starts: JAX's defaults, nothing of the package's until the worker builds an ExpertParallel
+    jax.distributed.initialize(coordinator, nproc, pid)
+else:
+    from jax_latent_ep.runtime import liveness
+    liveness.initialize(coordinator, nproc, pid, timeout_s=int(os.environ.get("JAX_LATENT_EP_LIVENESS_S", "60")),
+                        initialization_timeout=60)
 path, _, name = target.rpartition(":")
 if path.endswith(".py"):
     spec = importlib.util.spec_from_file_location(f"_launched_{pid}", path)
@@ -47,14 +53,21 @@ if path.endswith(".py"):
 else:
     module = importlib.import_module(path)
 print(f"launcher: process {pid}/{nproc} devices {jax.local_devices()} of {jax.device_count()}", flush=True)
-try:
-    getattr(module, name)(pid, nproc, **json.loads(args))
-except BaseException as e:
-    import traceback
-    traceback.print_exc()
-    sys.stdout.flush(); sys.stderr.flush()
-    liveness.fail(e)  # publish for the others' watchers, exit without jax.distributed's shutdown barrier
+work = lambda: getattr(module, name)(pid, nproc, **json.loads(args))
+if plain:  # an uncaught exception goes to sys.excepthook, as in a user's script
+    work()
+else:
+    try:
+        work()
+    except BaseException as e:
+        import traceback
+        traceback.print_exc()
+        sys.stdout.flush(); sys.stderr.flush()
+        liveness.fail(e)  # publish for the others' watchers, exit without jax.distributed's shutdown barrier
 print(f"launcher: process {pid} done", flush=True)
+from jax_latent_ep.runtime import liveness
+if liveness.armed():
+    liveness.finish()  # what atexit does, before the os._exit below skips it
 jax.distributed.shutdown()
 sys.stdout.flush(); sys.stderr.flush()
 os._exit(0)  # past the shutdown barrier; the interpreter's teardown can abort in the distributed client's threads
@@ -94,7 +107,7 @@ def _report(headline, procs, logs) -> str:
     return "\n".join(parts)
 
 
-def _start(target, processes, args, devices_per_process, env, liveness_s, gpus=None):
+def _start(target, processes, args, devices_per_process, env, liveness_s, gpus=None, plain=False):
     import json
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -111,6 +124,7 @@ def _start(target, processes, args, devices_per_process, env, liveness_s, gpus=N
         base_env["JAX_LATENT_EP_LAUNCH_PLATFORM"] = "cuda"
         base_env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     base_env["JAX_LATENT_EP_LIVENESS_S"] = str(int(liveness_s))
+    base_env["JAX_LATENT_EP_LAUNCH_PLAIN"] = "1" if plain else "0"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
     logdir = tempfile.mkdtemp(prefix="jax_latent_ep_launch_")
@@ -143,16 +157,16 @@ def _read(path) -> str:
 
 
 def run(target: str, processes: int, timeout: float = 120.0, args: dict | None = None,
-        devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60, gpus=None):
+        devices_per_process: int = 1, env: dict | None = None, liveness_s: int = 60, gpus=None, plain: bool = False):
     """Like `launch`, but waits for every process to end by itself (killing those left after `timeout`).
 
     `gpus`: None for CPU processes; else CUDA device indices, process `i` seeing only `gpus[i % len(gpus)]`
-    (`[0]`: every process on GPU 0).
+    (`[0]`: every process on GPU 0). `plain`: start them as a user's job does (the module docstring).
 
     Returns `[(exit status, log, time.time() at which its exit was seen), ...]` per rank; a process killed at
     the timeout has status None.
     """
-    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s, gpus)
+    procs, logs = _start(target, processes, args, devices_per_process, env, liveness_s, gpus, plain)
     ended = [None] * processes
     codes = [None] * processes
     try:
