@@ -30,6 +30,7 @@
 #include <tuple>
 #include <utility>
 
+#include "expert_handlers.h"
 #include "handlers.h"
 #include "launch.h"
 #include "registry.h"

@@ -5,7 +5,7 @@
 
 namespace jax_latent_ep {
 
-// The handlers of one op's targets.
+// The handlers of one op's targets (the expert stage's too: expert_handlers.h).
 struct Targets {
   XLA_FFI_Handler* traced;   // EpDispatch / EpCombine: execute stage, always programmatic dependent launch
   XLA_FFI_Handler* execute;  // record target, execute stage (`uses_pdl` attribute); null without the record stage
@@ -14,9 +14,5 @@ struct Targets {
 
 Targets dispatch_targets();
 Targets combine_targets();
-Targets grouped_gemm_targets();
-Targets expert_plan_targets();
-Targets expert_stage_targets();
-Targets row_sum_targets();
 
 }  // namespace jax_latent_ep

@@ -1,0 +1,416 @@
+// The handlers of the expert stage's targets, in pipeline order: the plan (pairs and work items), the grouped GEMM
+// and the fused SwiGLU stage over its work items, and the row sum of each row's pairs. Ops are traits structs as in
+// handlers.cc (stages.h); their kernels are found by op and device in the kernel registry, not by rank.
+#include "expert_handlers.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "checks.h"
+#include "ep_abi.h"
+#include "launch.h"
+#include "registry.h"
+#include "stages.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_latent_ep {
+namespace {
+
+// The shape-free expert kernel named `what` loaded on `ordinal` (ffi.load_expert_kernels), held by the Launch.
+ffi::Error find_expert_kernel(const char* what, int32_t ordinal, Launch& l) {
+  l.kernel = find_kernel(what, ordinal);
+  if (l.kernel != nullptr) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + what + ": its kernel is not loaded on device "
+                                     "ordinal " + std::to_string(ordinal) +
+                                     " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// expert_plan(ids, weights, src, rank) -> (pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
+// scratch): the expert stage's plan (kernels/expert_plan.py), one CTA; no rank registration.
+
+struct ExpertPlan {
+  static constexpr const char* kWhat = "expert_plan";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()         // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()             // ids: int32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // weights: f32 [R, K]
+        .template Arg<ffi::AnyBuffer>()             // src: int32 [R], -1 in empty rows
+        .template Arg<ffi::AnyBuffer>()             // rank: int32 [1]
+        .template Ret<ffi::AnyBuffer>()             // pair_row: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_expert: int32 [C]
+        .template Ret<ffi::AnyBuffer>()             // pair_weight: f32 [C]
+        .template Ret<ffi::AnyBuffer>()             // group_sizes: int32 [J]
+        .template Ret<ffi::AnyBuffer>()             // count: int32 [1]
+        .template Ret<ffi::AnyBuffer>()             // row_pairs: int32 [R, M], M = min(K, J)
+        .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
+        .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
+        .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
+        .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer src,
+                            ffi::AnyBuffer rank, ffi::Result<ffi::AnyBuffer> pair_row,
+                            ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
+                            ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
+                            ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
+    auto rd = row_pairs->dimensions(), wd = work->dimensions();
+    if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: expected ids [R, K], pair_row [C], "
+                                         "group_sizes [J], row_pairs [R, M], work [W, 4]");
+    }
+    const int64_t R = id[0], K = id[1], C = pd[0], J = gd[0], W = wd[0], M = K < J ? K : J;
+    if (K < 1 || K > ep_abi::kMaxTopk || J < 1 || J > ep_abi::kPlanMaxExperts || C < 1 || W < 1 ||
+        J * ((R + 31) / 32) > ep_abi::kPlanBitmapWords ||
+        rows_per_source < 1 || R % rows_per_source || max_tokens < 1 || max_tokens > rows_per_source ||
+        R > (int64_t{1} << 30) || C > (int64_t{1} << 28) || W > (int64_t{1} << 28)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_plan: K=" + std::to_string(K) + " must be in [1, " + std::to_string(ep_abi::kMaxTopk) +
+          "], J=" + std::to_string(J) + " in [1, " + std::to_string(ep_abi::kPlanMaxExperts) + "] with J * ceil(R / 32) "
+          "<= " + std::to_string(ep_abi::kPlanBitmapWords) + ", R=" +
+          std::to_string(R) + " whole source blocks of S=" + std::to_string(rows_per_source) + " rows, max_tokens=" +
+          std::to_string(max_tokens) + " in [1, S], C=" + std::to_string(C) + " and W=" + std::to_string(W) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "ids", ids, ffi::DataType::S32, {R, K}),
+                                    expect(kWhat, "weights", weights, ffi::DataType::F32, {R, K}),
+                                    expect(kWhat, "src", src, ffi::DataType::S32, {R}),
+                                    expect(kWhat, "rank", rank, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "pair_row", *pair_row, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_expert", *pair_expert, ffi::DataType::S32, {C}),
+                                    expect(kWhat, "pair_weight", *pair_weight, ffi::DataType::F32, {C}),
+                                    expect(kWhat, "group_sizes", *group_sizes, ffi::DataType::S32, {J}),
+                                    expect(kWhat, "count", *count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "row_pairs", *row_pairs, ffi::DataType::S32, {R, M}),
+                                    expect(kWhat, "work", *work, ffi::DataType::S32, {W, ep_abi::kGemmWorkWords}),
+                                    expect(kWhat, "scratch", *scratch, ffi::DataType::S32, {3, R * K})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = 1;
+    l.params = make_params(ep_abi::ExpertPlanParams{
+        .ids = address(ids.untyped_data()),
+        .weights = address(weights.untyped_data()),
+        .src = address(src.untyped_data()),
+        .rank = address(rank.untyped_data()),
+        .pair_row = address(pair_row->untyped_data()),
+        .pair_expert = address(pair_expert->untyped_data()),
+        .pair_weight = address(pair_weight->untyped_data()),
+        .group_sizes = address(group_sizes->untyped_data()),
+        .count = address(count->untyped_data()),
+        .row_pairs = address(row_pairs->untyped_data()),
+        .work = address(work->untyped_data()),
+        .scratch = address(scratch->untyped_data()),
+        .num_rows = static_cast<int32_t>(R),
+        .topk = static_cast<int32_t>(K),
+        .num_local_experts = static_cast<int32_t>(J),
+        .rows_per_source = static_cast<int32_t>(rows_per_source),
+        .max_tokens = static_cast<int32_t>(max_tokens),
+        .capacity = static_cast<int32_t>(C),
+        .num_work = static_cast<int32_t>(W),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::ExpertPlanParams>() == ep_abi::kExpertPlanParamsCount,
+              "ep_abi.h: visit_params(ExpertPlanParams) must pass every parameter once");
+static_assert(ep_abi::kExpertPlanParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
+
+// ---------------------------------------------------------------------------------------------------------
+// grouped_gemm(a, a_rows, a_scale, w, w_second, w_scale, w_second_scale, work) -> out: the expert stage's GEMM
+// (kernels/grouped_gemm.py): its BF16 kernel, or with float8_e4m3fn weights its FP8 kernel (MXFP8 `a`); no rank.
+
+struct GroupedGemm {
+  static constexpr const char* kWhat = "grouped_gemm";
+  static constexpr int64_t kBlockK = ep_abi::kGemmBlockK, kWorkWords = ep_abi::kGemmWorkWords;
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()      // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()          // a: bf16 [R, K] activations (FP8 weights: float8_e4m3fn)
+        .template Arg<ffi::AnyBuffer>()          // a_rows: int32 [P] row of `a` per pair (read only if indexed)
+        .template Arg<ffi::AnyBuffer>()          // a_scale: uint8 [R, K/32] E8M0 scales of `a` (FP8 weights only)
+        .template Arg<ffi::AnyBuffer>()          // w: bf16 or float8_e4m3fn [G, K, N] (the gate with two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w_second: as w, the up (read only if two_weights)
+        .template Arg<ffi::AnyBuffer>()          // w_scale: f32 [G, K/128, N/128] (read only with FP8 weights)
+        .template Arg<ffi::AnyBuffer>()          // w_second_scale: as w_scale (FP8 weights and two_weights only)
+        .template Arg<ffi::AnyBuffer>()          // work: int32 [W, 4] (group, first pair, pairs, items)
+        .template Ret<ffi::AnyBuffer>()          // out: f32 [S, P, N or 2N] partials, or bf16 [P, N] with fuse_glu
+        .template Attr<int64_t>("indexed")       // 1: pair p reads row a_rows[p] of a; 0: row p
+        .template Attr<int64_t>("two_weights")   // 1: gate and up (w, w_second) in one launch
+        .template Attr<int64_t>("fuse_glu")      // 1: out = bf16(silu(gate) * up) (two_weights, one split)
+        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer a_rows,
+                            ffi::AnyBuffer a_scale, ffi::AnyBuffer w, ffi::AnyBuffer w_second, ffi::AnyBuffer w_scale,
+                            ffi::AnyBuffer w_second_scale,
+                            ffi::AnyBuffer work, ffi::Result<ffi::AnyBuffer> out, int64_t indexed, int64_t two_weights,
+                            int64_t fuse_glu, int64_t k_per_split) {
+    const bool fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+    const char* kernel = fp8 ? "grouped_gemm_fp8" : "grouped_gemm";
+    l.kernel = find_kernel(kernel, ordinal);
+    if (l.kernel == nullptr) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": the " + kernel + " kernel is "
+                                         "not loaded on device ordinal " + std::to_string(ordinal) +
+                                         " (jax_latent_ep.runtime.ffi.load_expert_kernels)");
+    }
+    auto ad = a.dimensions(), rd = a_rows.dimensions(), wd = w.dimensions(), kd = work.dimensions();
+    auto od = out->dimensions();
+    if (ad.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || od.size() != (fuse_glu ? 2u : 3u)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: expected a [R, K], a_rows [P], w [G, K, N], "
+                                         "work [W, 4], out [S, P, N] (or [P, N] with fuse_glu)");
+    }
+    const int64_t R = ad[0], K = ad[1], P = rd[0], G = wd[0], N = wd[2], W = kd[0], S = fuse_glu ? 1 : od[0];
+    const int64_t n_out = fuse_glu ? N : (two_weights ? 2 * N : N);
+    // A tile: 64 columns of a BF16 weight, 128 of an FP8 one (a 128-byte row either way); FP8 scale blocks of 128.
+    const int64_t tile = fp8 ? ep_abi::kGemmFp8BlockN : ep_abi::kGemmBlockN;
+    const int64_t multiple = fp8 ? ep_abi::kGemmFp8ScaleBlock : kBlockK;
+    if (K % multiple || N % tile || k_per_split <= 0 || k_per_split % multiple || S * k_per_split < K ||
+        (S - 1) * k_per_split >= K || (fuse_glu && (!two_weights || k_per_split < K)) || (!indexed && R != P)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep grouped_gemm: K=" + std::to_string(K) + ", N=" + std::to_string(N) + " must be multiples of " +
+          std::to_string(multiple) + ", S=" + std::to_string(S) + " splits of k_per_split=" +
+          std::to_string(k_per_split) + " (a multiple of it) must cover K with none empty, fuse_glu needs two weights "
+          "and one split, and without a_rows a has one row per pair");
+    }
+    const ffi::DataType wt = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+    const int64_t KB = K / ep_abi::kGemmFp8ScaleBlock, NB = N / ep_abi::kGemmFp8ScaleBlock;
+    ffi::Error out_ok = fuse_glu ? expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})
+                                 : expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, n_out});
+    ffi::Error ok = ffi::Error::Success();
+    ffi::Error scale_ok = fp8 ? expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
+    ffi::Error second_ok = two_weights ? expect(kWhat, "w_second", w_second, wt, {G, K, N}) : ok;
+    ffi::Error second_scale_ok =
+        fp8 && two_weights ? expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32, {G, KB, NB}) : ok;
+    ffi::Error a_ok = fp8 ? expect(kWhat, "a", a, ffi::DataType::F8E4M3FN, {R, K})
+                          : expect(kWhat, "a", a, ffi::DataType::BF16, {R, K});
+    ffi::Error a_scale_ok = fp8 ? expect(kWhat, "a_scale", a_scale, ffi::DataType::U8, {R, K / ep_abi::kMxBlock}) : ok;
+    if (ffi::Error e = first_error({a_ok, a_scale_ok, expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
+                                    expect(kWhat, "w", w, wt, {G, K, N}), second_ok, scale_ok, second_scale_ok,
+                                    expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}), out_ok});
+        e.failure()) {
+      return e;
+    }
+    const int64_t tiles = N / tile;
+    // Every unit (split, item, tile) of the static shape; the CTAs that fit at once loop over the non-empty ones.
+    const int64_t units = S * W * tiles;
+    if (units < 1 || units > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_gemm: " + std::to_string(units) + " units");
+    }
+    l.grid = static_cast<unsigned>(std::min(units, l.kernel->max_grid));
+    l.params = make_params(ep_abi::GroupedGemmParams{
+        .a = address(a.untyped_data()),
+        .a_rows = indexed ? address(a_rows.untyped_data()) : int64_t{0},
+        .a_scale = fp8 ? address(a_scale.untyped_data()) : int64_t{0},
+        .w = address(w.untyped_data()),
+        .w_second = two_weights ? address(w_second.untyped_data()) : int64_t{0},
+        .w_scale = fp8 ? address(w_scale.untyped_data()) : int64_t{0},
+        .w_second_scale = fp8 && two_weights ? address(w_second_scale.untyped_data()) : int64_t{0},
+        .work = address(work.untyped_data()),
+        .out = address(out->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_rows = static_cast<int32_t>(P),
+        .num_work = static_cast<int32_t>(W),
+        .k_per_split = static_cast<int32_t>(k_per_split),
+        .fuse_glu = fuse_glu ? 1 : 0,
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedGemmParams>() == ep_abi::kGroupedGemmParamsCount,
+              "ep_abi.h: visit_params(GroupedGemmParams) must pass every parameter once");
+// The FP8 kernel takes the same parameters (kernels/abi.py GROUPED_GEMM_FP8): one struct fills both.
+static_assert(ep_abi::kGroupedGemmFp8ParamsCount == ep_abi::kGroupedGemmParamsCount &&
+                  sizeof(ep_abi::GroupedGemmFp8Params) == sizeof(ep_abi::GroupedGemmParams),
+              "ep_abi.h: the FP8 grouped GEMM's parameters are the grouped GEMM's");
+
+// ---------------------------------------------------------------------------------------------------------
+// expert_stage(x, sf, a_rows, w_gate, w_up, w_down, work, counts) -> (counts, parts, h, y): the expert stage's
+// SwiGLU MLP on the MXFP8 receive rows in one launch (kernels/grouped_gemm.py ExpertStage, BF16, work items of at
+// most kStageDirectPairs pairs: the kernel traps on more); `counts` is zero on entry (the output aliases it).
+
+struct ExpertStage {
+  static constexpr const char* kWhat = "expert_stage";
+  static constexpr int64_t kTile = ep_abi::kGemmBlockN, kWorkWords = ep_abi::kGemmWorkWords;
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [R, L] receive rows
+        .template Arg<ffi::AnyBuffer>()      // sf: uint8 [R, L / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // a_rows: int32 [P] receive row of each pair
+        .template Arg<ffi::AnyBuffer>()      // w_gate: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()      // w_up: bf16 [J, L, I]
+        .template Arg<ffi::AnyBuffer>()      // w_down: bf16 [J, I, L]
+        .template Arg<ffi::AnyBuffer>()      // work: int32 [W, 4] (group, first pair, pairs, items)
+        .template Arg<ffi::AnyBuffer>()      // counts_in: int32 [1 + W (1 + I / 64)] zeros (`counts` aliases it)
+        .template Ret<ffi::AnyBuffer>()      // counts: the same buffer, the kernel's counts
+        .template Ret<ffi::AnyBuffer>()      // parts: f32 [S1, P, 2I] gate / up partials (S1 > 1), else f32 [1]
+        .template Ret<ffi::AnyBuffer>()      // h: bf16 [P, I]
+        .template Ret<ffi::AnyBuffer>()      // y: f32 [S2, P, L] down's partials
+        .template Attr<int64_t>("k_gate")    // contraction length of each gate / up split
+        .template Attr<int64_t>("k_down");   // contraction length of each down split
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer sf, ffi::AnyBuffer a_rows,
+                            ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer work,
+                            ffi::AnyBuffer counts_in, ffi::Result<ffi::AnyBuffer> counts,
+                            ffi::Result<ffi::AnyBuffer> parts, ffi::Result<ffi::AnyBuffer> h,
+                            ffi::Result<ffi::AnyBuffer> y, int64_t k_gate, int64_t k_down) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), rd = a_rows.dimensions(), wd = w_gate.dimensions(), kd = work.dimensions();
+    auto yd = y->dimensions();
+    if (xd.size() != 2 || rd.size() != 1 || wd.size() != 3 || kd.size() != 2 || yd.size() != 3) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: expected x [R, L], a_rows [P], w_gate "
+                                         "[J, L, I], work [W, 4], y [S2, P, L]");
+    }
+    const int64_t R = xd[0], L = xd[1], P = rd[0], J = wd[0], I = wd[2], W = kd[0], S2 = yd[0];
+    const int64_t S1 = k_gate > 0 ? (L + k_gate - 1) / k_gate : 0;
+    if (L % (2 * kTile) || I % kTile || k_gate <= 0 || k_gate % kTile || k_down <= 0 || k_down % kTile ||
+        (S1 - 1) * k_gate >= L || S2 * k_down < I || (S2 - 1) * k_down >= I || W < 1) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep expert_stage: L=" + std::to_string(L) + " must be a multiple of " + std::to_string(2 * kTile) +
+          ", I=" + std::to_string(I) + " of " + std::to_string(kTile) + ", and the splits of k_gate=" +
+          std::to_string(k_gate) + " and of k_down=" + std::to_string(k_down) + " (S2=" + std::to_string(S2) +
+          ", multiples of " + std::to_string(kTile) + ") must cover L and I with none empty");
+    }
+    if (k_gate > ep_abi::kStageDirectK) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: k_gate=" + std::to_string(k_gate) +
+                                         " must be at most " + std::to_string(ep_abi::kStageDirectK) +
+                                         " (a gate / up unit's rows are dequantized into shared memory)");
+    }
+    const int64_t num_counts = 1 + W * (1 + I / kTile);
+    ffi::Error parts_ok = S1 > 1 ? expect(kWhat, "parts", *parts, ffi::DataType::F32, {S1, P, 2 * I})
+                                 : expect(kWhat, "parts", *parts, ffi::DataType::F32, {1});
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, L}),
+                                    expect(kWhat, "sf", sf, ffi::DataType::U8, {R, L / ep_abi::kMxBlock}),
+                                    expect(kWhat, "a_rows", a_rows, ffi::DataType::S32, {P}),
+                                    expect(kWhat, "w_gate", w_gate, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_up", w_up, ffi::DataType::BF16, {J, L, I}),
+                                    expect(kWhat, "w_down", w_down, ffi::DataType::BF16, {J, I, L}),
+                                    expect(kWhat, "work", work, ffi::DataType::S32, {W, kWorkWords}),
+                                    expect(kWhat, "counts_in", counts_in, ffi::DataType::S32, {num_counts}),
+                                    expect(kWhat, "counts", *counts, ffi::DataType::S32, {num_counts}),
+                                    parts_ok,
+                                    expect(kWhat, "h", *h, ffi::DataType::BF16, {P, I}),
+                                    expect(kWhat, "y", *y, ffi::DataType::F32, {S2, P, L})});
+        e.failure()) {
+      return e;
+    }
+    if (counts->untyped_data() != counts_in.untyped_data()) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: the counts output must alias counts_in");
+    }
+    // Every unit of the static shape; the CTAs that fit at once loop over the non-empty ones.
+    const int64_t units = W * (S1 * (I / kTile) + S2 * (L / kTile));
+    if (units < 1 || units > (int64_t{1} << 31) - 1 || P > (int64_t{1} << 28) || R > (int64_t{1} << 28)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_stage: " + std::to_string(units) + " units");
+    }
+    l.grid = static_cast<unsigned>(std::min(units, l.kernel->max_grid));
+    l.params = make_params(ep_abi::ExpertStageParams{
+        .x = address(x.untyped_data()),
+        .sf = address(sf.untyped_data()),
+        .a_rows = address(a_rows.untyped_data()),
+        .w_gate = address(w_gate.untyped_data()),
+        .w_up = address(w_up.untyped_data()),
+        .w_down = address(w_down.untyped_data()),
+        .work = address(work.untyped_data()),
+        .counts = address(counts->untyped_data()),
+        .parts = S1 > 1 ? address(parts->untyped_data()) : int64_t{0},
+        .h = address(h->untyped_data()),
+        .y = address(y->untyped_data()),
+        .num_l = static_cast<int32_t>(L),
+        .num_i = static_cast<int32_t>(I),
+        .num_rows = static_cast<int32_t>(P),
+        .num_work = static_cast<int32_t>(W),
+        .k_gate = static_cast<int32_t>(k_gate),
+        .k_down = static_cast<int32_t>(k_down),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::ExpertStageParams>() == ep_abi::kExpertStageParamsCount,
+              "ep_abi.h: visit_params(ExpertStageParams) must pass every parameter once");
+static_assert(ep_abi::kExpertStageParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
+
+// ---------------------------------------------------------------------------------------------------------
+// row_sum(parts, row_pairs, pair_weight, count) -> out: each receive row's weighted sum over its pairs, rounded to
+// bf16 (kernels/row_sum.py); a CTA a row and 512 columns.
+
+struct RowSum {
+  static constexpr const char* kWhat = "row_sum";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // parts: f32 [S, P, L] down's partials of each pair
+        .template Arg<ffi::AnyBuffer>()      // row_pairs: int32 [R, M] the pair of each row's m-th local expert
+        .template Arg<ffi::AnyBuffer>()      // pair_weight: f32 [P] routing weight of each pair
+        .template Arg<ffi::AnyBuffer>()      // count: int32 [1] pairs used
+        .template Ret<ffi::AnyBuffer>();     // out: bf16 [R, L]
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer parts, ffi::AnyBuffer row_pairs,
+                            ffi::AnyBuffer pair_weight, ffi::AnyBuffer count, ffi::Result<ffi::AnyBuffer> out) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto pd = parts.dimensions(), rd = row_pairs.dimensions();
+    if (pd.size() != 3 || rd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep row_sum: expected parts [S, P, L], row_pairs [R, M]");
+    }
+    const int64_t S = pd[0], P = pd[1], L = pd[2], R = rd[0], M = rd[1];
+    const int64_t chunks = (L + ep_abi::kRowSumColumns - 1) / ep_abi::kRowSumColumns;
+    if (S < 1 || P < 1 || L < 4 || L % 4 || R < 1 || M < 1 || M > ep_abi::kMaxTopk ||
+        R * chunks > (int64_t{1} << 31) - 1 || S * P * L > (int64_t{1} << 40)) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep row_sum: S=" + std::to_string(S) + " and P=" + std::to_string(P) + " must be >= 1, L=" +
+          std::to_string(L) + " a multiple of 4, M=" + std::to_string(M) + " in [1, " +
+          std::to_string(ep_abi::kMaxTopk) + "], R=" + std::to_string(R) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "parts", parts, ffi::DataType::F32, {S, P, L}),
+                                    expect(kWhat, "row_pairs", row_pairs, ffi::DataType::S32, {R, M}),
+                                    expect(kWhat, "pair_weight", pair_weight, ffi::DataType::F32, {P}),
+                                    expect(kWhat, "count", count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {R, L})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = static_cast<unsigned>(R * chunks);
+    l.params = make_params(ep_abi::RowSumParams{
+        .parts = address(parts.untyped_data()),
+        .row_pairs = address(row_pairs.untyped_data()),
+        .pair_weight = address(pair_weight.untyped_data()),
+        .count = address(count.untyped_data()),
+        .out = address(out->untyped_data()),
+        .num_splits = static_cast<int32_t>(S),
+        .num_pairs = static_cast<int32_t>(P),
+        .num_rows = static_cast<int32_t>(R),
+        .num_slots = static_cast<int32_t>(M),
+        .num_l = static_cast<int32_t>(L),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::RowSumParams>() == ep_abi::kRowSumParamsCount,
+              "ep_abi.h: visit_params(RowSumParams) must pass every parameter once");
+static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
+
+}  // namespace
+
+Targets expert_plan_targets() { return targets<ExpertPlan>(); }
+Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
+Targets expert_stage_targets() { return targets<ExpertStage>(); }
+Targets row_sum_targets() { return targets<RowSum>(); }
+
+}  // namespace jax_latent_ep

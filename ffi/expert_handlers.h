@@ -1,0 +1,14 @@
+// The XLA FFI handlers of the expert stage's targets (expert_handlers.cc): what c_api.cc exports and registers.
+// Their kernels need no rank registration (ep_register_kernel).
+#pragma once
+
+#include "handlers.h"
+
+namespace jax_latent_ep {
+
+Targets expert_plan_targets();
+Targets grouped_gemm_targets();
+Targets expert_stage_targets();
+Targets row_sum_targets();
+
+}  // namespace jax_latent_ep
