@@ -156,19 +156,18 @@ def test_check_grads_combine_and_rms_norm():
     rng = np.random.default_rng(7)
     ids = jnp.asarray(rng.integers(-1, SHAPE.experts, (n * t, SHAPE.topk)), jnp.int32)
     with ExpertParallel(mesh, "ep", max_tokens=t, shape=SHAPE, backend="xla") as ep:
-        def body(o, i, w):  # replicated inputs (check_grads makes unsharded ones): each rank takes its block
+        def body(x, dw, o, i, w):  # o, i, w replicated (check_grads makes unsharded ones): each rank its block
             r = jax.lax.axis_index("ep")
-            o = jax.lax.dynamic_slice_in_dim(o, r * ep.rows, ep.rows)
-            return ep.combine(o, jax.lax.dynamic_slice_in_dim(i, r * t, t), w).astype(jnp.float32)
+            i = jax.lax.dynamic_slice_in_dim(i, r * t, t)
+            recv = ep.dispatch(x, i, dw)  # the layer's dispatch: out scaled by its received weights derives from it
+            o = jax.lax.dynamic_slice_in_dim(o, r * ep.rows, ep.rows) * recv.weights[:, :1].astype(o.dtype)
+            return ep.combine(o, i, w).astype(jnp.float32)
 
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P("ep"))
-        # A combine is traced only once its instance traced a dispatch (the split-layer rule): trace one, run none.
-        x0, i0, w0 = _put(mesh, _api_case(n, t, seed=1)[:3], ("ep", "ep", "ep"))
-        jax.eval_shape(jax.shard_map(lambda x, i, w: ep.dispatch(x, i, w).src, mesh=mesh,
-                                     in_specs=(P("ep"),) * 3, out_specs=P("ep")), x0, i0, w0)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 2 + (P(), P(), P()), out_specs=P("ep"))
+        x0, w0 = _put(mesh, _api_case(n, t, seed=1)[:3:2], ("ep", "ep"))
         out = jnp.asarray(rng.standard_normal((n * ep.rows, SHAPE.latent)), jnp.float32)  # N*S rows a rank
         norm = jnp.asarray(1 + 0.1 * rng.standard_normal(SHAPE.latent), jnp.float32)
-        g = jax.jit(lambda o, w: f(o.astype(jnp.bfloat16), ids, w.astype(jnp.bfloat16)))
+        g = jax.jit(lambda o, w: f(x0, w0, o.astype(jnp.bfloat16), ids, w.astype(jnp.bfloat16)))
         check_grads(g, (out, norm), order=1, modes=["rev"], eps=0.05, atol=5e-2, rtol=5e-2)
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((5, SHAPE.latent)), jnp.float32)
