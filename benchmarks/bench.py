@@ -395,7 +395,7 @@ def _cuda_arch():
     """`sm_90a` / `sm_100a`: the first GPU's architecture for nvcc, as the NVLink backend picks its cubins."""
     import jax
 
-    from jax_latent_ep.backends.nvlink import gpu_arch
+    from jax_latent_ep.runtime.ffi import gpu_arch
 
     return gpu_arch(jax.devices("gpu")[0])
 

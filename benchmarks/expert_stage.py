@@ -182,25 +182,27 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_latent_ep import experts
+    from jax_latent_ep.experts import kernel as kernel_mod, stage as stage_mod
     from jax_latent_ep.testing.experts import random_received
 
-    if args.min_units:  # the kernel path's contraction split target (`experts.KERNEL_MIN_UNITS`)
-        experts.KERNEL_MIN_UNITS = args.min_units
+    if args.min_units:  # the kernel path's contraction split target (`experts.kernel.KERNEL_MIN_UNITS`)
+        kernel_mod.KERNEL_MIN_UNITS = args.min_units
     if args.stage_units:  # the one launch's gate / up and down split targets
-        experts.KERNEL_STAGE_GATE_UNITS, experts.KERNEL_STAGE_DOWN_UNITS = args.stage_units
-    if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`experts.XLA_ROW_SUM_SLOTS`)
-        experts.XLA_ROW_SUM_SLOTS = args.xla_row_sum_slots
+        kernel_mod.KERNEL_STAGE_GATE_UNITS, kernel_mod.KERNEL_STAGE_DOWN_UNITS = args.stage_units
+    if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`stage.XLA_ROW_SUM_SLOTS`)
+        stage_mod.XLA_ROW_SUM_SLOTS = args.xla_row_sum_slots
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
     lat, e, k = args.latent, args.experts, args.topk
     if args.group == "default":
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
-        out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_MIN_UNITS)
-        out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_GATE_UNITS)
-        out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units", value=experts.KERNEL_STAGE_DOWN_UNITS)
-        out(backend="xla_row_sum_slots", ranks=1, tokens=0, metric="slots", value=experts.XLA_ROW_SUM_SLOTS)
+        out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=kernel_mod.KERNEL_MIN_UNITS)
+        out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units",
+            value=kernel_mod.KERNEL_STAGE_GATE_UNITS)
+        out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units",
+            value=kernel_mod.KERNEL_STAGE_DOWN_UNITS)
+        out(backend="xla_row_sum_slots", ranks=1, tokens=0, metric="slots", value=stage_mod.XLA_ROW_SUM_SLOTS)
     paths = [p for p in args.paths if PATHS[p][0] == args.group]
     rng = np.random.default_rng(0)
     for j in args.local:
@@ -262,12 +264,14 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
     import jax
 
     from jax_latent_ep import experts
+    from jax_latent_ep.experts.kernel import work_items
+    from jax_latent_ep.experts.planning import capacity
     from jax_latent_ep.layout import stride
 
     lat, k = args.latent, args.topk
     inter = int(name.split("/I")[1])
     rows = n * stride(t)
-    cap = experts.capacity(n, t, k, j)
+    cap = capacity(n, t, k, j)
     for path in paths:
         impl = PATHS[path][1]
         if impl == "gather" and 3 * cap * lat * inter * 2 > args.gather_gb * 2**30:
@@ -280,7 +284,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
                 return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n)
                         for r, w in zip(recvs, ws)]
             if impl == "plan":
-                return [experts.work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
+                return [work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
             if impl == "plan-kernel":
                 return [experts.plan(r, 0, j, max_tokens=t, ranks=n, impl="kernel").work for r in recvs]
             if impl == "kernel-xla-plan":
@@ -459,13 +463,14 @@ def main(argv=None):
                         "host-side cost overlaps the GPU's work on the call before)")
     p.add_argument("--min-units", type=int, default=0,
                    help="the kernel path's contraction split aims at this many units a launch (default "
-                        "`experts.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
+                        "`experts.kernel.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
     p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
-                   help="the one launch's gate / up and down split targets (default `experts.KERNEL_STAGE_GATE_UNITS`, "
-                        "`KERNEL_STAGE_DOWN_UNITS`; recorded as `kernel_stage_*_units` rows)")
+                   help="the one launch's gate / up and down split targets (default "
+                        "`experts.kernel.KERNEL_STAGE_GATE_UNITS`, `KERNEL_STAGE_DOWN_UNITS`; recorded as "
+                        "`kernel_stage_*_units` rows)")
     p.add_argument("--xla-row-sum-slots", type=int, default=None,
                    help="the one launch's row sum is XLA's up to this many slots (R * M), the row-sum kernel's above "
-                        "(default `experts.XLA_ROW_SUM_SLOTS`; recorded as the `xla_row_sum_slots` row)")
+                        "(default `experts.stage.XLA_ROW_SUM_SLOTS`; recorded as the `xla_row_sum_slots` row)")
     p.add_argument("--child", dest="group", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.stage_units and min(args.stage_units) < 1:

@@ -33,6 +33,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_latent_ep import ExpertParallel, experts, moe  # noqa: E402
+from jax_latent_ep.experts.stage import swiglu_rows  # noqa: E402
 
 NAMES = ("router", "down", "w_gate", "w_up", "w_down", "up", "norm")
 
@@ -71,7 +72,7 @@ class LatentMoEBlock(nnx.Module):
         x = jnp.dot(h, self.down[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # [T, L]
         recv, xf = ep.dispatch(x, ids, weights, dequantize=True)                      # N*S rows, f32 latent
         pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)  # the local pairs
-        out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), self.w_gate[...], self.w_up[...],
+        out = swiglu_rows(pl, xf.astype(jnp.bfloat16), self.w_gate[...], self.w_up[...],
                                   self.w_down[...])                                   # bf16 [N*S, L]
         y = ep.combine(out, ids, self.norm[...], self.cfg.eps)                        # bf16 [T, L], RMS-normed
         return h + jnp.dot(y, self.up[...], preferred_element_type=jnp.float32).astype(jnp.bfloat16)

@@ -42,10 +42,18 @@ def _zero(ct) -> bool:
     return ct is None or isinstance(ct, SymbolicZero)
 
 
+def varying_axes(a):
+    """The mesh axes `a` varies over inside a `shard_map` (its type's `mat.varying`, JAX >= 0.12, or `vma`), or
+    None where its type says nothing of them."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None and hasattr(mat, "varying") else getattr(aval, "vma", None)
+
+
 def _varying(a, axis_name: str):
     """`a` marked as varying over `axis_name` (so a replicated input's gradient is summed over the ranks by
     the transpose of this cast, a psum); a no-op where it already varies or outside a checked shard_map."""
-    vma = getattr(jax.typeof(a), "vma", None)
+    vma = varying_axes(a)
     if vma is None or axis_name in vma:
         return a
     try:

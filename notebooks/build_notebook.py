@@ -184,6 +184,7 @@ shapes; `experts.swiglu` runs the grouped SwiGLU on them (docs/experts.md). Here
 rank 1 of N = 4 receiving from sources with different live counts, some padded tokens (`-1` ids)."""),
     ("code", """import jax, jax.numpy as jnp, numpy as np, ml_dtypes, matplotlib.pyplot as plt
 from jax_latent_ep import experts
+from jax_latent_ep.experts.xla import activations
 from jax_latent_ep.testing.experts import random_received
 
 N, rank, T, L, E, K, I = 4, 1, 6, 128, 64, 6, 32
@@ -205,7 +206,7 @@ got = {impl: np.asarray(experts.swiglu(recv_j, pl, wg, wu, wd, impl=impl), np.fl
        for impl in experts.IMPLEMENTATIONS if on_gpu or impl not in experts.GPU_ONLY}
 # the dense formulation: every local expert on every row, weighted by its summed routing weight
 from jax_latent_ep import moe
-xf = np.asarray(experts.activations(recv_j), np.float32)
+xf = np.asarray(activations(recv_j), np.float32)
 coef = np.asarray(moe.local_coefficients(recv_j.ids, jnp.where(recv_j.src[:, None] == -1, 0.0, recv_j.weights), rank * J, J))
 f = lambda a: np.asarray(a, np.float32)
 gate, up = np.einsum("rl,jli->rji", xf, f(wg)), np.einsum("rl,jli->rji", xf, f(wu))

@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 
 from jax_latent_ep import experts
+from jax_latent_ep.experts.kernel import KERNEL_BLOCK_M, KERNEL_MIN_UNITS, _kernel_splits, _stage_fits, work_items
+from jax_latent_ep.experts.planning import plan_kernel_fits
+from jax_latent_ep.experts.xla import activations
 from jax_latent_ep.received import Received
-from jax_latent_ep.testing.experts import dequantized, random_fp8_weights, random_received, reference_swiglu
+from jax_latent_ep.testing.experts import (dequantized, random_fp8_weights, random_int8_weights, random_received,
+                                          reference_swiglu)
 
 # The GPU-only implementations run where a GPU is (the `gpu` marker skips them elsewhere, with the reason).
 IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i for i in sorted(experts.IMPLEMENTATIONS)]
@@ -120,7 +124,7 @@ def test_plan_kernel_is_the_xla_plan(case):
         a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32), err_msg=name)
-    np.testing.assert_array_equal(np.asarray(got.work), np.asarray(jax.jit(experts.work_items)(want)))
+    np.testing.assert_array_equal(np.asarray(got.work), np.asarray(jax.jit(work_items)(want)))
 
 
 def test_plan_kernel_refusals():
@@ -131,8 +135,8 @@ def test_plan_kernel_refusals():
     with pytest.raises(ValueError, match=r"J <= 2048 local experts, K <= 32 ids and J \* ceil\(R / 32\) <= 24576, "
                        "got J=4096"):
         experts.plan(recv, 0, 4096, impl="kernel")
-    assert experts.plan_kernel_fits(1024, 16, 112) and experts.plan_kernel_fits(128, 16, 896)
-    assert not experts.plan_kernel_fits(8192, 16, 896) and not experts.plan_kernel_fits(8, 33, 8)
+    assert plan_kernel_fits(1024, 16, 112) and plan_kernel_fits(128, 16, 896)
+    assert not plan_kernel_fits(8192, 16, 896) and not plan_kernel_fits(8, 33, 8)
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ValueError, match=r"experts.plan\(impl='kernel'\) runs on NVIDIA GPUs"):
             experts.plan(recv, 0, 16, impl="kernel")
@@ -172,7 +176,7 @@ def test_against_dense_formulation(impl):
     recv, (wg, wu, wd) = _case(f"dense/{impl}", *case)
     j = e // n
     got = _run(recv, (wg, wu, wd), rank, mt, n, impl)
-    xf = jnp.asarray(experts.activations(jax.tree.map(jnp.asarray, recv)), jnp.float32)
+    xf = jnp.asarray(activations(jax.tree.map(jnp.asarray, recv)), jnp.float32)
     live = (np.asarray(recv.src) != -1)[:, None]
     coef = moe.local_coefficients(jnp.asarray(recv.ids), jnp.where(live, jnp.asarray(recv.weights), 0.0), rank * j, j)
     f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
@@ -254,6 +258,40 @@ def test_fp8_bad_arguments():
         experts.quantize_fp8(jnp.zeros((1, 64, 128)))
 
 
+@pytest.mark.parametrize("impl", [i for i in sorted(experts.IMPLEMENTATIONS) if i not in experts.GPU_ONLY])
+@pytest.mark.parametrize("case", CASES[1:3], ids=[f"N{c[0]}" for c in CASES[1:3]])
+def test_int8_weights_against_numpy(impl, case):
+    """int8 weights with a scale per output channel (values over the whole int8 range, zeros among them) against
+    the NumPy model on the dequantized FP32 weights (it scales each weight before the sum, the stage each sum:
+    FP32 rounding apart)."""
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, _ = _case(f"int8/{impl}/{case}", *case)
+    rng = np.random.default_rng(zlib.crc32(f"int8-w/{case}".encode()))
+    j = e // n
+    weights = [jax.tree.map(jnp.asarray, random_int8_weights(rng, *s)) for s in ((j, lat, inter), (j, lat, inter),
+                                                                                  (j, inter, lat))]
+    got = _run(recv, weights, rank, mt, n, impl)
+    want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    assert np.all(got[np.asarray(recv.src) == -1] == 0), "an empty row is not exactly 0"
+    _assert_close(got, want, f"{impl}, int8 weights")
+
+
+def test_int8_bad_arguments():
+    case = CASES[1]
+    recv, (wg, wu, wd) = _case("int8-bad", *case)
+    recv = jax.tree.map(jnp.asarray, recv)
+    rng = np.random.default_rng(5)
+    q = lambda w: jax.tree.map(jnp.asarray, random_int8_weights(rng, *w.shape))  # noqa: E731
+    pl = experts.plan(recv, 1, 16, max_tokens=9, ranks=2)
+    with pytest.raises(ValueError, match=r"w_gate scale must be float32\[16, 64\] \(one per output channel\)"):
+        experts.swiglu(recv, pl, experts.Int8PerChannel(q(wg).values, q(wg).scale[:, :1]), q(wu), q(wd))
+    with pytest.raises(ValueError, match="Int8PerChannel weights are multiplied by the XLA implementations only"):
+        experts.swiglu(recv, pl, q(wg), q(wu), q(wd), impl="kernel")
+    with pytest.raises(ValueError, match="w_gate is a object, which is no weight format"):
+        experts.swiglu(recv, pl, object(), wu, wd)
+
+
 def test_bad_arguments():
     recv, (wg, wu, wd) = _case("bad", *CASES[1])
     recv = jax.tree.map(jnp.asarray, recv)
@@ -290,16 +328,16 @@ def test_work_items_cover_every_pair_once():
         recv = random_received(rng, ranks=1, rank=0, tokens=t, max_tokens=t, latent=64, experts=experts_, topk=topk,
                                pad_tokens=0.1, duplicates=0.2)
         pl = experts.plan(jax.tree.map(jnp.asarray, recv), 0, experts_)
-        work = np.asarray(experts.work_items(pl))
+        work = np.asarray(work_items(pl))
         gs, count = np.asarray(pl.group_sizes), int(pl.count)
-        assert work.shape == (min(experts_, pl.capacity) + pl.capacity // experts.KERNEL_BLOCK_M, 4)
+        assert work.shape == (min(experts_, pl.capacity) + pl.capacity // KERNEL_BLOCK_M, 4)
         live = work[:, 2] > 0
         assert np.all(live[: live.sum()]), "an empty item before a live one"
         offsets = np.concatenate([[0], np.cumsum(gs)])
         covered = np.zeros(count, int)
         assert np.all(work[:, 3] == live.sum()) and live.sum() > 0
         for g, first, rows, _ in work[live]:
-            assert 1 <= rows <= experts.KERNEL_BLOCK_M
+            assert 1 <= rows <= KERNEL_BLOCK_M
             assert offsets[g] <= first and first + rows <= offsets[g + 1]
             covered[first : first + rows] += 1
         assert np.all(covered == 1)
@@ -309,17 +347,17 @@ def test_work_items_cover_every_pair_once():
 def test_kernel_splits():
     """Few CTAs of work: the contraction splits (>= 4 steps each, covering it exactly); enough: one split."""
     for work, n_out, k in ((16, 1024, 3584), (4, 256, 2048), (896, 4096, 3584), (16, 3584, 512)):
-        splits, per = experts._kernel_splits(work, n_out, k)
+        splits, per = _kernel_splits(work, n_out, k)
         assert per % 64 == 0 and (splits - 1) * per < k <= splits * per
-        assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < experts.KERNEL_MIN_UNITS)
+        assert splits == 1 or (per // 64 >= 4 and work * n_out // 64 * (splits - 1) < KERNEL_MIN_UNITS)
 
 
 def test_kernel_splits_follow_the_expected_experts():
     """The split count is chosen for `min(J, C, expected_pairs)` active experts: Kimi K3 at T = 1 (16 pairs expected
     of a capacity of 128 at N = 8) splits gate / up; with the capacity as the count it would not."""
     j, cap, inter, lat = 112, 128, 512, 3584
-    assert experts._kernel_splits(min(j, cap), inter, lat)[0] == 1
-    assert experts._kernel_splits(min(j, cap, 16 * 1), inter, lat)[0] > 1
+    assert _kernel_splits(min(j, cap), inter, lat)[0] == 1
+    assert _kernel_splits(min(j, cap, 16 * 1), inter, lat)[0] > 1
 
 
 def test_expected_pairs_leaves_xla_results_alone():
@@ -349,10 +387,10 @@ def test_one_launch_where_gate_up_is_split():
                                                      experts=896, topk=16))
     pl = experts.plan(recv, 0, 448, max_tokens=8, ranks=2)
     gate = spec(448, 3584, 512)
-    assert experts._stage_fits(pl, gate, gate, 1 * 16)  # T = 1
-    assert not experts._stage_fits(pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
-    assert not experts._stage_fits(pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
-    assert not experts._stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
+    assert _stage_fits(pl, gate, gate, 1 * 16)  # T = 1
+    assert not _stage_fits(pl, gate, gate, 8 * 16)  # T = 8: 128 experts, no split
+    assert not _stage_fits(pl, spec(448, 3584, 1024), None, 16)  # fused gate-up weights
+    assert not _stage_fits(pl, experts.quantize_fp8(np.zeros((1, 128, 128), np.float32)), gate, 16)
 
 
 @pytest.mark.parametrize("ranks,max_tokens,inter,fits", [
@@ -370,4 +408,4 @@ def test_one_launch_only_where_items_fit_a_row_tile(ranks, max_tokens, inter, fi
                                                      latent=3584, experts=896, topk=16))
     pl = experts.plan(recv, 0, 896 // ranks, max_tokens=max_tokens, ranks=ranks)
     gate = spec(896 // ranks, 3584, inter)
-    assert experts._stage_fits(pl, gate, gate, 16) == fits
+    assert _stage_fits(pl, gate, gate, 16) == fits

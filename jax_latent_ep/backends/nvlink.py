@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_latent_ep import backends
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.runtime import ffi
+from jax_latent_ep.runtime.ffi import gpu_arch
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 from jax_latent_ep.runtime.symmetric import SymmetricBuffers, _distributed_client, publish_failure
@@ -61,16 +61,6 @@ COMBINE_MIN_CTAS = 256
 
 _instances = itertools.count(1)
 _instances_lock = threading.Lock()
-
-
-def gpu_arch(device) -> str:
-    """The cubin architecture ("sm_90a" / "sm_100a") of a CUDA `device`; ValueError for any other capability."""
-    cc = str(getattr(device, "compute_capability", ""))
-    arch = backends.NVLINK_CAPABILITIES.get(cc)
-    if arch is None:
-        raise ValueError(f"the NVLink backend has kernels for sm_90a and sm_100a only; {device} has compute "
-                         f"capability {cc or 'unknown'}")
-    return arch
 
 
 def _groups(mesh, axis_name: str) -> list[list]:

@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_latent_ep import experts
+from jax_latent_ep.experts.stage import swiglu_rows
 from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.received import Received
 from jax_latent_ep.layout import stride
@@ -165,7 +166,7 @@ def _layer(ep, p: dict, h, eps: float, live=None, impl: str = "ragged_dot"):
     x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     recv, xf = ep.dispatch(x, ids, weights, dequantize=True)  # xf: the dequantized rows, the path of x's gradient
     pl = experts.plan(recv, rank, local, max_tokens=ep.max_tokens, ranks=ep.ranks)
-    out = experts.swiglu_rows(pl, xf.astype(jnp.bfloat16), p["w_gate"], p["w_up"], p["w_down"], impl=impl)
+    out = swiglu_rows(pl, xf.astype(jnp.bfloat16), p["w_gate"], p["w_up"], p["w_down"], impl=impl)
     y = ep.combine(out, ids, p["norm"], eps)
     return h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16), ids
 
@@ -287,7 +288,7 @@ def _reference_layer(p: dict, h, shape: LatentMoEShape, ranks: int, eps: float, 
         rows_src = jnp.pad(jnp.where(m[..., 0], src, -1), pad[:2], constant_values=-1).reshape(-1)
         rows = Received(None, None, rows_ids, rows_w, rows_src)  # the plan reads ids, weights, src only
         pl = experts.plan(rows, d, local, max_tokens=t, ranks=ranks)
-        return experts.swiglu_rows(pl, rows_x.astype(jnp.bfloat16), wg, wu, wd, impl=impl)
+        return swiglu_rows(pl, rows_x.astype(jnp.bfloat16), wg, wu, wd, impl=impl)
 
     split = lambda a: a.reshape(ranks, local, *a.shape[1:])  # noqa: E731
     outs = lax.map(expert_rank, (rank_ids, split(p["w_gate"]), split(p["w_up"]), split(p["w_down"])))

@@ -16,41 +16,33 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 
 from jax_latent_ep.kernels import abi
+from jax_latent_ep.runtime import kernel_cache
+from jax_latent_ep.runtime.sources import PACKAGE_DIR, source_sha256
 from jax_latent_ep.shapes import SHAPES, LatentMoEShape
 
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = PACKAGE_DIR / "_artifacts"
 KERNELS = ("dispatch", "combine")
 ARCHS = ("sm_90a", "sm_100a")
 #: Rank counts built per shape.
 DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 2, 4, 8)}
-#: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
-SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
-           "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "kernels/row_sum.py",
-           "layout.py", "shapes.py")
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
 #: kernel -> its module in `jax_latent_ep.kernels`.
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum"}
 MANIFEST_VERSION = 1
-
-
-def source_sha256() -> str:
-    """sha256 over the kernel sources (kernels/*.py, layout.py, shapes.py: name and bytes, in order)."""
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update(name.encode() + b"\0")
-        digest.update((PACKAGE_DIR / name).read_bytes())
-    return digest.hexdigest()
 
 
 def cubin_name(kernel: str, shape: str, ranks: int, arch: str) -> str:
@@ -156,6 +148,47 @@ def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
                                                                                          module.smem_bytes())
     return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", threads, smem, {"name": "any"}, 0,
                   arch, started)
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes (and by the kernel if the process dies)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compile_into_cache(shape, ranks: int, arch: str, root=None, log=print) -> pathlib.Path:
+    """Compiles both kernels of the variant into the per-user kernel cache (`runtime/kernel_cache.py`; in this
+    process: it imports cutlass), under the variant's lock; returns the directory. A variant already complete when
+    the lock is taken is kept as is. What `python -m jax_latent_ep.runtime.build --cache` runs."""
+    shape.check_ranks(ranks)
+    installed = kernel_cache.cutlass_version()
+    if installed is None:
+        raise LookupError(f"nvidia-cutlass-dsl is not installed, so {kernel_cache.variant_name(shape, ranks, arch)} "
+                          f"cannot be compiled: {kernel_cache.INSTALL_HINT}")
+    target = kernel_cache.key_dir(shape, ranks, arch, installed, root)
+    with _locked(target.parent / ".lock"):
+        if kernel_cache.complete(target):
+            return target
+        started = time.perf_counter()
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        try:
+            made = [compile_variant(kernel, shape, ranks, arch, tmp, f"{kernel}.cubin")
+                    for kernel in kernel_cache.KERNELS]
+            (tmp / "entries.json").write_text(json.dumps(made, indent=1) + "\n")
+            if target.exists():  # incomplete (a crash, a corrupted file): replace it
+                shutil.rmtree(target)
+            os.rename(tmp, target)  # atomic: a reader sees the whole directory or none
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log(f"jax_latent_ep: compiled {kernel_cache.variant_name(shape, ranks, arch)} in "
+            f"{time.perf_counter() - started:.1f} s into {target}")
+    return target
 
 
 def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None):
@@ -287,11 +320,9 @@ def main(argv=None) -> int:
         except (TypeError, ValueError) as error:
             parser.error(f"--shape {args.shape} --ranks {args.ranks or 1}: {error}")
     if args.cache:
-        from jax_latent_ep.runtime import kernel_cache
-
         for arch in archs:
             for n in ranks:
-                kernel_cache.compile_into_cache(shape, n, arch)
+                compile_into_cache(shape, n, arch)
         return 0
     build(args.out, archs, args.only, args.jobs, shape=shape, ranks=ranks)
     return 0

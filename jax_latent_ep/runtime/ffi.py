@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_latent_ep import backends
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.runtime import artifacts
 
@@ -181,6 +182,16 @@ def record_counts() -> tuple[int, int]:
     creates, updates = ctypes.c_int64(0), ctypes.c_int64(0)
     lib.ep_record_counts(ctypes.byref(creates), ctypes.byref(updates))
     return creates.value, updates.value
+
+
+def gpu_arch(device) -> str:
+    """The cubin architecture ("sm_90a" / "sm_100a") of a CUDA `device`; ValueError for any other capability."""
+    cc = str(getattr(device, "compute_capability", ""))
+    arch = backends.NVLINK_CAPABILITIES.get(cc)
+    if arch is None:
+        raise ValueError(f"the NVLink backend has kernels for sm_90a and sm_100a only; {device} has compute "
+                         f"capability {cc or 'unknown'}")
+    return arch
 
 
 class KernelImage:
@@ -441,8 +452,6 @@ def find_standalone_kernel(kernel: str, arch: str) -> KernelImage:
 def load_expert_kernels(devices) -> None:
     """Registers the expert stage's targets and loads its cubins on each CUDA device of `devices` (once per
     device, outside CUDA graph capture: call it where the program is traced)."""
-    from jax_latent_ep.backends.nvlink import gpu_arch
-
     with _lock:
         lib = library()
         if not all(hasattr(lib, symbol) for _, symbol in EXPERT_TARGETS.values()):

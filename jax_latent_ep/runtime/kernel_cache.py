@@ -5,34 +5,31 @@
 
 `<cache>` is `$JAX_LATENT_EP_CACHE`, else `${XDG_CACHE_HOME:-~/.cache}/jax_latent_ep/kernels`. A variant's
 directory name holds everything that changes its cubins: the shape, N and arch (the variant), and the package
-version, the kernel sources' hash (`build.source_sha256()`) and the nvidia-cutlass-dsl version (the key). Where
+version, the kernel sources' hash (`sources.source_sha256()`) and the nvidia-cutlass-dsl version (the key). Where
 cutlass-dsl is not installed (a GPU machine given a cache filled elsewhere) any cutlass version of the current
 package and sources is accepted: nothing here could compile another.
 
 `ensure(shape, ranks, arch)` returns the variant's directory, compiling both kernels first if it is missing and
 cutlass-dsl is importable: in a subprocess (`python -m jax_latent_ep.runtime.build --cache ...`, so that the
-DSL's MLIR never loads into a JAX process), which holds an exclusive `fcntl.flock` on the variant's lock file
-while it compiles into a temporary directory and renames it into place. Processes of one job that start together
-therefore compile once: the others wait on the lock, then find the directory and load it.
+DSL's MLIR never loads into a JAX process), whose `build.compile_into_cache` holds an exclusive `fcntl.flock` on the
+variant's lock file while it compiles into a temporary directory and renames it into place. Processes of one job that
+start together therefore compile once: the others wait on the lock, then find the directory and load it.
 
 No JAX is imported here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import tempfile
-import time
+
+from jax_latent_ep.runtime import sources
 
 #: Environment variable naming the cache directory.
 ENV_VAR = "JAX_LATENT_EP_CACHE"
@@ -77,9 +74,7 @@ def variant_name(shape, ranks: int, arch: str) -> str:
 
 
 def _key_prefix() -> str:
-    from jax_latent_ep.runtime import build
-
-    return f"{package_version()}-{build.source_sha256()[:16]}-cutlass"
+    return f"{package_version()}-{sources.source_sha256()[:16]}-cutlass"
 
 
 def key_dir(shape, ranks: int, arch: str, cutlass: str | None = None, root=None) -> pathlib.Path:
@@ -88,7 +83,7 @@ def key_dir(shape, ranks: int, arch: str, cutlass: str | None = None, root=None)
     return pathlib.Path(root or cache_dir()) / variant_name(shape, ranks, arch) / f"{_key_prefix()}{cutlass}"
 
 
-def _complete(directory: pathlib.Path) -> bool:
+def complete(directory: pathlib.Path) -> bool:
     """True if `directory` holds entries.json and both cubins with the sha256 it records."""
     try:
         entries = json.loads((directory / "entries.json").read_text())
@@ -109,58 +104,17 @@ def lookup(shape, ranks: int, arch: str, root=None) -> pathlib.Path | None:
     installed = cutlass_version()
     if installed is not None:
         exact = key_dir(shape, ranks, arch, installed, root)
-        return exact if _complete(exact) else None
+        return exact if complete(exact) else None
     if not variant.is_dir():
         return None
     prefix = _key_prefix()
-    found = [d for d in variant.iterdir() if d.name.startswith(prefix) and _complete(d)]
+    found = [d for d in variant.iterdir() if d.name.startswith(prefix) and complete(d)]
     return max(found, key=lambda d: d.stat().st_mtime) if found else None
 
 
 def entries(directory: pathlib.Path) -> dict[str, dict]:
     """kernel -> manifest entry of a cached variant directory."""
     return {e["kernel"]: e for e in json.loads((pathlib.Path(directory) / "entries.json").read_text())}
-
-
-@contextlib.contextmanager
-def _locked(path: pathlib.Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes (and by the kernel if the process dies)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def compile_into_cache(shape, ranks: int, arch: str, root=None, log=print) -> pathlib.Path:
-    """Compiles both kernels of the variant into the cache (in this process: it imports cutlass), under the
-    variant's lock; returns the directory. A variant already complete when the lock is taken is kept as is."""
-    from jax_latent_ep.runtime import build
-
-    shape.check_ranks(ranks)
-    installed = cutlass_version()
-    if installed is None:
-        raise LookupError(f"nvidia-cutlass-dsl is not installed, so {variant_name(shape, ranks, arch)} cannot be "
-                          f"compiled: {INSTALL_HINT}")
-    target = key_dir(shape, ranks, arch, installed, root)
-    with _locked(target.parent / ".lock"):
-        if _complete(target):
-            return target
-        started = time.perf_counter()
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-        try:
-            made = [build.compile_variant(kernel, shape, ranks, arch, tmp, f"{kernel}.cubin") for kernel in KERNELS]
-            (tmp / "entries.json").write_text(json.dumps(made, indent=1) + "\n")
-            if target.exists():  # incomplete (a crash, a corrupted file): replace it
-                shutil.rmtree(target)
-            os.rename(tmp, target)  # atomic: a reader sees the whole directory or none
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log(f"jax_latent_ep: compiled {variant_name(shape, ranks, arch)} in {time.perf_counter() - started:.1f} s "
-            f"into {target}")
-    return target
 
 
 def missing_message(shape, ranks: int, arch: str, why: str) -> str:

@@ -93,10 +93,24 @@ def random_fp8_weights(rng: np.random.Generator, *shape: int, subnormal_only: bo
     return BlockScaled(values, scale.astype(np.float32))
 
 
-def dequantized(w):
-    """FP32 NumPy weights of `w`: an array as it is, `experts.BlockScaled` as `values * scale` per block."""
-    from jax_latent_ep.experts import FP8_BLOCK, BlockScaled
+def random_int8_weights(rng: np.random.Generator, *shape: int):
+    """`experts.Int8PerChannel` NumPy weights `[J, K, N]`: int8 values uniform over [-127, 127] (zeros among them)
+    and an FP32 scale per output channel, not a power of two, sized so the weights are about `1 / sqrt(K)`."""
+    from jax_latent_ep.experts import Int8PerChannel
 
+    j, k, n = shape
+    values = rng.integers(-127, 128, shape).astype(np.int8)
+    scale = np.exp(rng.standard_normal((j, n)) * 0.3) / np.sqrt(k) / 73.3  # 73.3: the RMS of uniform [-127, 127]
+    return Int8PerChannel(values, scale.astype(np.float32))
+
+
+def dequantized(w):
+    """FP32 NumPy weights of `w`: an array as it is, `experts.BlockScaled` as `values * scale` per block,
+    `experts.Int8PerChannel` as `values * scale` per output channel."""
+    from jax_latent_ep.experts import FP8_BLOCK, BlockScaled, Int8PerChannel
+
+    if isinstance(w, Int8PerChannel):
+        return np.asarray(w.values).astype(np.float32) * np.asarray(w.scale, np.float32)[:, None, :]
     if not isinstance(w, BlockScaled):
         return np.asarray(w, np.float32)
     scale = np.asarray(w.scale, np.float32).repeat(FP8_BLOCK, 1).repeat(FP8_BLOCK, 2)

@@ -26,7 +26,7 @@ def _devices(backend, n, shape=None):
         pytest.skip(f"needs {n} devices for backend {backend}, have {len(devices)}")
     if backend == "nvlink" and shape is not None:
         from jax_latent_ep.runtime import ffi
-        from jax_latent_ep.backends.nvlink import gpu_arch
+        from jax_latent_ep.runtime.ffi import gpu_arch
 
         try:
             ffi.find_kernel("dispatch", n, shape, gpu_arch(devices[0]))

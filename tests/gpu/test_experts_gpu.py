@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from jax_latent_ep import experts
+from jax_latent_ep.experts.kernel import KERNEL_BLOCK_M, _kernel_row_sums, _kernel_splits, _split_sum, _stage_fits
+from jax_latent_ep.experts.stage import XLA_ROW_SUM_SLOTS, swiglu_rows
+from jax_latent_ep.experts.xla import _row_sums, activations
 from jax_latent_ep.testing.experts import random_fp8_weights, random_received, reference_swiglu
 
 pytestmark = pytest.mark.gpu
@@ -88,8 +91,8 @@ def test_kernel_hot_experts_and_split_contraction(fused, fp8):
         ws = (w(e, lat, inter), w(e, lat, inter), w(e, inter, lat))
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e)
-    assert int(np.max(np.asarray(pl.group_sizes))) > experts.KERNEL_BLOCK_M
-    assert experts._kernel_splits(min(e, pl.capacity), inter, lat, 128 if fp8 else 64)[0] > 1
+    assert int(np.max(np.asarray(pl.group_sizes))) > KERNEL_BLOCK_M
+    assert _kernel_splits(min(e, pl.capacity), inter, lat, 128 if fp8 else 64)[0] > 1
     run = lambda impl: np.asarray(jax.jit(lambda r, p, a, c: experts.swiglu(r, p, a, ws[1], c, impl=impl))(  # noqa: E731
         recv, pl, ws[0], ws[2]), np.float32)
     got, want = run("kernel"), run("ragged_dot")
@@ -111,11 +114,11 @@ def test_fused_stage_against_two_launches(inter, t):
     ws = (w(e // 2, lat, inter), w(e // 2, lat, inter), w(e // 2, inter, lat))
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e // 2, max_tokens=t, ranks=2, impl="kernel")
-    assert experts._stage_fits(pl, *ws[:2], t * k)
+    assert _stage_fits(pl, *ws[:2], t * k)
     fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=t * k))(
         recv, pl, *ws), np.float32)
-    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
-        p, x, a, b, c, impl=impl, expected_pairs=t * k))(pl, experts.activations(recv), *ws), np.float32)
+    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: swiglu_rows(  # noqa: E731
+        p, x, a, b, c, impl=impl, expected_pairs=t * k))(pl, activations(recv), *ws), np.float32)
     launches = rows("kernel")
     assert np.any(launches != 0)
     assert np.all(fused[np.asarray(recv.src) == -1] == 0)
@@ -142,19 +145,19 @@ def test_fused_stage_hot_rows_and_split_down(monkeypatch):
     recv = jax.tree.map(jnp.asarray, recv)
     pl = experts.plan(recv, 0, e, impl="kernel")
     hint = 4
-    assert int(np.max(np.asarray(pl.group_sizes))) == 16 and experts._stage_fits(pl, *ws[:2], hint)
-    assert experts._kernel_splits(hint, lat, inter)[0] > 1
+    assert int(np.max(np.asarray(pl.group_sizes))) == 16 and _stage_fits(pl, *ws[:2], hint)
+    assert _kernel_splits(hint, lat, inter)[0] > 1
     fused = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel", expected_pairs=hint))(
         recv, pl, *ws), np.float32)
-    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: experts.swiglu_rows(  # noqa: E731
-        p, x, a, b, c, impl=impl, expected_pairs=hint))(pl, experts.activations(recv), *ws), np.float32)
+    rows = lambda impl: np.asarray(jax.jit(lambda p, x, a, b, c: swiglu_rows(  # noqa: E731
+        p, x, a, b, c, impl=impl, expected_pairs=hint))(pl, activations(recv), *ws), np.float32)
     want = reference_swiglu(jax.tree.map(np.asarray, recv), 0, *(np.asarray(a) for a in ws), max_tokens=t,
                             ranks=1).astype(np.float32)
     assert np.any(want != 0) and np.all(fused[np.asarray(recv.src) == -1] == 0)
     _close(fused, rows("kernel"))
     _close(fused, want)
     _close(fused, rows("ragged_dot"))
-    assert pl.row_pairs.size <= experts.XLA_ROW_SUM_SLOTS  # so `fused` took XLA's row sum
+    assert pl.row_pairs.size <= XLA_ROW_SUM_SLOTS  # so `fused` took XLA's row sum
     monkeypatch.setattr(experts, "XLA_ROW_SUM_SLOTS", 0)
     summed = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel",
                                                                      expected_pairs=hint))(recv, pl, *ws), np.float32)
@@ -164,7 +167,7 @@ def test_fused_stage_hot_rows_and_split_down(monkeypatch):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("n,t,lat,plan_impl", [(2, 3, 3584, "kernel"), (8, 5, 1056, "xla"), (1, 40, 3584, "kernel")])
 def test_row_sum_kernel_bit_exact(n, t, lat, plan_impl, splits):
-    """The row-sum kernel (`experts._kernel_row_sums`) against XLA's `_row_sums` of `_split_sum` bit for bit on
+    """The row-sum kernel (`experts.kernel._kernel_row_sums`) against XLA's `_row_sums` of `_split_sum` bit for bit on
     random partials (signed zeros among them; NaN in every pair no row names, which neither may add) over a plan
     with padded tokens and slots, duplicate ids, rows with no local expert and (N = 1) rows with up to 16 local
     experts; L = 1056 leaves a CTA's columns partly past the row."""
@@ -180,8 +183,8 @@ def test_row_sum_kernel_bit_exact(n, t, lat, plan_impl, splits):
     unnamed = np.setdiff1d(np.arange(pl.capacity), named)
     parts[:, unnamed] = np.nan
     parts = jnp.asarray(parts)
-    got = np.asarray(jax.jit(experts._kernel_row_sums)(pl, parts))
-    want = np.asarray(jax.jit(lambda p, y: experts._row_sums(p, experts._split_sum(y)))(pl, parts))
+    got = np.asarray(jax.jit(_kernel_row_sums)(pl, parts))
+    want = np.asarray(jax.jit(lambda p, y: _row_sums(p, _split_sum(y)))(pl, parts))
     rows = np.asarray(pl.row_pairs) < int(pl.count)
     assert np.any(rows.sum(axis=1) == 0) and np.any(rows.sum(axis=1) > 1) and unnamed.size > 0
     assert not np.any(np.isnan(want.astype(np.float32)))

@@ -35,7 +35,7 @@ def test_cached_shape_runs_on_nvlink_at_n1_bit_exact_to_xla(tokens, max_tokens):
     import jax
 
     from jax_latent_ep import ExpertParallel
-    from jax_latent_ep.backends.nvlink import gpu_arch
+    from jax_latent_ep.runtime.ffi import gpu_arch
     from jax_latent_ep.runtime import artifacts, build, ffi
     from jax_latent_ep.testing import check
     from jax_latent_ep.testing.model import bf16_ulp_diff

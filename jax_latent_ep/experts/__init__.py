@@ -1,0 +1,48 @@
+"""The expert stage between `dispatch` and `combine`: a plan of the (row, local expert) pairs and a grouped SwiGLU.
+
+    recv = ep.dispatch(x, ids, weights)
+    out  = experts.expert_stage(recv, rank, w_gate, w_up, w_down, max_tokens=T, ranks=N)  # bf16 [N*S, L]
+    y    = ep.combine(out, ids, norm)
+
+`expert_stage` (inference) is the plan and the grouped SwiGLU in one call; the same in two steps, the plan kept:
+
+    pl   = experts.plan(recv, rank, num_local_experts=J, max_tokens=T)      # static shapes, no host sync
+    out  = experts.swiglu(recv, pl, w_gate, w_up, w_down, impl="ragged_dot")  # bf16 [N*S, L]
+
+The plan (`Plan`) lists the pairs that exist, sorted by local expert (what a grouped GEMM reads), within a static
+capacity `N * max_tokens * min(K, J)`; an id is local when `id // J == rank`, so `NO_EXPERT` (-1) never is. It is
+built by XLA ops anywhere or by one kernel on NVIDIA GPUs (`PLAN_IMPLEMENTATIONS`: the same words, bit for bit).
+The SwiGLU's implementations (`IMPLEMENTATIONS`: "ragged_dot", "gather", "dense", and on NVIDIA GPUs only, `GPU_ONLY`,
+"kernel", the project's grouped GEMM) share its numerics: bf16 activations, FP32 accumulation, `h` rounded once to
+bf16, each row's pairs summed in a fixed order, so that they differ only by their GEMMs' accumulation order.
+Weights are bf16, FP8 with a scale per 128 x 128 block (`BlockScaled`, `quantize_fp8`, `dequantize_fp8`) as
+DeepSeek / Kimi checkpoints store them, or int8 with a scale per output channel (`Int8PerChannel`, XLA only).
+docs/experts.md has the numerics and the implementations.
+
+Modules: `planning` (the plan, `capacity`, `plan_kernel_fits`), `formats` (the weight formats and their checks), `xla`
+(the XLA implementations, `activations`, the row sum), `kernel` (the grouped GEMM kernel's implementation: `work_items`,
+the contraction splits and their `KERNEL_*` targets, the one launch, the row-sum kernel), `stage` (the registry, the
+entry points, `XLA_ROW_SUM_SLOTS`, and `swiglu_rows`: the SwiGLU on bf16 activations `[R, L]` of one's own).
+"""
+
+from jax_latent_ep.experts.formats import FP8_BLOCK, FP8_MAX, BlockScaled, Int8PerChannel, dequantize_fp8, quantize_fp8
+from jax_latent_ep.experts.planning import NO_EXPERT, PLAN_IMPLEMENTATIONS, Plan, plan
+from jax_latent_ep.experts.stage import GPU_ONLY, IMPLEMENTATIONS, expert_stage, swiglu
+from jax_latent_ep.experts.stage import swiglu_rows  # noqa: F401  (the level under `swiglu`; not in `__all__`)
+
+__all__ = [
+    "FP8_BLOCK",
+    "FP8_MAX",
+    "GPU_ONLY",
+    "IMPLEMENTATIONS",
+    "NO_EXPERT",
+    "PLAN_IMPLEMENTATIONS",
+    "BlockScaled",
+    "Int8PerChannel",
+    "Plan",
+    "dequantize_fp8",
+    "expert_stage",
+    "plan",
+    "quantize_fp8",
+    "swiglu",
+]

@@ -1,0 +1,165 @@
+"""The expert stage's plan: the (row, local expert) pairs of a rank's receive rows, by XLA ops or the plan kernel."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.received import Received
+
+#: The "no expert" id: a padded token's ids, or a slot a token does not use. It selects no rank.
+NO_EXPERT = -1
+
+
+class Plan(NamedTuple):
+    """The (row, local expert) pairs of one rank's receive rows, grouped by local expert (static shapes).
+
+    `C` = capacity, `R = N * S` rows, `J` local experts, `M = min(K, J)`.
+
+    Attributes:
+      row: int32 `[C]`, the receive row of each pair; pairs sorted by local expert, then row (0 in unused pairs).
+      expert: int32 `[C]`, the local expert `j` in `[0, J)` of each pair (`J` in unused pairs).
+      weight: float32 `[C]`, the pair's routing weight: the FP32 sum, ascending `k`, of the row's weights of
+        the slots naming that expert (0 in unused pairs).
+      group_sizes: int32 `[J]`, pairs per local expert (what `ragged_dot` takes).
+      count: int32 `[]`, pairs used (`sum(group_sizes)`); pairs `count ... C - 1` are unused.
+      row_pairs: int32 `[R, M]`, the way back: the pair of the row's `m`-th local expert in ascending order of
+        its first slot, or `C` where the row has fewer (points at a zero row).
+      work: int32 `[W, 4]`, the grouped GEMM kernel's work list (`work_items`) when the plan kernel built the
+        plan, else None (the kernel implementation then derives it).
+    """
+
+    row: jax.Array
+    expert: jax.Array
+    weight: jax.Array
+    group_sizes: jax.Array
+    count: jax.Array
+    row_pairs: jax.Array
+    work: jax.Array | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.row.shape[0])
+
+    @property
+    def num_local_experts(self) -> int:
+        return int(self.group_sizes.shape[0])
+
+
+def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> int:
+    """`N * max_tokens * min(K, J)`: the most pairs one rank's receive rows can hold."""
+    return ranks * max_tokens * min(topk, num_local_experts)
+
+
+#: How a plan is built: "xla" (XLA ops, every platform) or "kernel" (the plan kernel, `kernels/expert_plan.py`, one
+#: launch on NVIDIA GPUs: the same words, and the work list with them).
+PLAN_IMPLEMENTATIONS = ("xla", "kernel")
+
+
+def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None,
+         impl: str = "xla") -> Plan:
+    """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
+
+    Args:
+      recv: the rank's `Received` (`[N*S, ...]` rows); only `ids`, `weights` and `src` are read.
+      rank: int32 scalar (traced or static), this rank's index on the expert-parallel axis.
+      num_local_experts: `J = E / N`; an id is local when `id // J == rank`.
+      max_tokens: the `ExpertParallel`'s `max_tokens` (rows `t >= max_tokens` of every source block are
+        empty by the contract and are not planned); default `S`, i.e. every row.
+      ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
+        `max_tokens` is given, else 1 (one block of all rows).
+      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, where `plan_kernel_fits`.
+
+    Returns:
+      A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
+    """
+    from jax_latent_ep.layout import stride
+
+    rows, k = recv.ids.shape
+    j = int(num_local_experts)
+    if j < 1:
+        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
+    m = min(k, j)
+    cap = capacity(ranks, mt, k, j)
+    if impl not in PLAN_IMPLEMENTATIONS:
+        raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
+    if impl == "kernel":
+        return _plan_kernel(recv, rank, j, s_rows, mt, cap)
+    ids, w = recv.ids, recv.weights.astype(jnp.float32)
+    rank = jnp.asarray(rank, jnp.int32)
+
+    live = (recv.src != -1) & ((jnp.arange(rows, dtype=jnp.int32) % s_rows) < mt)  # [R]
+    local = (jnp.floor_divide(ids, j) == rank) & live[:, None]  # [R, K]
+    # One pair per distinct local expert of a row: the first slot naming it; its weight sums the slots
+    # naming it in ascending k (FP32, from 0).
+    same = ids[:, :, None] == ids[:, None, :]  # [R, K(k), K(k')]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # k' < k
+    first = local & ~jnp.any(same & earlier[None], axis=2)
+    coef = jnp.zeros((rows, k), jnp.float32)
+    for kk in range(k):  # ascending k'
+        coef = coef + jnp.where(same[:, :, kk], w[:, kk : kk + 1], 0.0)
+    coef = jnp.where(first, coef, 0.0)
+
+    flat_first = first.reshape(-1)
+    key = jnp.where(first, jnp.clip(ids - rank * j, 0, j - 1), j).reshape(-1)  # [R*K], J = no pair
+    order = jnp.argsort(key, stable=True)[:cap].astype(jnp.int32)  # by expert, then row, then slot
+    used = flat_first[order]
+    pair_row = jnp.where(used, order // k, 0)
+    pair_expert = jnp.where(used, key[order], j)
+    pair_weight = jnp.where(used, coef.reshape(-1)[order], 0.0)
+    group_sizes = jnp.zeros((j + 1,), jnp.int32).at[key].add(1)[:j]
+    count = jnp.sum(flat_first, dtype=jnp.int32)
+
+    # The way back: the pair index of every (row, slot), then each row's pairs in ascending first slot.
+    pos = jnp.full((rows * k,), cap, jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32), unique_indices=True)
+    pos = jnp.where(flat_first, pos, cap).reshape(rows, k)
+    slots = jnp.argsort(~first, axis=1, stable=True)[:, :m]  # the row's first slots, ascending k
+    row_pairs = jnp.take_along_axis(pos, slots, axis=1)
+    row_pairs = jnp.where(jnp.take_along_axis(first, slots, axis=1), row_pairs, cap)
+    return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
+
+
+def _gpus(what: str):
+    """This process's NVIDIA GPUs, or a ValueError naming `what` and its XLA alternative."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        raise ValueError(f"{what} runs on NVIDIA GPUs (sm_90a / sm_100a); this process has none: use the XLA "
+                         "implementation (plan impl='xla', swiglu impl='ragged_dot')")
+    return gpus
+
+
+def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
+    """Whether the plan kernel takes `rows` receive rows of `topk` ids over `num_local_experts` local experts:
+    `J <= NUM_MAX_PLAN_EXPERTS`, `K <= NUM_MAX_TOPK` and `J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS` (its
+    per-expert row bitmaps in shared memory; `kernels/abi.py`)."""
+    j = num_local_experts
+    return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
+
+
+def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
+    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
+    from jax_latent_ep.runtime import ffi
+
+    rows, k = recv.ids.shape
+    if not plan_kernel_fits(rows, k, j):
+        raise ValueError(f"experts.plan(impl='kernel') takes J <= {abi.NUM_MAX_PLAN_EXPERTS} local experts, K <= "
+                         f"{abi.NUM_MAX_TOPK} ids and J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS}, got J={j}, "
+                         f"K={k}, R={rows}: use impl='xla'")
+    ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
+    num_work = min(j, cap) + cap // abi.GEMM_BLOCK_M  # `kernel.work_items`' bound (`KERNEL_BLOCK_M`)
+    rank = jnp.asarray(rank, jnp.int32).reshape(1)
+    row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
+        recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
+    return Plan(row, expert, weight, sizes, count[0], row_pairs, work)

@@ -1,0 +1,102 @@
+"""The expert stage's entry points (`swiglu`, `expert_stage`; `swiglu_rows` under them) and the implementations."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_latent_ep.experts.formats import KERNEL_FORMATS, _check_weights, _format
+from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
+from jax_latent_ep.experts.planning import Plan, plan, plan_kernel_fits
+from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, activations
+from jax_latent_ep.received import Received
+
+#: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
+#: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
+#: the kernel takes with FP8 weights; the XLA implementations ignore both).
+IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
+                                        "kernel": _kernel}
+#: The implementations that run on NVIDIA GPUs only.
+GPU_ONLY = frozenset({"kernel"})
+
+
+def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None,
+                mx=None, out_dtype=jnp.bfloat16):
+    """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
+    dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
+    _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
+    return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx), out_dtype)
+
+
+def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
+    """Raises ValueError for an unknown `impl`, activations (or their shape) other than bf16 `[R, L]` of the
+    plan's rows, or weights `_check_weights` refuses."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
+    if xb.dtype != jnp.bfloat16 or len(xb.shape) != 2 or xb.shape[0] != pl.row_pairs.shape[0]:
+        raise ValueError(f"experts.swiglu: activations must be bfloat16[{pl.row_pairs.shape[0]}, L], got "
+                         f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
+    _check_weights(xb, w_gate, w_up, w_down, pl)
+    fmt = _format(w_down)
+    if impl in GPU_ONLY and fmt not in KERNEL_FORMATS:
+        raise ValueError(f"experts.swiglu(impl={impl!r}): {fmt.label} weights are multiplied by the XLA "
+                         f"implementations only; the kernel takes {', '.join(f.label for f in KERNEL_FORMATS)}")
+
+
+#: Slots (`R * M`) up to which XLA's gather-sum over every slot of every row beats the row-sum kernel (256: 2.8
+#: against 3.3 us; 1024: 4.3 against 3.1, docs/performance.md).
+XLA_ROW_SUM_SLOTS = 512
+
+
+def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
+           expected_pairs: int | None = None, out_dtype=jnp.bfloat16):
+    """The rank's routed experts on its received rows: bf16 `[N*S, L]`, exactly what `combine` takes.
+
+    Args:
+      recv: the rank's `Received` (its MXFP8 `x`, `sf` are dequantized here).
+      pl: `plan(recv, ...)` of the same rows.
+      w_gate: bf16 `[J, L, I]` gate projection of each local expert, or bf16 `[J, L, 2I]` gate and up fused
+        (gate first) when `w_up` is None; or any of these shapes as `BlockScaled` FP8 (L, I multiples of 128) or
+        `Int8PerChannel` (XLA implementations).
+      w_up: bf16 `[J, L, I]` up projection, or None (fused into `w_gate`); in the format of `w_gate`.
+      w_down: bf16 `[J, I, L]` down projection; in the format of `w_gate` (all three in one format).
+      impl: a name of `IMPLEMENTATIONS` ("ragged_dot", "gather", "dense", or on NVIDIA GPUs "kernel", which needs
+        `L` and `I` multiples of 64, 128 with FP8 weights, and has no VJP; where few experts are expected active it
+        is one launch after the plan, docs/experts.md).
+      expected_pairs: how many pairs the plan is expected to hold (`max_tokens * K` under uniform routing), or
+        None (the capacity): how the kernel splits its contraction (performance, and the FP32 order of a split
+        contraction, `docs/experts.md`); the other implementations ignore it.
+      out_dtype: the dtype of the one rounding of each row's FP32 sum: bf16 (what `combine` takes), or float32 for
+        partial sums still to be added (tensor parallelism over `I`: `psum` in FP32, then one bf16 rounding).
+
+    Returns:
+      `out_dtype` `[N*S, L]`: `out[row] = bf16(sum_m weight_m * down(bf16(silu(gate) * up)))` over the row's local
+      experts in ascending first-slot order (FP32, from 0); exactly 0 in rows with no local expert or
+      `src == -1`.
+    """
+    if impl == "kernel":
+        _check_inputs(pl, jax.ShapeDtypeStruct(recv.x.shape, jnp.bfloat16), w_gate, w_up, w_down, impl)
+        if _stage_fits(pl, w_gate, w_up, expected_pairs):
+            parts = _kernel_stage(recv, pl, w_gate, w_up, w_down, expected_pairs)
+            if pl.row_pairs.size > XLA_ROW_SUM_SLOTS and jnp.dtype(out_dtype) == jnp.bfloat16:
+                return _kernel_row_sums(pl, parts)
+            return _row_sums(pl, _split_sum(parts), out_dtype)
+    return swiglu_rows(pl, activations(recv), w_gate, w_up, w_down, impl=impl, expected_pairs=expected_pairs,
+                       mx=(recv.x, recv.sf), out_dtype=out_dtype)
+
+
+def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
+                 plan_impl: str | None = None):
+    """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
+    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
+    (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
+    them here under uniform routing)."""
+    if plan_impl is None:
+        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
+        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
+    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
+    rows, k = recv.ids.shape
+    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
+    return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)

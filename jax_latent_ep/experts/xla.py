@@ -1,0 +1,95 @@
+"""The XLA implementations of the grouped SwiGLU ("ragged_dot", "gather", "dense"), their activations and row sum."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_latent_ep.experts.formats import BlockScaled, Int8PerChannel, _column_scale, _xla_operands, dequantize_fp8
+from jax_latent_ep.experts.planning import Plan
+from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
+from jax_latent_ep.received import Received
+
+
+def activations(recv: Received):
+    """bf16 `[N*S, L]`: the dequantized MXFP8 rows (exact in bf16; unspecified in empty rows)."""
+    return mxfp8_dequantize(recv.x, recv.sf).astype(jnp.bfloat16)
+
+
+def _glu(gu, up, inter):
+    """bf16 `h = silu(gate) * up` from FP32 `gate`, `up` (or the fused `[.., 2I]` `gu` with `up=None`)."""
+    if up is None:
+        gu, up = gu[..., :inter], gu[..., inter:]
+    return (jax.nn.silu(gu) * up).astype(jnp.bfloat16)
+
+
+def _down_input(h, w_down):
+    """What down multiplies: bf16 `h`, or with FP8 weights `h` rounded to MXFP8 (its values, exact in bf16)."""
+    if isinstance(w_down, BlockScaled):
+        return mxfp8_dequantize(*mxfp8_quantize(h)).astype(jnp.bfloat16)
+    return h
+
+
+def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
+    """`lax.ragged_dot` over the pairs sorted by expert (unused pairs past `sum(group_sizes)` give 0)."""
+    xp = xb[pl.row]  # [C, L] bf16
+    gs = pl.group_sizes
+    e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
+    def rd(a, w):
+        # FP8 weights are FP32 operands here: HIGHEST keeps XLA on GPUs from rounding them to TF32.
+        hi = lax.Precision.HIGHEST if isinstance(w, BlockScaled) else None
+        y = lax.ragged_dot(*_xla_operands(a, w), gs, preferred_element_type=jnp.float32, precision=hi)
+        return _column_scale(y, w, e)
+
+    gate = rd(xp, w_gate)
+    up = rd(xp, w_up) if w_up is not None else None
+    h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
+    return rd(h, w_down)
+
+
+def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
+    """Each pair gathers its expert's weights (`[C, L, I]` temporaries: decode-sized `C` only)."""
+    e = jnp.minimum(pl.expert, pl.num_local_experts - 1)
+    xp = xb[pl.row]
+    def mv(a, w):
+        av, wv = _xla_operands(a, w)
+        y = jnp.einsum("cl,cli->ci", av, wv[e], preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        return _column_scale(y, w, e)
+
+    gate = mv(xp, w_gate)
+    up = mv(xp, w_up) if w_up is not None else None
+    return mv(_down_input(_glu(gate, up, w_down.shape[1]), w_down), w_down)
+
+
+def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
+    """Every local expert on every row (`[R, J, L]` FP32), then each pair's (row, expert) picked.
+
+    In FP32 operands (exact bf16 values: the same products), as XLA's CPU dot does not take bf16 x bf16 -> f32
+    in a batched dot; it is the checker, not a fast path."""
+    def f32(a):
+        if isinstance(a, BlockScaled):
+            return dequantize_fp8(a)
+        return (a.values if isinstance(a, Int8PerChannel) else a).astype(jnp.float32)
+
+    hi = lax.Precision.HIGHEST  # no TF32 on GPUs
+    j = jnp.arange(pl.num_local_experts)
+    mm = lambda a, w: _column_scale(jnp.einsum("rl,jli->rji", f32(a), f32(w), precision=hi), w, j)  # noqa: E731
+    gate = mm(xb, w_gate)
+    up = mm(xb, w_up) if w_up is not None else None
+    h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
+    y = _column_scale(jnp.einsum("rji,jil->rjl", f32(h), f32(w_down), precision=hi), w_down, j)
+    return y[pl.row, jnp.minimum(pl.expert, pl.num_local_experts - 1)]
+
+
+def _row_sums(pl: Plan, y, out_dtype=jnp.bfloat16):
+    """`[R, L]` in `out_dtype` (one rounding of the FP32 sum): each row's weighted sum of its pairs' FP32 outputs
+    `y` `[C, L]` (unused pairs: garbage)."""
+    # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
+    valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
+    safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
+    coef = pl.weight[safe]
+    acc = jnp.zeros((pl.row_pairs.shape[0], y.shape[1]), jnp.float32)
+    for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
+        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
+    return acc.astype(out_dtype)
