@@ -14,6 +14,7 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
 @pytest.mark.parametrize("script,must", [
     ("expert_stage.py", {"us_per_layer", "ratio", "active_experts", "us", "GBps"}),
     ("k3_layer.py", {"layer_us", "experts_us", "comm_us", "rest_us"}),
+    ("layer_buckets.py", {"us_per_layer", "us_per_layer_b2b", "ratio", "ratio_b2b"}),
 ])
 def test_smoke(tmp_path, script, must):
     out = tmp_path / "out.csv"
