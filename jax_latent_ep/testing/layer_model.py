@@ -35,14 +35,15 @@ def weights64(w) -> np.ndarray:
 
 
 def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps: float = 1e-6,
-          latent: bool = False, shared: bool = False) -> np.ndarray:
+          latent: bool = False, shared: bool = False, mx: bool = True) -> np.ndarray:
     """bf16 (as float64) `[T, D]`: the layer on tokens `x` `[T, D]` with routing `ids`, `weights` `[T, K]`.
 
     Per token: `a = mxfp8(bf16(x @ latent_down))` (or of `bf16(x)`); each distinct expert `e` of its ids (weight: the
     sum of its slots') gives `y_e = bf16(silu(a @ g_e) * (a @ u_e)) @ d_e` (with FP8 weights `h` rounded to MXFP8
     first); rank `d`'s partial is `bf16(sum of its experts' w_e * y_e)` in ascending first slot; the routed value is
     `bf16(sum_d partial_d)` in ascending `d`, RMS-normed with `norm` (bf16); then `@ latent_up` and the shared
-    expert's `bf16(silu(x g) * (x u)) @ d` are added, rounded once. Sums in float64."""
+    expert's `bf16(silu(x g) * (x u)) @ d` are added, rounded once. Sums in float64. `mx=False`: the dispatched
+    rows stay bf16 (a bf16 layer without MXFP8, the yardstick of `docs/porting.md`'s error figure)."""
     from jax_latent_ep import experts
 
     xb = bf16(x)
@@ -50,7 +51,8 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
     fp8_down = isinstance(params["w_down"], experts.BlockScaled)
     n_exp = wd.shape[0]
     local = n_exp // ranks
-    a = mxfp8(bf16(xb @ np.asarray(params["latent_down"], np.float64)) if latent else xb)
+    a = bf16(xb @ np.asarray(params["latent_down"], np.float64)) if latent else xb
+    a = mxfp8(a) if mx else a
     out = np.zeros((xb.shape[0], wd.shape[2]), np.float64)
     for t in range(xb.shape[0]):
         first: dict[int, float] = {}
