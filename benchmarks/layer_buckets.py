@@ -18,13 +18,11 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-from expert_stage import _time, _time_pipelined  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _commit, _time, _time_pipelined  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def make_params(args, layers):
@@ -110,12 +108,7 @@ def main(argv=None):
               f"{res['alone'][0]:8.1f} ({res['alone'][1]:8.1f}), unbucketed {res['unbucketed'][0]:8.1f} "
               f"({res['unbucketed'][1]:8.1f}); served / alone {res['served'][0] / res['alone'][0]:.3f} "
               f"({res['served'][1] / res['alone'][1]:.3f})", flush=True)
-    try:
-        commit = os.environ.get("GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or "unknown"
-    except Exception:
-        commit = "unknown"
+    commit = _commit()
     device = dev.device_kind if gpu else "cpu"
     with open(args.out, "w", newline="") as fh:
         w = csv.writer(fh)

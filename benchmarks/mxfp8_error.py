@@ -15,11 +15,11 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
+
+from expert_stage import _commit  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def main(argv=None):
@@ -70,11 +70,7 @@ def main(argv=None):
               f"(the MXFP8 rounding alone, float64 model: {100 * res['rel_l2_model_mxfp8_vs_bf16']:.2f} %)",
               flush=True)
         rows += [(f"mxfp8_error/{name}", m, v) for m, v in res.items()]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        commit = "unknown"
+    commit = _commit()
     with open(args.out, "w", newline="") as fh:
         wr = csv.writer(fh)
         wr.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
