@@ -19,10 +19,11 @@ Weights are bf16, FP8 with a scale per 128 x 128 block (`BlockScaled`, `quantize
 DeepSeek / Kimi checkpoints store them, or int8 with a scale per output channel (`Int8PerChannel`, XLA only).
 docs/experts.md has the numerics and the implementations.
 
-Modules: `planning` (the plan, `capacity`, `plan_kernel_fits`), `formats` (the weight formats and their checks), `xla`
-(the XLA implementations, `activations`, the row sum), `kernel` (the grouped GEMM kernel's implementation: `work_items`,
-the contraction splits and their `KERNEL_*` targets, the one launch, the row-sum kernel), `stage` (the registry, the
-entry points, `XLA_ROW_SUM_SLOTS`, and `swiglu_rows`: the SwiGLU on bf16 activations `[R, L]` of one's own).
+Modules: `planning` (the plan, `capacity`, `plan_kernel_fits`, `work_items`), `formats` (the weight formats and
+their checks), `xla` (the XLA implementations, `activations`, the row sum), `kernel` (the grouped GEMM kernel's
+implementation: the contraction splits and their `KERNEL_*` targets, the one launch, the row-sum kernel), `stage`
+(the registry, the entry points, `XLA_ROW_SUM_SLOTS`, and `swiglu_rows`: the SwiGLU on bf16 activations `[R, L]`
+of one's own).
 """
 
 from jax_latent_ep.experts.formats import FP8_BLOCK, FP8_MAX, BlockScaled, Int8PerChannel, dequantize_fp8, quantize_fp8

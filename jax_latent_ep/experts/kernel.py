@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_latent_ep.experts.formats import FP8_BLOCK, BlockScaled
-from jax_latent_ep.experts.planning import Plan, _gpus
+from jax_latent_ep.experts.planning import Plan, _gpus, work_items
 from jax_latent_ep.experts.xla import _glu
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -22,27 +22,6 @@ KERNEL_STAGE_GATE_UNITS = 1024
 #: The one launch's down target: the two launches' (T = 1: unsplit at I = 512; two splits there were 1.5-2.4 us
 #: slower, docs/performance.md).
 KERNEL_STAGE_DOWN_UNITS = KERNEL_MIN_UNITS
-
-
-def work_items(pl: Plan, block_m: int = KERNEL_BLOCK_M):
-    """int32 `[W, 4]` work list of the grouped GEMM kernel: `(local expert, first pair, pairs <= block_m, items)` for
-    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, items)` (nothing to do); `items`,
-    the same in every row, is the number of non-empty ones (the kernel's grid covers only those).
-    `W = min(J, C) + C // block_m`, a static bound: a group of `s > 0` pairs takes `ceil(s / block_m) <= 1 +
-    (s - 1) // block_m` items."""
-    gs = pl.group_sizes
-    j, cap = pl.num_local_experts, pl.capacity
-    num_work = min(j, cap) + cap // block_m
-    chunks = (gs + block_m - 1) // block_m
-    incl = jnp.cumsum(chunks)
-    offsets = jnp.cumsum(gs) - gs
-    w = jnp.arange(num_work, dtype=jnp.int32)
-    # compare_all: one fused comparison (the default method is a loop, a device-host round trip per step on GPUs)
-    g = jnp.minimum(jnp.searchsorted(incl, w, side="right", method="compare_all"), j - 1).astype(jnp.int32)
-    m = w - (incl[g] - chunks[g])
-    rows = jnp.where(w < incl[-1], jnp.clip(gs[g] - m * block_m, 0, block_m), 0)
-    items = jnp.broadcast_to(incl[-1], g.shape)
-    return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)
 
 
 def _kernel_tile(w) -> int:

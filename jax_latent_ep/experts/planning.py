@@ -130,6 +130,27 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
 
 
+def work_items(pl: Plan, block_m: int = abi.GEMM_BLOCK_M):
+    """int32 `[W, 4]` work list of the grouped GEMM kernel (and of the "scan" implementation): `(local expert, first pair, pairs <= block_m, items)` for
+    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, items)` (nothing to do); `items`,
+    the same in every row, is the number of non-empty ones (the kernel's grid covers only those).
+    `W = min(J, C) + C // block_m`, a static bound: a group of `s > 0` pairs takes `ceil(s / block_m) <= 1 +
+    (s - 1) // block_m` items."""
+    gs = pl.group_sizes
+    j, cap = pl.num_local_experts, pl.capacity
+    num_work = min(j, cap) + cap // block_m
+    chunks = (gs + block_m - 1) // block_m
+    incl = jnp.cumsum(chunks)
+    offsets = jnp.cumsum(gs) - gs
+    w = jnp.arange(num_work, dtype=jnp.int32)
+    # compare_all: one fused comparison (the default method is a loop, a device-host round trip per step on GPUs)
+    g = jnp.minimum(jnp.searchsorted(incl, w, side="right", method="compare_all"), j - 1).astype(jnp.int32)
+    m = w - (incl[g] - chunks[g])
+    rows = jnp.where(w < incl[-1], jnp.clip(gs[g] - m * block_m, 0, block_m), 0)
+    items = jnp.broadcast_to(incl[-1], g.shape)
+    return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)
+
+
 def _gpus(what: str):
     """This process's NVIDIA GPUs, or a ValueError naming `what` and its XLA alternative."""
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
@@ -157,7 +178,7 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -
                          f"{abi.NUM_MAX_TOPK} ids and J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS}, got J={j}, "
                          f"K={k}, R={rows}: use impl='xla'")
     ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
-    num_work = min(j, cap) + cap // abi.GEMM_BLOCK_M  # `kernel.work_items`' bound (`KERNEL_BLOCK_M`)
+    num_work = min(j, cap) + cap // abi.GEMM_BLOCK_M  # `work_items`' bound
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
     row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
         recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,

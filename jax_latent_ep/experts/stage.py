@@ -10,14 +10,14 @@ import jax.numpy as jnp
 from jax_latent_ep.experts.formats import KERNEL_FORMATS, _check_weights, _format
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
 from jax_latent_ep.experts.planning import Plan, plan, plan_kernel_fits
-from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, activations
+from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, _scan, activations
 from jax_latent_ep.received import Received
 
 #: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
 #: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
 #: the kernel takes with FP8 weights; the XLA implementations ignore both).
-IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "gather": _gather, "dense": _dense,
-                                        "kernel": _kernel}
+IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "scan": _scan, "gather": _gather,
+                                        "dense": _dense, "kernel": _kernel}
 #: The implementations that run on NVIDIA GPUs only.
 GPU_ONLY = frozenset({"kernel"})
 

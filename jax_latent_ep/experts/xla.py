@@ -1,4 +1,4 @@
-"""The XLA implementations of the grouped SwiGLU ("ragged_dot", "gather", "dense"), their activations and row sum."""
+"""The XLA implementations of the grouped SwiGLU ("ragged_dot", "scan", "gather", "dense"), activations, row sum."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.experts.formats import BlockScaled, Int8PerChannel, _column_scale, _xla_operands, dequantize_fp8
-from jax_latent_ep.experts.planning import Plan
+from jax_latent_ep.experts.planning import Plan, work_items
 from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 from jax_latent_ep.received import Received
 
@@ -46,6 +46,50 @@ def _ragged_dot(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None
     up = rd(xp, w_up) if w_up is not None else None
     h = _down_input(_glu(gate, up, w_down.shape[1]), w_down)
     return rd(h, w_down)
+
+
+#: Pairs of one step of the "scan" implementation (one expert's weights, up to this many of its pairs).
+SCAN_BLOCK = 128
+
+
+def _expert(w, e):
+    """Expert `e`'s weight `[K, N]` (a traced index) and its per-output-channel scale or None: FP32 values of an FP8
+    weight (its blocks' scales applied), the bf16 values of an int8 one, a bf16 weight as it is."""
+    if isinstance(w, BlockScaled):
+        return dequantize_fp8(BlockScaled(w.values[e][None], w.scale[e][None]))[0], None
+    if isinstance(w, Int8PerChannel):
+        return w.values[e].astype(jnp.bfloat16), w.scale[e]
+    return w[e], None
+
+
+def _scan(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
+    """A scan over the work list (`work_items`: up to `SCAN_BLOCK` pairs of one expert a step), each step reading
+    one expert's weights: temporaries and the gradient's residuals follow the pairs, `[C, L]` and `[C, I]`, never
+    `[C, L, I]` (training-sized layers on CPUs)."""
+    items = work_items(pl, SCAN_BLOCK)
+    cap, inter = pl.capacity, w_down.shape[1]
+    lanes = jnp.arange(SCAN_BLOCK, dtype=jnp.int32)
+
+    def mm(a, w, e):
+        wv, scale = _expert(w, e)
+        hi = lax.Precision.HIGHEST if isinstance(w, BlockScaled) else None  # FP32 operands: no TF32 on GPUs
+        y = jnp.dot(a.astype(wv.dtype), wv, preferred_element_type=jnp.float32, precision=hi)
+        return y if scale is None else y * scale
+
+    def step(_, item):
+        e, first, count = item[0], item[1], item[2]
+        pair = first + lanes
+        live = lanes < count
+        a = xb[pl.row[jnp.minimum(pair, cap - 1)]]  # [B, L] bf16
+        gate = mm(a, w_gate, e)
+        up = mm(a, w_up, e) if w_up is not None else None
+        h = _down_input(_glu(gate, up, inter), w_down)
+        return None, (jnp.where(live, pair, cap), mm(h, w_down, e))
+
+    # Rematerialized: a step's residuals would hold its expert's weights, `W` copies of `[L, I]` in the gradient.
+    _, (pairs, ys) = lax.scan(jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable), None, items)
+    y = jnp.zeros((cap, ys.shape[-1]), jnp.float32)  # lanes past their item's pairs write index `cap`: dropped
+    return y.at[pairs.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]), mode="drop")
 
 
 def _gather(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
