@@ -44,9 +44,6 @@ gives the raw records). A dead process (multi-process meshes): the failure watch
 
 from __future__ import annotations
 
-import atexit
-import functools
-import logging
 import math
 import numbers
 import weakref
@@ -56,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_latent_ep import autodiff, backends, sequence
+from jax_latent_ep import autodiff, backends, host_checks, sequence
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape, check_max_tokens
 from jax_latent_ep.layout import stride
 
@@ -76,45 +73,13 @@ def _describe_mesh(sig) -> str:
     return "(" + ", ".join(f"{k!r}: {v}" for k, v in sig) + ")"
 
 
-class BadIdError(ValueError):
+class BadIdError(host_checks.HostCheckError):
     """`check_ids=True` found an id outside `[0, E)` other than -1 ("no expert"): names the id, its token, its
     rank and the call."""
 
 
 #: The id of "no expert" (a padded token or an unused slot): accepted by `check_ids`, routed to no rank.
 NO_EXPERT = -1
-
-
-class _QuietBadIds(logging.Filter):
-    """JAX logs every failed host callback with its traceback, once per rank; a `BadIdError` is reported by
-    the exception itself, once."""
-
-    def filter(self, record):
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, BadIdError)
-
-
-logging.getLogger("jax._src.callback").addFilter(_QuietBadIds())
-
-
-#: The last `BadIdError` a host check raised in this process (`ExpertParallel.checked` re-raises it as itself).
-_last_bad_id: list[BadIdError] = []
-
-
-def _consume_bad_id_copy():
-    """JAX keeps a failed host callback's error for `jax.effects_barrier()`, which its own exit hook calls: the id
-    check's failure was raised at the step's result already, so its copy is consumed here (other errors stay)."""
-    if not _last_bad_id:
-        return
-    text = str(_last_bad_id.pop())
-    try:
-        jax.effects_barrier()
-    except jax.errors.JaxRuntimeError as e:
-        if text not in str(e):
-            raise
-
-
-atexit.register(_consume_bad_id_copy)  # runs before JAX's own (registered at its import, earlier)
 
 
 def _check_ids_host(table, experts, where):
@@ -132,8 +97,7 @@ def _check_ids_host(table, experts, where):
                 f"ExpertParallel.{where}: ids[{t}, {k}] = {value} on rank {rank} is outside [0, {experts}) and not "
                 f"{NO_EXPERT} (no expert){batch} ({total} bad id(s) on all ranks)"
             )
-            _last_bad_id[:] = [error]
-            raise error
+            host_checks.fail(error)
     return np.zeros(table.shape[:-2], np.int32)
 
 
@@ -553,30 +517,14 @@ class ExpertParallel:
     def checked(fn):
         """`fn` (e.g. a jitted step) wrapped for debugging with `check_ids=True`: calls it, waits for its results,
         and turns a failed id check into the one `BadIdError` itself (naming the id, its token, rank and call),
-        instead of the `JaxRuntimeError` that carries its text; it also consumes the copy of the failure JAX keeps
-        for `jax.effects_barrier()` and interpreter exit. Other errors pass unchanged.
+        instead of the `JaxRuntimeError` that carries its text (`host_checks.checked`: any failed check of the
+        library, a `CapacityError` too). Other errors pass unchanged.
 
             step = ep.checked(jax.jit(step))
             try: step(params, batch)
             except BadIdError as e: ...
         """
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            try:
-                return jax.block_until_ready(fn(*args, **kwargs))
-            except jax.errors.JaxRuntimeError as failure:
-                error = _last_bad_id[0] if _last_bad_id else None
-                if error is None or str(error) not in str(failure):
-                    raise
-                _last_bad_id.clear()
-                try:  # the failed callback is also kept in JAX's runtime tokens
-                    jax.effects_barrier()
-                except jax.errors.JaxRuntimeError:
-                    pass
-                raise error from None
-
-        return wrapper
+        return host_checks.checked(fn)
 
     def status(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
         """The kernels' error records of the ranks this process drives: `{(group, rank): (code, rank, peer,

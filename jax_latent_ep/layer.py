@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jax_latent_ep import experts
 from jax_latent_ep.api import ExpertParallel
 from jax_latent_ep.autodiff import varying_axes
+from jax_latent_ep.experts import OVERFLOW_POLICIES
 from jax_latent_ep.shapes import LatentMoEShape
 
 #: Token layouts over the expert-parallel axis.
@@ -128,6 +129,8 @@ class MoELayer:
       max_tokens: the most tokens one EP rank brings to one call (after the replicated layout's split).
       buckets: the static token counts compiled for (each at most `max_tokens`), or None: `default_buckets`.
       impl: the expert stage's implementation (`experts.IMPLEMENTATIONS`), default "ragged_dot".
+      capacity_factor, overflow: the plan's capacity as a multiple of the uniform expectation of a bucket's pairs,
+        or None (the worst case), and what pairs past it meet (`experts.plan`).
       backend: `ExpertParallel`'s backend ("auto", "xla", "nvlink").
       eps: the RMSNorm epsilon.
       **ep_options: passed to every `ExpertParallel` (e.g. `check_ids`, `liveness`).
@@ -136,7 +139,8 @@ class MoELayer:
     def __init__(self, mesh, *, hidden: int, experts: int, topk: int, intermediate: int, router=None,
                  latent: int | None = None, shared_intermediate: int = 0, norm: bool = False, ep_axis: str = "ep",
                  tp_axis: str | None = None, token_axes=(), max_tokens: int = 128, buckets=None,
-                 impl: str = "ragged_dot", backend: str = "auto", eps: float = 1e-6, **ep_options):
+                 impl: str = "ragged_dot", backend: str = "auto", eps: float = 1e-6,
+                 capacity_factor: float | None = None, overflow: str = "error", **ep_options):
         axes = dict(mesh.shape)
         for name, axis in (("ep_axis", ep_axis), ("tp_axis", tp_axis)):
             if axis is not None and axis not in axes:
@@ -160,6 +164,9 @@ class MoELayer:
         if impl not in experts_impls():
             raise ValueError(f"MoELayer: impl={impl!r} must be one of {sorted(experts_impls())}")
         self.impl = impl
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"MoELayer: overflow={overflow!r} must be one of {OVERFLOW_POLICIES}")
+        self.capacity_factor, self.overflow = capacity_factor, overflow
         buckets = default_buckets(int(max_tokens)) if buckets is None else tuple(sorted({int(b) for b in buckets}))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"MoELayer: buckets={buckets} must be positive token counts")
@@ -233,11 +240,11 @@ class MoELayer:
             `shared_gate`, `shared_up` `[D, Is]`, `shared_down` `[Is, D]` (with `shared_intermediate`); bf16.
           ids, weights: int32 `[..., K]` and float `[..., K]` routing (`-1`: no expert), instead of the router.
           tokens: "auto", "sharded" or "replicated": `x`'s layout over `ep_axis` (module docstring).
-          with_pairs: also return the (token, local expert) pairs the experts computed, summed over the EP axis
-            (int32; the expert work done, once per pair).
+          with_pairs: also return the (token, local expert) pairs the experts computed and those a
+            `capacity_factor` dropped (`overflow="drop"`), each int32 summed over the ranks holding distinct tokens.
 
         Returns:
-          bf16 `[..., D]`, laid out as `x`; with `with_pairs`, `(y, pairs)`.
+          bf16 `[..., D]`, laid out as `x`; with `with_pairs`, `(y, pairs, dropped)`.
         """
         if tokens not in LAYOUTS:
             raise ValueError(f"MoELayer: tokens={tokens!r} must be one of {LAYOUTS}")
@@ -257,7 +264,7 @@ class MoELayer:
         rows = P(self.token_axes or None)
         routing = () if ids is None else (ids, weights)
         body = lambda x, p, *r: self._local(x, p, *(r or (None, None)), tokens, with_pairs)  # noqa: E731
-        out_specs = (rows, P()) if with_pairs else rows
+        out_specs = (rows, P(), P()) if with_pairs else rows
         in_specs = (rows, self.param_specs(params)) + (rows,) * len(routing)
         args = jax.tree.map(self._place, (x, params) + routing, in_specs)
         f = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
@@ -322,7 +329,8 @@ class MoELayer:
         xl = _dot(xt, params["latent_down"]).astype(jnp.bfloat16) if self.has_latent else xt
         recv, latent = ep.dispatch(xl, ids, weights, dequantize=True)
         rank = lax.axis_index(self.ep_axis).astype(jnp.int32)
-        pl = experts.plan(recv, rank, self.local_experts, max_tokens=bucket, ranks=n)
+        pl = experts.plan(recv, rank, self.local_experts, max_tokens=bucket, ranks=n,
+                          capacity_factor=self.capacity_factor, overflow=self.overflow)
         out_dtype = jnp.float32 if self.tp_axis else jnp.bfloat16
         w = (params["w_gate"], params["w_up"], params["w_down"])
         if self.impl in experts.GPU_ONLY:  # the kernel reads the MXFP8 rows themselves (no VJP)
@@ -341,9 +349,9 @@ class MoELayer:
         y = y.reshape(*lead, self.hidden)
         if not with_pairs:
             return y
-        order = [a for a in self.mesh.axis_names if a == self.ep_axis or a in self.token_axes]
-        pairs = lax.psum(pl.count, tuple(order))  # over every rank holding distinct tokens
-        return y, pairs
+        order = tuple(a for a in self.mesh.axis_names if a == self.ep_axis or a in self.token_axes)
+        dropped = pl.dropped if pl.dropped is not None else jnp.zeros((), jnp.int32)
+        return y, lax.psum(pl.count, order), lax.psum(dropped, order)  # over every rank of distinct tokens
 
     def _shared(self, xt, params):
         """FP32 `[t, D]`: the shared expert's SwiGLU on the rank's tokens (summed over `tp_axis` in FP32)."""

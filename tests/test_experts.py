@@ -461,3 +461,66 @@ def test_scan_memory_follows_the_pairs():
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(xb, *w, pl).compile()
     bwd = grad.memory_analysis().temp_size_in_bytes
     assert fwd < 16e9 and bwd < 16e9, (fwd / 1e9, bwd / 1e9)
+
+
+def _pairs_np(recv, rank, j, mt, n):
+    """The plan's pairs `(row, local expert)` in its order (expert, then row): the first slot naming each."""
+    pairs = _plan_np(recv, rank, j, mt, n)
+    return sorted(pairs, key=lambda p: (p[1], p[0]))
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "scan", "dense"])
+def test_capacity_factor_drops_and_counts(impl):
+    """`capacity_factor`: a capacity that holds every pair gives the worst case's bits; a smaller one with
+    `overflow="drop"` keeps the first pairs in expert order, counts the rest, and sums only the kept (the NumPy
+    model on the same rows with the dropped pairs' ids removed)."""
+    case = CASES[2]
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, weights = _case(f"capacity/{impl}", *case)
+    j = e // n
+    pairs = _pairs_np(recv, rank, j, mt, n)
+    recv_j = jax.tree.map(jnp.asarray, recv)
+
+    def stage(factor):
+        def f(r, *w):
+            pl = experts.plan(r, rank, j, max_tokens=mt, ranks=n, capacity_factor=factor, overflow="drop")
+            return experts.swiglu(r, pl, *w, impl=impl), pl.count, pl.dropped
+        return jax.jit(f)(recv_j, *weights)
+
+    worst = np.asarray(_run(recv, weights, rank, mt, n, impl))
+    cap = experts.capacity(n, mt, k, j, 1.0)
+    assert len(pairs) < cap < experts.capacity(n, mt, k, j)  # a factor of 1 holds these pairs: nothing dropped
+    out, count, dropped = stage(1.0)
+    assert int(count) == len(pairs) and int(dropped) == 0
+    np.testing.assert_array_equal(np.asarray(out, np.float32), worst)
+
+    factor = 0.5 * len(pairs) / (mt * k)  # half of them
+    out, count, dropped = stage(factor)
+    cap = experts.capacity(n, mt, k, j, factor)
+    assert int(count) == cap and int(dropped) == len(pairs) - cap
+    ids = np.array(recv.ids)
+    for row, ex in pairs[cap:]:  # the dropped pairs: their slots name no local expert
+        ids[row][ids[row] == rank * j + ex] = -1
+    want = reference_swiglu(recv._replace(ids=ids), rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    _assert_close(np.asarray(out, np.float32), want, f"{impl}, dropped pairs")
+
+
+def test_capacity_overflow_error_names_rank_and_counts():
+    from jax_latent_ep import host_checks
+
+    case = CASES[2]
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, weights = _case("capacity-error", *case)
+    j, total = e // n, len(_plan_np(recv, rank, e // n, mt, n))
+    plan_of = lambda factor: lambda r: experts.plan(r, rank, j, max_tokens=mt, ranks=n,  # noqa: E731
+                                                     capacity_factor=factor).count
+    cap = experts.capacity(n, mt, k, j, 0.25)
+    step = host_checks.checked(jax.jit(plan_of(0.25)))
+    with pytest.raises(experts.CapacityError, match=rf"{total} pairs reached rank {rank}, over its capacity of "
+                                                     rf"{cap} \(capacity_factor=0.25\)"):
+        step(jax.tree.map(jnp.asarray, recv))
+    assert int(jax.jit(plan_of(None))(jax.tree.map(jnp.asarray, recv))) == total
+    with pytest.raises(ValueError, match="capacity_factor=0 must be a positive number or None"):
+        experts.plan(jax.tree.map(jnp.asarray, recv), rank, j, max_tokens=mt, ranks=n, capacity_factor=0)
+    with pytest.raises(ValueError, match="overflow='clip' must be one of"):
+        experts.plan(jax.tree.map(jnp.asarray, recv), rank, j, max_tokens=mt, ranks=n, overflow="clip")

@@ -54,7 +54,7 @@ def test_layer_matches_the_float64_model(router, layout, mesh_shape):
     tokens = 3 * shards if layout == "sharded" else 6 * shards  # 6 tokens a data shard over 4 EP ranks: uneven
     x = rng.standard_normal((tokens, D)).astype(np.float32)
     xs = jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, P(token_axes or None)))
-    got, pairs = jax.jit(lambda x, p: layer(x, p, with_pairs=True))(xs, p)
+    got, pairs, _ = jax.jit(lambda x, p: layer(x, p, with_pairs=True))(xs, p)
     ids, w = _route_model(ROUTERS[router], x, p)
     want = layer_model.layer(x, p, ids, w, ranks=layer.ranks, norm=True, eps=layer.eps, latent=True, shared=True)
     _check(got, want)
@@ -84,14 +84,14 @@ def test_replicated_layout_does_each_tokens_work_once():
     p = _params(rng)
     x = jnp.asarray(rng.standard_normal((7, D)), jnp.bfloat16)
     layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, router=ROUTERS["softmax"], max_tokens=8)
-    y, pairs = jax.jit(lambda x, p: layer(x, p, with_pairs=True))(x, p)
+    y, pairs, dropped = jax.jit(lambda x, p: layer(x, p, with_pairs=True))(x, p)
     ids, _ = _route_model(ROUTERS["softmax"], np.asarray(x, np.float32), p)
-    assert int(pairs) == sum(len(set(r)) for r in ids.tolist())
+    assert int(pairs) == sum(len(set(r)) for r in ids.tolist()) and int(dropped) == 0
     # inside the model's own shard_map, tokens replicated over ep: found from the varying axes (check_vma=True)
     p = layer.shard_params(p)
     inner = jax.jit(jax.shard_map(lambda x, p: layer(x, p, with_pairs=True), mesh=mesh,
-                                  in_specs=(P(), layer.param_specs(p)), out_specs=(P(), P())))
-    y2, pairs2 = inner(x, p)
+                                  in_specs=(P(), layer.param_specs(p)), out_specs=(P(), P(), P())))
+    y2, pairs2, _ = inner(x, p)
     assert int(pairs2) == int(pairs)
     np.testing.assert_array_equal(np.asarray(y2).view(np.uint16), np.asarray(y).view(np.uint16))
 
@@ -218,3 +218,21 @@ def test_training_is_the_same_call(mesh_shape, layout):
         assert np.any(r != 0), name
         rel = np.linalg.norm(g - r) / np.linalg.norm(r)
         assert rel < 2e-2, (name, rel)
+
+
+def test_capacity_factor_counts_what_it_drops():
+    """A layer whose plans hold a quarter of the uniform expectation drops pairs and says how many: the pairs
+    computed and dropped add up to the distinct (token, expert) pairs; with the default policy it raises."""
+    mesh = _mesh((4,), ("ep",))
+    rng = np.random.default_rng(51)
+    p = _params(rng)
+    x = jnp.asarray(rng.standard_normal((16, D)), jnp.bfloat16)
+    make = lambda **kw: MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I,  # noqa: E731
+                                 router=ROUTERS["softmax"], max_tokens=4, capacity_factor=0.25, **kw)
+    y, pairs, dropped = jax.jit(lambda x, p: make(overflow="drop")(x, p, with_pairs=True))(x, p)
+    ids, _ = _route_model(ROUTERS["softmax"], np.asarray(x, np.float32), p)
+    assert int(dropped) > 0 and int(pairs) + int(dropped) == sum(len(set(r)) for r in ids.tolist())
+    from jax_latent_ep import host_checks
+
+    with pytest.raises(experts.CapacityError, match="over its capacity of 4"):
+        host_checks.checked(jax.jit(make()))(x, p)

@@ -27,7 +27,8 @@ of one's own).
 """
 
 from jax_latent_ep.experts.formats import FP8_BLOCK, FP8_MAX, BlockScaled, Int8PerChannel, dequantize_fp8, quantize_fp8
-from jax_latent_ep.experts.planning import NO_EXPERT, PLAN_IMPLEMENTATIONS, Plan, plan
+from jax_latent_ep.experts.planning import (NO_EXPERT, OVERFLOW_POLICIES, PLAN_IMPLEMENTATIONS, CapacityError, Plan,
+                                           capacity, plan)
 from jax_latent_ep.experts.stage import GPU_ONLY, IMPLEMENTATIONS, expert_stage, swiglu
 from jax_latent_ep.experts.stage import swiglu_rows  # noqa: F401  (the level under `swiglu`; not in `__all__`)
 
@@ -37,10 +38,13 @@ __all__ = [
     "GPU_ONLY",
     "IMPLEMENTATIONS",
     "NO_EXPERT",
+    "OVERFLOW_POLICIES",
     "PLAN_IMPLEMENTATIONS",
     "BlockScaled",
+    "CapacityError",
     "Int8PerChannel",
     "Plan",
+    "capacity",
     "dequantize_fp8",
     "expert_stage",
     "plan",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_latent_ep import host_checks
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.received import Received
 
@@ -30,6 +34,8 @@ class Plan(NamedTuple):
         its first slot, or `C` where the row has fewer (points at a zero row).
       work: int32 `[W, 4]`, the grouped GEMM kernel's work list (`work_items`) when the plan kernel built the
         plan, else None (the kernel implementation then derives it).
+      dropped: int32 `[]`, the pairs past a `capacity_factor`'s capacity left out (`overflow="drop"`; 0 when none
+        were), or None for a worst-case plan (none can be).
     """
 
     row: jax.Array
@@ -39,6 +45,7 @@ class Plan(NamedTuple):
     count: jax.Array
     row_pairs: jax.Array
     work: jax.Array | None = None
+    dropped: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -49,9 +56,37 @@ class Plan(NamedTuple):
         return int(self.group_sizes.shape[0])
 
 
-def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int) -> int:
-    """`N * max_tokens * min(K, J)`: the most pairs one rank's receive rows can hold."""
-    return ranks * max_tokens * min(topk, num_local_experts)
+def capacity(ranks: int, max_tokens: int, topk: int, num_local_experts: int, factor: float | None = None) -> int:
+    """Pairs a rank's plan holds: the worst case `N * max_tokens * min(K, J)` (every pair one rank's receive rows
+    can hold), or with `factor` that many times the uniform expectation, `ceil(factor * max_tokens * K)` pairs (each
+    of the N sources sends `max_tokens * K` slots, 1 / N of them here), at most the worst case."""
+    worst = ranks * max_tokens * min(topk, num_local_experts)
+    if factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(factor * max_tokens * topk)))
+
+
+#: What a plan does with the pairs past its capacity (`plan(overflow=...)`): "error" raises a `CapacityError` naming
+#: the rank and the counts where the step's result is read (a device-host round trip per plan); "drop" keeps the
+#: capacity's first pairs in expert order, leaves the rest out of the sums and counts them (`Plan.dropped`).
+OVERFLOW_POLICIES = ("error", "drop")
+
+
+class CapacityError(host_checks.HostCheckError):
+    """More pairs reached a rank than its plan's capacity (`plan(capacity_factor=..., overflow="error")`)."""
+
+
+def _check_capacity_host(count, rank, cap: int, factor):
+    """Raises `CapacityError` if this rank's `count` of pairs (an array under `jax.vmap`) exceeds `cap`."""
+    count, rank = np.asarray(count), np.asarray(rank)
+    over = np.flatnonzero(count.reshape(-1) > cap)
+    if over.size:
+        i = int(over[0])
+        host_checks.fail(CapacityError(
+            f"experts.plan: {int(count.reshape(-1)[i])} pairs reached rank {int(np.broadcast_to(rank, count.shape)
+            .reshape(-1)[i])}, over its capacity of {cap} (capacity_factor={factor}); raise capacity_factor, give "
+            "None for the worst case, or pass overflow='drop' to leave the excess out and count it"))
+    return np.zeros(count.shape, np.int32)
 
 
 #: How a plan is built: "xla" (XLA ops, every platform) or "kernel" (the plan kernel, `kernels/expert_plan.py`, one
@@ -60,7 +95,7 @@ PLAN_IMPLEMENTATIONS = ("xla", "kernel")
 
 
 def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None,
-         impl: str = "xla") -> Plan:
+         impl: str = "xla", capacity_factor: float | None = None, overflow: str = "error") -> Plan:
     """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
 
     Args:
@@ -71,10 +106,15 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
         empty by the contract and are not planned); default `S`, i.e. every row.
       ranks: `N`, the number of source blocks of `recv`; default `N*S / S` with `S = stride(max_tokens)` when
         `max_tokens` is given, else 1 (one block of all rows).
-      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, where `plan_kernel_fits`.
+      impl: one of `PLAN_IMPLEMENTATIONS`; "kernel" runs on NVIDIA GPUs, where `plan_kernel_fits`, at the worst
+        case's capacity only.
+      capacity_factor: None (the worst case: nothing can overflow), or the capacity as a multiple of the uniform
+        expectation of `max_tokens * K` pairs a rank (`capacity`): every buffer of the stage follows it.
+      overflow: one of `OVERFLOW_POLICIES`, what the pairs past a `capacity_factor`'s capacity meet.
 
     Returns:
-      A `Plan` of capacity `N * max_tokens * min(K, J)` (with its work list when `impl="kernel"`).
+      A `Plan` of capacity `capacity(N, max_tokens, K, J, capacity_factor)` (with its work list when
+      `impl="kernel"`; with `capacity_factor`, `dropped`).
     """
     from jax_latent_ep.layout import stride
 
@@ -91,10 +131,18 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     if not 1 <= mt <= s_rows:
         raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
     m = min(k, j)
-    cap = capacity(ranks, mt, k, j)
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ValueError(f"experts.plan: capacity_factor={capacity_factor!r} must be a positive number or None")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"experts.plan: overflow={overflow!r} must be one of {OVERFLOW_POLICIES}")
+    cap = capacity(ranks, mt, k, j, capacity_factor)
+    worst = cap == capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
         raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
     if impl == "kernel":
+        if not worst:
+            raise ValueError(f"experts.plan(impl='kernel') plans the worst case's {capacity(ranks, mt, k, j)} pairs; "
+                             f"capacity_factor={capacity_factor} ({cap} pairs) needs impl='xla'")
         return _plan_kernel(recv, rank, j, s_rows, mt, cap)
     ids, w = recv.ids, recv.weights.astype(jnp.float32)
     rank = jnp.asarray(rank, jnp.int32)
@@ -118,8 +166,16 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     pair_row = jnp.where(used, order // k, 0)
     pair_expert = jnp.where(used, key[order], j)
     pair_weight = jnp.where(used, coef.reshape(-1)[order], 0.0)
-    group_sizes = jnp.zeros((j + 1,), jnp.int32).at[key].add(1)[:j]
-    count = jnp.sum(flat_first, dtype=jnp.int32)
+    group_sizes = jnp.zeros((j + 1,), jnp.int32).at[pair_expert].add(1)[:j]  # the kept pairs'
+    total = jnp.sum(flat_first, dtype=jnp.int32)
+    count = jnp.minimum(total, cap)
+    dropped = None
+    if not worst:
+        dropped = total - count
+        if overflow == "error":  # a data dependency on the count keeps the check
+            count = count + jax.pure_callback(
+                functools.partial(_check_capacity_host, cap=cap, factor=capacity_factor),
+                jax.ShapeDtypeStruct((), jnp.int32), total, rank, vmap_method="broadcast_all")
 
     # The way back: the pair index of every (row, slot), then each row's pairs in ascending first slot.
     pos = jnp.full((rows * k,), cap, jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32), unique_indices=True)
@@ -127,7 +183,8 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     slots = jnp.argsort(~first, axis=1, stable=True)[:, :m]  # the row's first slots, ascending k
     row_pairs = jnp.take_along_axis(pos, slots, axis=1)
     row_pairs = jnp.where(jnp.take_along_axis(first, slots, axis=1), row_pairs, cap)
-    return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32))
+    return Plan(pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs.astype(jnp.int32),
+                dropped=dropped)
 
 
 def work_items(pl: Plan, block_m: int = abi.GEMM_BLOCK_M):

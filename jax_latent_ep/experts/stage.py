@@ -40,6 +40,9 @@ def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
     fmt = _format(w_down)
+    if impl in GPU_ONLY and pl.dropped is not None:
+        raise ValueError(f"experts.swiglu(impl={impl!r}) takes plans of the worst case's capacity (capacity_factor="
+                         "None); a plan of a capacity_factor runs on the XLA implementations")
     if impl in GPU_ONLY and fmt not in KERNEL_FORMATS:
         raise ValueError(f"experts.swiglu(impl={impl!r}): {fmt.label} weights are multiplied by the XLA "
                          f"implementations only; the kernel takes {', '.join(f.label for f in KERNEL_FORMATS)}")
