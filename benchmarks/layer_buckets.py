@@ -3,8 +3,8 @@
     python benchmarks/layer_buckets.py [--out layer_buckets.csv] [--tokens 1 8] [--max-tokens 128] [--layers 12]
     python benchmarks/layer_buckets.py --smoke          # tiny shapes, CPU is fine (the CI test runs this)
 
-Three layers of the same sizes (DeepSeek-V3 / Kimi K2 style: sigmoid + bias group-limited top-k, a shared expert,
-`L` = hidden) on one device: `served`, buckets up to `--max-tokens` (powers of two); `alone`, built for the call's
+Three layers of the same sizes (by default DeepSeek-V3's shipped kernel shape: hidden 7168 = `L`, 256 experts,
+top-8, a small I; sigmoid + bias group-limited top-k, a shared expert) on one device: `served`, buckets up to `--max-tokens` (powers of two); `alone`, built for the call's
 T; `unbucketed`, built for `--max-tokens` with that one bucket (every call pays for the largest). Each is a jitted
 program of `--layers` layers with their own weights, timed as wall time per layer (median of `--repeats`), every
 call waited for (`us_per_layer`) and calls issued back to back (`us_per_layer_b2b`); `ratio` is served / alone
@@ -51,12 +51,12 @@ def main(argv=None):
     p.add_argument("--out", default="layer_buckets.csv")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--impl", default=None, help="the expert stage's implementation (default: kernel on GPUs)")
     args = p.parse_args(argv)
     if args.smoke:

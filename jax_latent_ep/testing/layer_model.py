@@ -34,6 +34,21 @@ def weights64(w) -> np.ndarray:
     return np.asarray(w).astype(np.float64)
 
 
+class _PerExpert:
+    """An expert weight `[E, in, out]` read one expert at a time in float64 (cached): a model-sized checkpoint in
+    float64 would not fit."""
+
+    def __init__(self, w):
+        self.w, self.shape, self._cache = w, tuple(w.shape), {}
+
+    def __getitem__(self, e: int) -> np.ndarray:
+        if e not in self._cache:
+            w = self.w
+            one = type(w)(*(a[e : e + 1] for a in w)) if isinstance(w, tuple) else w[e : e + 1]
+            self._cache[e] = weights64(one)[0]
+        return self._cache[e]
+
+
 def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps: float = 1e-6,
           latent: bool = False, shared: bool = False, mx: bool = True) -> np.ndarray:
     """bf16 (as float64) `[T, D]`: the layer on tokens `x` `[T, D]` with routing `ids`, `weights` `[T, K]`.
@@ -47,7 +62,7 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
     from jax_latent_ep import experts
 
     xb = bf16(x)
-    wg, wu, wd = (weights64(params[k]) for k in ("w_gate", "w_up", "w_down"))
+    wg, wu, wd = (_PerExpert(params[k]) for k in ("w_gate", "w_up", "w_down"))
     fp8_down = isinstance(params["w_down"], experts.BlockScaled)
     n_exp = wd.shape[0]
     local = n_exp // ranks
@@ -96,7 +111,7 @@ def random_params(rng: np.random.Generator, *, hidden: int, experts: int, interm
     lw = latent or d
 
     def normal(*shape):
-        return rng.standard_normal(shape) / np.sqrt(shape[-1 if len(shape) == 3 else 0])
+        return rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(shape[-1 if len(shape) == 3 else 0]))
 
     def ckpt(out_dim, in_dim):
         w = normal(e, out_dim, in_dim)

@@ -158,7 +158,7 @@ def test_fused_stage_hot_rows_and_split_down(monkeypatch):
     _close(fused, want)
     _close(fused, rows("ragged_dot"))
     assert pl.row_pairs.size <= XLA_ROW_SUM_SLOTS  # so `fused` took XLA's row sum
-    monkeypatch.setattr(experts, "XLA_ROW_SUM_SLOTS", 0)
+    monkeypatch.setattr("jax_latent_ep.experts.stage.XLA_ROW_SUM_SLOTS", 0)
     summed = np.asarray(jax.jit(lambda r, p, a, b, c: experts.swiglu(r, p, a, b, c, impl="kernel",
                                                                      expected_pairs=hint))(recv, pl, *ws), np.float32)
     np.testing.assert_array_equal(summed, fused)
