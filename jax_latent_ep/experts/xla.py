@@ -55,11 +55,12 @@ SCAN_BLOCK = 128
 def _expert(w, e):
     """Expert `e`'s weight `[K, N]` (a traced index) and its per-output-channel scale or None: FP32 values of an FP8
     weight (its blocks' scales applied), the bf16 values of an int8 one, a bf16 weight as it is."""
+    take = lambda a: jnp.asarray(a)[e]  # noqa: E731  (NumPy weights too: `e` is traced)
     if isinstance(w, BlockScaled):
-        return dequantize_fp8(BlockScaled(w.values[e][None], w.scale[e][None]))[0], None
+        return dequantize_fp8(BlockScaled(take(w.values)[None], take(w.scale)[None]))[0], None
     if isinstance(w, Int8PerChannel):
-        return w.values[e].astype(jnp.bfloat16), w.scale[e]
-    return w[e], None
+        return take(w.values).astype(jnp.bfloat16), take(w.scale)
+    return take(w), None
 
 
 def _scan(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
