@@ -378,15 +378,21 @@ def _derived(args, rows):
     return rows, hbm, floors
 
 
+def write_rows(path, device, rows):
+    """Writes `rows` of `(backend, ranks, tokens, metric, value)` to the CSV `path` (`COLUMNS`: today's date, `device`,
+    `_commit()`)."""
+    date, commit = datetime.date.today().isoformat(), _commit()
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(COLUMNS)
+        for backend, ranks, tokens, metric, value in rows:
+            w.writerow([date, device, commit, backend, ranks, tokens, metric, f"{value:.6g}"])
+
+
 def _write(args, rows, device):
     """Writes `rows` with their floors and ratios to `args.out`; returns them."""
     rows = _derived(args, rows)[0]
-    date, commit = datetime.date.today().isoformat(), _commit()
-    with open(args.out, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(COLUMNS)
-        for r in rows:
-            w.writerow([date, device, commit, r["backend"], r["ranks"], r["tokens"], r["metric"], f"{r['value']:.6g}"])
+    write_rows(args.out, device, [(r["backend"], r["ranks"], r["tokens"], r["metric"], r["value"]) for r in rows])
     return rows
 
 

@@ -4,8 +4,9 @@
     python benchmarks/layer_buckets.py --smoke          # tiny shapes, CPU is fine (the CI test runs this)
 
 Three layers of the same sizes (by default DeepSeek-V3's shipped kernel shape: hidden 7168 = `L`, 256 experts,
-top-8, a small I; sigmoid + bias group-limited top-k, a shared expert) on one device: `served`, buckets up to `--max-tokens` (powers of two); `alone`, built for the call's
-T; `unbucketed`, built for `--max-tokens` with that one bucket (every call pays for the largest). Each is a jitted
+top-8, a small I; sigmoid + bias group-limited top-k, a shared expert) on one device: `served`, buckets up to
+`--max-tokens` (powers of two); `alone`, built for the call's T; `unbucketed`, built for `--max-tokens` with that
+one bucket (every call pays for the largest). Each is a jitted
 program of `--layers` layers with their own weights, timed as wall time per layer (median of `--repeats`), every
 call waited for (`us_per_layer`) and calls issued back to back (`us_per_layer_b2b`); `ratio` is served / alone
 (the target: within 1.1 at T = 1). On GPUs the nvlink backend at N = 1 and `--impl kernel`; elsewhere xla and
@@ -15,14 +16,12 @@ ragged_dot. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`, bac
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_stage import _commit, _time, _time_pipelined  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _time, _time_pipelined, write_rows  # noqa: E402  (benchmarks/ is on the path as a script)
 
 
 def make_params(args, layers):
@@ -108,13 +107,7 @@ def main(argv=None):
               f"{res['alone'][0]:8.1f} ({res['alone'][1]:8.1f}), unbucketed {res['unbucketed'][0]:8.1f} "
               f"({res['unbucketed'][1]:8.1f}); served / alone {res['served'][0] / res['alone'][0]:.3f} "
               f"({res['served'][1] / res['alone'][1]:.3f})", flush=True)
-    commit = _commit()
-    device = dev.device_kind if gpu else "cpu"
-    with open(args.out, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
-        for name, t, metric, value in rows:
-            w.writerow([datetime.date.today().isoformat(), device, commit, name, 1, t, metric, f"{value:.4f}"])
+    write_rows(args.out, dev.device_kind if gpu else "cpu", [(name, 1, t, m, v) for name, t, m, v in rows])
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ Rows `date,device,commit,backend,ranks,tokens,metric,value` with backend `mxfp8_
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_stage import _commit  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 
 def main(argv=None):
@@ -70,12 +68,7 @@ def main(argv=None):
               f"(the MXFP8 rounding alone, float64 model: {100 * res['rel_l2_model_mxfp8_vs_bf16']:.2f} %)",
               flush=True)
         rows += [(f"mxfp8_error/{name}", m, v) for m, v in res.items()]
-    commit = _commit()
-    with open(args.out, "w", newline="") as fh:
-        wr = csv.writer(fh)
-        wr.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
-        for name, m, v in rows:
-            wr.writerow([datetime.date.today().isoformat(), "cpu", commit, name, 1, args.tokens, m, f"{v:.6f}"])
+    write_rows(args.out, "cpu", [(name, 1, args.tokens, m, v) for name, m, v in rows])
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ T tokens a rank, the plan's capacity `capacity(N, T, K, J, factor)` (and the wor
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_stage import _commit  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16), "k2": dict(j=48, lat=7168, inter=2048, k=8)}
 
@@ -68,12 +66,7 @@ def main(argv=None):
                 rows += [(f"stage_memory/{name}/f{factor or 'worst'}", t, m, v) for m, v in (
                     ("capacity_pairs", cap), ("weights_GB", weights / 1e9), ("fwd_temp_GB", fwd / 1e9),
                     ("grad_temp_GB", grad / 1e9))]
-    commit = _commit()
-    with open(args.out, "w", newline="") as fh:
-        wr = csv.writer(fh)
-        wr.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
-        for backend, t, metric, v in rows:
-            wr.writerow([datetime.date.today().isoformat(), "cpu", commit, backend, n, t, metric, f"{v:.4f}"])
+    write_rows(args.out, "cpu", [(backend, n, t, metric, v) for backend, t, metric, v in rows])
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jax_latent_ep import experts
 from jax_latent_ep.api import ExpertParallel
 from jax_latent_ep.autodiff import varying_axes
-from jax_latent_ep.experts import OVERFLOW_POLICIES
+from jax_latent_ep.experts import IMPLEMENTATIONS, OVERFLOW_POLICIES
 from jax_latent_ep.shapes import LatentMoEShape
 
 #: Token layouts over the expert-parallel axis.
@@ -161,8 +161,8 @@ class MoELayer:
         self.shape = LatentMoEShape(latent=self.latent, experts=experts, topk=topk)
         self.local_experts = self.shape.num_local_experts(self.shape.check_ranks(self.ranks))
         self.router, self.norm, self.eps = router, bool(norm), float(eps)
-        if impl not in experts_impls():
-            raise ValueError(f"MoELayer: impl={impl!r} must be one of {sorted(experts_impls())}")
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"MoELayer: impl={impl!r} must be one of {sorted(IMPLEMENTATIONS)}")
         self.impl = impl
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"MoELayer: overflow={overflow!r} must be one of {OVERFLOW_POLICIES}")
@@ -293,7 +293,8 @@ class MoELayer:
         """The layer on one rank, inside the `shard_map`."""
         layout = self._layout(x, tokens)
         if x.shape[-1] != self.hidden:
-            raise ValueError(f"MoELayer: x must be [..., D={self.hidden}], got {jnp.dtype(x.dtype).name}{list(x.shape)}")
+            raise ValueError(f"MoELayer: x must be [..., D={self.hidden}], got "
+                             f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
         lead, k, n = x.shape[:-1], self.shape.topk, self.ranks
         xt = x.reshape(-1, self.hidden).astype(jnp.bfloat16)
         total = xt.shape[0]
@@ -367,10 +368,6 @@ def _check_vma() -> bool:
 
     state = getattr(config, "_check_vma", None)
     return bool(state is not None and state.value)
-
-
-def experts_impls():
-    return experts.IMPLEMENTATIONS
 
 
 def _dot(a, w):

@@ -19,6 +19,7 @@ import numpy as np
 
 from jax_latent_ep.layer import MoELayer
 from jax_latent_ep.routers import SigmoidGroupTopK
+from jax_latent_ep.testing import layer_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +56,12 @@ def make_layer(mesh, cfg: MoEFamilyConfig, **options) -> MoELayer:
 
 
 def random_params(rng: np.random.Generator, cfg: MoEFamilyConfig) -> dict:
-    """Random bf16 weights of one block in the layer's layout (`layer.expert_weights` turns a checkpoint's into
-    it): router `[D, E]` and its bias `[E]` (f32), `w_gate`, `w_up` `[E, D, I]`, `w_down` `[E, I, D]`, the shared
-    expert's `[D, Is]`, `[D, Is]`, `[Is, D]`."""
-    d, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-    s = cfg.n_shared_experts * i
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2]), jnp.bfloat16)
-
-    return {"router": normal(d, e), "router_bias": jnp.asarray(rng.standard_normal(e) * 0.05, jnp.float32),
-            "w_gate": normal(e, d, i), "w_up": normal(e, d, i), "w_down": normal(e, i, d),
-            "shared_gate": normal(d, s), "shared_up": normal(d, s), "shared_down": normal(s, d)}
+    """Random bf16 weights of one block in the layer's layout (`testing.layer_model.random_params`): router `[D, E]`
+    and its bias `[E]` (f32), `w_gate`, `w_up` `[E, D, I]`, `w_down` `[E, I, D]`, the shared expert's `[D, Is]`,
+    `[D, Is]`, `[Is, D]`."""
+    return layer_model.random_params(rng, hidden=cfg.hidden_size, experts=cfg.n_routed_experts,
+                                     intermediate=cfg.moe_intermediate_size,
+                                     shared_intermediate=cfg.n_shared_experts * cfg.moe_intermediate_size, bias=True)
 
 
 def forward(layer: MoELayer, params: list[dict], x):
