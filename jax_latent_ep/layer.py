@@ -63,12 +63,14 @@ def expert_weights(w, scale=None):
 
     Args:
       w: bfloat16 `[E, out, in]`; or float8_e4m3fn with `scale` float32 `[E, out / 128, in / 128]` (the
-        checkpoint's `weight_scale_inv`: `w * scale` per 128 x 128 block, DeepSeek-V3 / Kimi K2); or int8 with
-        `scale` float32 `[E, out]` (one scale per output channel).
+        checkpoint's `weight_scale_inv`: `w * scale` per 128 x 128 block, DeepSeek-V3 / Kimi K2); or MXFP4, uint8
+        `[E, out, in / 2]` e2m1 codes (the even input in the low nibble) with `scale` uint8 `[E, out, in / 32]`
+        (E8M0; Kimi K3, gpt-oss: its `blocks [E, out, in / 32, 16]` reshaped); or int8 with `scale` float32
+        `[E, out]` (one scale per output channel).
       scale: as above; None for bf16.
 
     Returns:
-      bf16 `[E, in, out]`, `experts.BlockScaled` or `experts.Int8PerChannel`.
+      bf16 `[E, in, out]`, `experts.BlockScaled`, `experts.MXFP4` (kept `[out, in]`) or `experts.Int8PerChannel`.
 
     Raises:
       ValueError: any other dtype or a scale of another shape, naming the format.
@@ -87,6 +89,14 @@ def expert_weights(w, scale=None):
             raise ValueError(f"expert_weights: FP8 weights [E, out, in] = {list(w.shape)} need out and in multiples "
                              f"of {block} and scale (weight_scale_inv) float32{list(want)}, got {got}")
         return experts.BlockScaled(jnp.swapaxes(w, 1, 2), jnp.swapaxes(scale, 1, 2).astype(jnp.float32))
+    if dtype == jnp.uint8:
+        want = (e, n_out, 2 * n_in // experts.MX_BLOCK)
+        if scale is None or tuple(scale.shape) != want or scale.dtype != jnp.uint8:
+            got = None if scale is None else f"{jnp.dtype(scale.dtype).name}{list(scale.shape)}"
+            raise ValueError(f"expert_weights: MXFP4 weights [E, out, in / 2] = {list(w.shape)} (two e2m1 codes a "
+                             f"byte) need an E8M0 scale uint8{list(want)} (one per {experts.MX_BLOCK} inputs), got "
+                             f"{got}")
+        return experts.MXFP4(w, scale)
     if dtype == jnp.int8:
         if scale is None or tuple(scale.shape) != (e, n_out):
             got = None if scale is None else f"{jnp.dtype(scale.dtype).name}{list(scale.shape)}"
@@ -94,8 +104,8 @@ def expert_weights(w, scale=None):
                              f"scale float32[{e}, {n_out}], got {got}")
         return experts.Int8PerChannel(jnp.swapaxes(w, 1, 2), scale.astype(jnp.float32))
     raise ValueError(f"expert_weights: the format {dtype.name}{' with a scale' if scale is not None else ''} is not "
-                     "supported: give bf16, float8_e4m3fn with a 128 x 128 block scale, or int8 with a scale per "
-                     "output channel")
+                     "supported: give bf16, float8_e4m3fn with a 128 x 128 block scale, uint8 MXFP4 codes with "
+                     "their E8M0 scales, or int8 with a scale per output channel")
 
 
 def _gather_tokens(y, axis: str):
@@ -191,6 +201,9 @@ class MoELayer:
                 return experts.BlockScaled(P(*spec), P(*spec))
             if isinstance(w, experts.Int8PerChannel):
                 return experts.Int8PerChannel(P(*spec), P(ep, tp) if i_dim == 2 else P(ep, None))
+            if isinstance(w, experts.MXFP4):  # kept [J, out, in]: I is dim 1 of gate / up, dim 2 of down
+                mx = P(ep, tp, None) if i_dim == 2 else P(ep, None, tp)
+                return experts.MXFP4(mx, mx)
             return P(*spec)
 
         specs = {}
@@ -334,7 +347,7 @@ class MoELayer:
                           capacity_factor=self.capacity_factor, overflow=self.overflow)
         out_dtype = jnp.float32 if self.tp_axis else jnp.bfloat16
         w = (params["w_gate"], params["w_up"], params["w_down"])
-        if self.impl in experts.GPU_ONLY:  # the kernel reads the MXFP8 rows themselves (no VJP)
+        if self.impl in experts.READS_RECEIVED:  # the kernel reads the MXFP8 rows themselves (no VJP)
             out = experts.swiglu(recv, pl, *w, impl=self.impl, expected_pairs=bucket * k, out_dtype=out_dtype)
         else:  # the differentiable path: the dequantized rows
             out = experts.swiglu_rows(pl, latent.astype(jnp.bfloat16), *w, impl=self.impl, out_dtype=out_dtype)

@@ -224,7 +224,7 @@ I8 = 128
 w8 = [experts.quantize_fp8(jnp.asarray(w(*s))) for s in ((J, L, I8), (J, L, I8), (J, I8, L))]
 print("weight bytes: bf16", 3 * J * L * I8 * 2, "FP8", sum(a.values.nbytes + a.scale.nbytes for a in w8))
 want = reference_swiglu(recv, rank, *w8, max_tokens=T, ranks=N).astype(np.float32)
-for impl in got:
+for impl in [i for i in got if experts.takes(i, experts.BlockScaled)]:  # the bf16-only training path left out
     out = np.asarray(experts.swiglu(recv_j, pl, *w8, impl=impl), np.float32)
     print(f"{impl:10s} on FP8 weights: max |out - model| / max |model| = "
           f"{np.max(np.abs(out - want)) / np.max(np.abs(want)):.1e}")"""),

@@ -16,11 +16,19 @@ from jax_latent_ep.experts.kernel import KERNEL_BLOCK_M, KERNEL_MIN_UNITS, _kern
 from jax_latent_ep.experts.planning import plan_kernel_fits
 from jax_latent_ep.experts.xla import activations
 from jax_latent_ep.received import Received
-from jax_latent_ep.testing.experts import (dequantized, random_fp8_weights, random_int8_weights, random_received,
-                                          reference_swiglu)
+from jax_latent_ep.testing.experts import (dequantized, random_fp8_weights, random_int8_weights, random_mxfp4_weights,
+                                          random_received, reference_swiglu)
 
 # The GPU-only implementations run where a GPU is (the `gpu` marker skips them elsewhere, with the reason).
 IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i for i in sorted(experts.IMPLEMENTATIONS)]
+
+
+def _taking(cls):
+    """`IMPLS` of the implementations that multiply weights of class `cls` (`experts.IMPL_FORMATS`)."""
+    return [p for p in IMPLS if experts.takes(getattr(p, "values", [p])[0], cls)]
+
+
+FP8_IMPLS = _taking(experts.BlockScaled)
 # (N, rank, live tokens per source, max_tokens, L, E, K, I); L and I multiples of 64 (the kernel's tiles)
 CASES = [
     (1, 0, [5], 5, 64, 16, 4, 64),  # N = 1: the empty rows carry expert 0 (weight 0), never planned
@@ -28,6 +36,13 @@ CASES = [
     (4, 2, [3, 8, 1, 5], 8, 64, 16, 8, 64),  # J = 4 < K: capacity N * T * J
     (8, 0, [2, 2, 0, 1, 3, 2, 1, 2], 3, 128, 64, 8, 64),
 ]
+
+
+def _sized(impl, case):
+    """`case` with L and I raised to the implementation's tile multiple ("mosaic": 128; the others take 64)."""
+    n, rank, tokens, mt, lat, e, k, inter = case
+    t = experts.grouped.MOSAIC_SIDE if impl == "mosaic" else 1
+    return n, rank, tokens, mt, -(-lat // t) * t, e, k, -(-inter // t) * t
 
 
 def _case(seed_text, n, rank, tokens, mt, lat, e, k, inter, fused=False):
@@ -145,6 +160,7 @@ def test_plan_kernel_refusals():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}" for c in CASES])
 def test_swiglu_against_numpy(impl, case):
+    case = _sized(impl, case)
     n, rank, tokens, mt, lat, e, k, inter = case
     recv, weights = _case(f"mlp/{impl}/{case}", *case)
     got = _run(recv, weights, rank, mt, n, impl)
@@ -158,7 +174,7 @@ def test_swiglu_against_numpy(impl, case):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fused_gate_up(impl):
-    case = CASES[1]
+    case = _sized(impl, CASES[1])
     n, rank, tokens, mt = case[:4]
     recv, weights = _case(f"fused/{impl}", *case, fused=True)
     got = _run(recv, weights, rank, mt, n, impl)
@@ -171,7 +187,7 @@ def test_against_dense_formulation(impl):
     row's summed routing weight of that expert (`moe.local_coefficients`), summed over experts by XLA."""
     from jax_latent_ep import moe
 
-    case = CASES[2]
+    case = _sized(impl, CASES[2])
     n, rank, tokens, mt, lat, e, k, inter = case
     recv, (wg, wu, wd) = _case(f"dense/{impl}", *case)
     j = e // n
@@ -204,7 +220,7 @@ def _fp8_case(seed_text, n, rank, tokens, mt, lat, e, k, inter, fused=False):
     return recv, (w(j, lat, inter), w(j, lat, inter), w(j, inter, lat))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", FP8_IMPLS)
 @pytest.mark.parametrize("case", FP8_CASES, ids=[f"N{c[0]}" for c in FP8_CASES])
 def test_fp8_weights_against_numpy(impl, case):
     """FP8 block-scaled weights (random codes, subnormals and zeros among them, scales not powers of two) against
@@ -218,7 +234,7 @@ def test_fp8_weights_against_numpy(impl, case):
     _assert_close(got, want, f"{impl}, FP8 weights")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", FP8_IMPLS)
 def test_fp8_fused_gate_up(impl):
     case = FP8_CASES[1]
     n, rank, tokens, mt = case[:4]
@@ -242,6 +258,58 @@ def test_quantize_fp8():
     assert np.all(np.abs(back - w) <= step)
 
 
+@pytest.mark.parametrize("impl", _taking(experts.MXFP4))
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_mxfp4_weights_against_numpy(impl, fused):
+    """MXFP4 weights (every e2m1 code, -0 and 0 among them, scales over 7 octaves) against the NumPy model on
+    ml_dtypes' decoding of them (`h` rounded to MXFP8 before down, as with FP8 weights)."""
+    case = FP8_CASES[1]
+    n, rank, tokens, mt, lat, e, k, inter = case
+    recv, _ = _case(f"mxfp4/{impl}/{fused}", n, rank, tokens, mt, lat, e, k, 64)
+    rng = np.random.default_rng(zlib.crc32(f"mxfp4/{impl}".encode()))
+    j = e // n
+    w = lambda *s: jax.tree.map(jnp.asarray, random_mxfp4_weights(rng, *s))  # noqa: E731
+    weights = (w(j, lat, 2 * inter), None, w(j, inter, lat)) if fused else (w(j, lat, inter), w(j, lat, inter),
+                                                                          w(j, inter, lat))
+    got = _run(recv, weights, rank, mt, n, impl)
+    want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    _assert_close(got, want, f"{impl}, MXFP4 weights")
+
+
+def test_quantize_mxfp4():
+    """`quantize_mxfp4` against its definition in NumPy (ml_dtypes' e2m1 rounding): the same codes and scales, bit for
+    bit, and `dequantize_mxfp4` the exact values (bf16 and FP32) of ml_dtypes' decoding."""
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal((2, 64, 96)) * np.exp(rng.standard_normal((2, 1, 96)) * 2)).astype(np.float32)
+    w[1, :32, 5] = 0  # a zero block: scale 2^-127, codes 0
+    q = jax.tree.map(np.asarray, experts.quantize_mxfp4(jnp.asarray(w)))
+    assert q.values.shape == (2, 96, 32) and q.scale.shape == (2, 96, 2) and q.values.dtype == np.uint8
+    blocks = np.swapaxes(w, 1, 2).reshape(2, 96, 2, 32)
+    amax = np.abs(blocks).max(-1)
+    e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, -127)
+    np.testing.assert_array_equal(q.scale, (e + 127).astype(np.uint8))
+    codes = np.clip(blocks / np.exp2(e)[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
+    codes = codes.reshape(2, 96, 64)
+    np.testing.assert_array_equal(q.values, codes[..., 0::2] | (codes[..., 1::2] << 4))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        back = np.asarray(experts.dequantize_mxfp4(jax.tree.map(jnp.asarray, q), dtype), np.float32)
+        np.testing.assert_array_equal(back, dequantized(q))
+    assert np.all(np.abs(dequantized(q) - w) <= np.abs(w) * 0.25 + np.exp2(e).repeat(32, 2).swapaxes(1, 2) * 0.25)
+
+
+def test_mxfp4_bad_arguments():
+    recv, (wg, wu, wd) = _case("mxfp4-bad", *CASES[1])
+    q = lambda a: experts.quantize_mxfp4(jnp.asarray(a, jnp.float32))  # noqa: E731
+    pl = experts.plan(recv, 1, 16, max_tokens=9, ranks=2)
+    with pytest.raises(ValueError, match=r"w_gate MXFP4 needs K=128 a multiple of 32 and scale uint8\[16, 64, 4\]"):
+        experts.swiglu(recv, pl, experts.MXFP4(q(wg).values, q(wg).scale[..., :1]), q(wu), q(wd))
+    with pytest.raises(ValueError, match=r"MXFP4 weights are multiplied by \[.dense., .gather., .ragged_dot., .scan.\]"):
+        experts.swiglu(recv, pl, q(wg), q(wu), q(wd), impl="kernel")
+    with pytest.raises(ValueError, match="K=48 must be a multiple of 32"):
+        experts.quantize_mxfp4(jnp.zeros((1, 48, 64)))
+
+
 def test_fp8_bad_arguments():
     case = FP8_CASES[1]
     recv, (wg, wu, wd) = _fp8_case("fp8-bad", *case)
@@ -258,7 +326,7 @@ def test_fp8_bad_arguments():
         experts.quantize_fp8(jnp.zeros((1, 64, 128)))
 
 
-@pytest.mark.parametrize("impl", [i for i in sorted(experts.IMPLEMENTATIONS) if i not in experts.GPU_ONLY])
+@pytest.mark.parametrize("impl", _taking(experts.Int8PerChannel))
 @pytest.mark.parametrize("case", CASES[1:3], ids=[f"N{c[0]}" for c in CASES[1:3]])
 def test_int8_weights_against_numpy(impl, case):
     """int8 weights with a scale per output channel (values over the whole int8 range, zeros among them) against
@@ -286,7 +354,7 @@ def test_int8_bad_arguments():
     pl = experts.plan(recv, 1, 16, max_tokens=9, ranks=2)
     with pytest.raises(ValueError, match=r"w_gate scale must be float32\[16, 64\] \(one per output channel\)"):
         experts.swiglu(recv, pl, experts.Int8PerChannel(q(wg).values, q(wg).scale[:, :1]), q(wu), q(wd))
-    with pytest.raises(ValueError, match="Int8PerChannel weights are multiplied by the XLA implementations only"):
+    with pytest.raises(ValueError, match=r"Int8PerChannel weights are multiplied by \[.dense., .gather., .ragged_dot., .scan.\] only"):
         experts.swiglu(recv, pl, q(wg), q(wu), q(wd), impl="kernel")
     with pytest.raises(ValueError, match="w_gate is a object, which is no weight format"):
         experts.swiglu(recv, pl, object(), wu, wd)

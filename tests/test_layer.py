@@ -63,10 +63,10 @@ def test_layer_matches_the_float64_model(router, layout, mesh_shape):
     assert int(pairs) == distinct
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "int8"])
 def test_weight_formats(fmt):
     mesh = _mesh((4,), ("ep",))
-    rng = np.random.default_rng({"bf16": 1, "fp8": 2, "int8": 3}[fmt])
+    rng = np.random.default_rng({"bf16": 1, "fp8": 2, "mxfp4": 4, "int8": 3}[fmt])
     p = _params(rng, fmt=fmt, latent=True)  # L = 128: FP8 blocks are 128 x 128
     layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, router=ROUTERS["softmax"], latent=L,
                      norm=True, max_tokens=4)
@@ -74,6 +74,21 @@ def test_weight_formats(fmt):
     got = jax.jit(layer)(jnp.asarray(x, jnp.bfloat16), p)
     ids, w = _route_model(ROUTERS["softmax"], x, p)
     _check(got, layer_model.layer(x, p, ids, w, ranks=4, norm=True, eps=layer.eps, latent=True))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int8"])
+def test_quantized_weights_over_tp(fmt):
+    """Quantized weights split over a TP axis (`param_specs`: MXFP4 keeps `[out, in]`, so `I` is another dim of
+    its codes and scales) against the float64 model."""
+    mesh = _mesh((2, 2, 2), ("dp", "ep", "tp"))
+    rng = np.random.default_rng({"mxfp4": 5, "int8": 6}[fmt])
+    p = _params(rng, fmt=fmt, latent=True)
+    layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, router=ROUTERS["softmax"], latent=L,
+                     norm=True, tp_axis="tp", token_axes=("dp",), max_tokens=4)
+    x = rng.standard_normal((6, D)).astype(np.float32)
+    got = jax.jit(layer)(jnp.asarray(x, jnp.bfloat16), layer.shard_params(p))
+    ids, w = _route_model(ROUTERS["softmax"], x, p)
+    _check(got, layer_model.layer(x, p, ids, w, ranks=2, norm=True, eps=layer.eps, latent=True))
 
 
 def test_replicated_layout_does_each_tokens_work_once():
@@ -191,19 +206,20 @@ def _jax_reference(x, p, ids, w, *, latent, norm, eps):
     return yf.astype(jnp.bfloat16)
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "gmm"])
 @pytest.mark.parametrize("mesh_shape,layout", [((4,), "replicated"), ((2, 2, 2), "sharded")],
                          ids=["ep-replicated", "dp-ep-tp-sharded"])
-def test_training_is_the_same_call(mesh_shape, layout):
+def test_training_is_the_same_call(mesh_shape, layout, impl):
     """`jax.grad` through the layer (the router's choice held fixed: ids and weights given) against `jax.grad` of
     the plain-JAX layer: relative L2 within 2e-2 per gradient (the layer rounds each rank's partial and the
-    routed sum to bf16 where the reference sums in FP32)."""
+    routed sum to bf16 where the reference sums in FP32; "gmm" rounds its grouped matmuls' outputs too)."""
     names = {1: ("ep",), 3: ("dp", "ep", "tp")}[len(mesh_shape)]
     mesh = _mesh(mesh_shape, names)
     data = tuple(a for a in names if a == "dp") + (("ep",) if layout == "sharded" else ())
     rng = np.random.default_rng(41)
     p = _params(rng, latent=True, shared=True)
     layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, latent=L, shared_intermediate=IS, norm=True,
-                     tp_axis="tp" if "tp" in names else None, token_axes=data, max_tokens=8)
+                     tp_axis="tp" if "tp" in names else None, token_axes=data, max_tokens=8, impl=impl)
     x = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
     ids = jnp.asarray(rng.integers(-1, E, (8, K)), jnp.int32)
     w = jnp.asarray(rng.random((8, K)), jnp.float32)

@@ -16,7 +16,8 @@ The SwiGLU's implementations (`IMPLEMENTATIONS`: "ragged_dot", "gather", "dense"
 "kernel", the project's grouped GEMM) share its numerics: bf16 activations, FP32 accumulation, `h` rounded once to
 bf16, each row's pairs summed in a fixed order, so that they differ only by their GEMMs' accumulation order.
 Weights are bf16, FP8 with a scale per 128 x 128 block (`BlockScaled`, `quantize_fp8`, `dequantize_fp8`) as
-DeepSeek / Kimi checkpoints store them, or int8 with a scale per output channel (`Int8PerChannel`, XLA only).
+DeepSeek / Kimi checkpoints store them, MXFP4 (`MXFP4`, `quantize_mxfp4`, `dequantize_mxfp4`: Kimi K3's and
+gpt-oss's experts, XLA only) or int8 with a scale per output channel (`Int8PerChannel`, XLA only).
 docs/experts.md has the numerics and the implementations.
 
 Modules: `planning` (the plan, `capacity`, `plan_kernel_fits`, `work_items`), `formats` (the weight formats and
@@ -26,28 +27,40 @@ implementation: the contraction splits and their `KERNEL_*` targets, the one lau
 of one's own).
 """
 
-from jax_latent_ep.experts.formats import FP8_BLOCK, FP8_MAX, BlockScaled, Int8PerChannel, dequantize_fp8, quantize_fp8
+from jax_latent_ep.experts.formats import (FP8_BLOCK, FP8_MAX, MX_BLOCK, MXFP4, BlockScaled, Int8PerChannel,
+                                          dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4)
 from jax_latent_ep.experts.planning import (NO_EXPERT, OVERFLOW_POLICIES, PLAN_IMPLEMENTATIONS, CapacityError, Plan,
                                            capacity, plan)
-from jax_latent_ep.experts.stage import GPU_ONLY, IMPLEMENTATIONS, expert_stage, swiglu
+from jax_latent_ep.experts.grouped import GMM_IMPLEMENTATIONS, gmm
+from jax_latent_ep.experts.stage import (GPU_ONLY, IMPL_FORMATS, IMPLEMENTATIONS, READS_RECEIVED, expert_stage, swiglu,
+                                     takes)
 from jax_latent_ep.experts.stage import swiglu_rows  # noqa: F401  (the level under `swiglu`; not in `__all__`)
 
 __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
+    "GMM_IMPLEMENTATIONS",
     "GPU_ONLY",
+    "IMPL_FORMATS",
     "IMPLEMENTATIONS",
+    "MXFP4",
+    "MX_BLOCK",
     "NO_EXPERT",
     "OVERFLOW_POLICIES",
     "PLAN_IMPLEMENTATIONS",
+    "READS_RECEIVED",
     "BlockScaled",
     "CapacityError",
     "Int8PerChannel",
     "Plan",
     "capacity",
     "dequantize_fp8",
+    "dequantize_mxfp4",
     "expert_stage",
+    "gmm",
     "plan",
     "quantize_fp8",
+    "quantize_mxfp4",
     "swiglu",
+    "takes",
 ]

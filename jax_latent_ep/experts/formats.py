@@ -1,4 +1,5 @@
-"""The expert weights' formats: bf16 arrays, `BlockScaled` FP8, `Int8PerChannel`; how XLA multiplies them; checks."""
+"""The expert weights' formats: bf16 arrays, `BlockScaled` FP8, `MXFP4`, `Int8PerChannel`; how XLA multiplies them;
+checks."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_latent_ep.experts.planning import Plan
 from jax_latent_ep.kernels import abi
@@ -54,6 +56,68 @@ def dequantize_fp8(w: BlockScaled):
     return (blocks * w.scale[:, :, None, :, None]).reshape(j, k, n)
 
 
+#: Inputs of one MXFP4 scale (OCP MX block).
+MX_BLOCK = 32
+#: The e2m1 value of each of the 16 codes (bit 3 the sign; no NaN, no infinity).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class MXFP4(NamedTuple):
+    """MXFP4 expert weights (OCP MX) as checkpoints store them, `[out, in]`: e2m1 codes two a byte and an E8M0 scale
+    per `MX_BLOCK` inputs. The weight `[j, k, n]` (the stage's `[J, in, out]`) is
+    `E2M1_VALUES[code(j, n, k)] * 2^(scale[j, n, k // 32] - 127)`, where `code(j, n, k)` is the low nibble of
+    `values[j, n, k // 2]` for even `k` and the high one for odd `k`. Every such weight is exact in bf16 for scale
+    codes up to 252 (253-254 overflow the largest values to infinity, 255 is NaN: never silently wrong).
+
+    Attributes:
+      values: uint8 `[J, N, K / 2]` (K a multiple of 32).
+      scale: uint8 `[J, N, K / 32]`, E8M0 exponents (127 is 1).
+    """
+
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's `[J, K, N]`."""
+        j, n, half = self.values.shape
+        return (j, 2 * half, n)
+
+
+def _e8m0(code):
+    """FP32 `2^(code - 127)` of uint8 E8M0 codes, built from its bits (exact; code 0 is the subnormal 2^-127)."""
+    bits = jnp.where(code > 0, code.astype(jnp.uint32) << 23, jnp.uint32(1 << 22))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def quantize_mxfp4(w) -> MXFP4:
+    """`w` `[J, K, N]` (K a multiple of 32) as `MXFP4`: each block of 32 inputs of one output takes the scale
+    `2^(floor(log2(max |w|)) - 2)` (OCP MX: the largest e2m1 exponent is 2; 2^-127 for a zero block), its codes
+    `w / scale` rounded to e2m1 (nearest even, saturating at 6)."""
+    j, k, n = w.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"quantize_mxfp4: K={k} must be a multiple of {MX_BLOCK}")
+    blocks = jnp.swapaxes(w.astype(jnp.float32), 1, 2).reshape(j, n, k // MX_BLOCK, MX_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    e = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - 2, -127.0)
+    e = jnp.clip(e, -127, 127)
+    # A zero block divides by 1: its subnormal scale may be flushed to 0 (0 / 0 would be NaN, code -0).
+    divisor = jnp.where(amax > 0, _e8m0((e + 127).astype(jnp.uint8)), 1.0)
+    scaled = jnp.clip(blocks / divisor[..., None], -6.0, 6.0)
+    codes = lax.bitcast_convert_type(scaled.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8).reshape(j, n, k)
+    return MXFP4(codes[..., 0::2] | (codes[..., 1::2] << 4), (e + 127).astype(jnp.uint8))
+
+
+def dequantize_mxfp4(w: MXFP4, dtype=jnp.bfloat16):
+    """`dtype` `[J, K, N]` (bf16: exact, `MXFP4`'s range): each code's e2m1 value times its block's scale."""
+    j, k, n = w.shape
+    codes = jnp.stack([w.values & 0xF, w.values >> 4], axis=-1).reshape(j, n, k)
+    vals = jnp.asarray(E2M1_VALUES, jnp.float32)[codes.astype(jnp.int32)]
+    scale = _e8m0(w.scale)
+    vals = vals.reshape(j, n, k // MX_BLOCK, MX_BLOCK) * scale[..., None]
+    return jnp.swapaxes(vals.reshape(j, n, k), 1, 2).astype(dtype)
+
+
 class Int8PerChannel(NamedTuple):
     """int8 expert weights with an FP32 scale per output channel: the weight is `values[j, k, n] * scale[j, n]`.
     The products `a * values` are exact in FP32 (bf16 x 8-bit integers), summed in FP32, and each output column is
@@ -74,10 +138,12 @@ class Int8PerChannel(NamedTuple):
 
 
 def _xla_operands(a, w):
-    """`(a, w)` as an XLA dot takes them: bf16 as they are, FP8 weights dequantized to FP32 (and `a` widened), int8
-    values as bf16 (exact: |v| <= 128) with their scale left to `_column_scale`."""
+    """`(a, w)` as an XLA dot takes them: bf16 as they are, FP8 weights dequantized to FP32 (and `a` widened), MXFP4
+    dequantized to bf16 (exact), int8 values as bf16 (exact: |v| <= 128) with their scale left to `_column_scale`."""
     if isinstance(w, BlockScaled):
         return a.astype(jnp.float32), dequantize_fp8(w)
+    if isinstance(w, MXFP4):
+        return a, dequantize_mxfp4(w)
     if isinstance(w, Int8PerChannel):
         return a, w.values.astype(jnp.bfloat16)
     return a, w
@@ -113,6 +179,16 @@ def _check_block_scales(name, a, shape, j):
                          f"{FP8_BLOCK} block), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
 
 
+def _check_mx_scales(name, a, shape, j):
+    """The checks of `MXFP4` weight `a`: K a multiple of `MX_BLOCK`, uint8 codes `[J, N, K / 2]` (checked as the
+    weight's `[J, K, N]` before this) and a uint8 scale `[J, N, K / 32]`."""
+    want = (j, shape[2], shape[1] // MX_BLOCK)
+    if shape[1] % MX_BLOCK or tuple(a.scale.shape) != want or a.scale.dtype != jnp.uint8:
+        raise ValueError(f"experts.swiglu: {name} MXFP4 needs K={shape[1]} a multiple of {MX_BLOCK} and scale "
+                         f"uint8{list(want)} (one E8M0 exponent per {MX_BLOCK} inputs of an output), got "
+                         f"{jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
+
+
 def _check_channel_scales(name, a, shape, j):
     """The checks of `Int8PerChannel` weight `a` beyond its values (`shape`): a float32 scale per output channel."""
     want = (j, shape[2])
@@ -124,8 +200,10 @@ def _check_channel_scales(name, a, shape, j):
 _BF16 = _Format(None, "bf16", jnp.bfloat16, lambda w: w, lambda name, a, shape, j: None)
 _FP8 = _Format(BlockScaled, "BlockScaled FP8", jnp.float8_e4m3fn, lambda w: w.values, _check_block_scales)
 _INT8 = _Format(Int8PerChannel, "Int8PerChannel", jnp.int8, lambda w: w.values, _check_channel_scales)
+# MXFP4's codes are checked as the `[J, K, N]` weight they pack (`MXFP4.shape`).
+_MXFP4 = _Format(MXFP4, "MXFP4", jnp.uint8, lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_mx_scales)
 #: The weight formats, a plain bf16 array first (a weight of no other format's class); a call's weights share one.
-_FORMATS = (_BF16, _FP8, _INT8)
+_FORMATS = (_BF16, _FP8, _MXFP4, _INT8)
 #: The formats the "kernel" implementation multiplies (the others: XLA implementations only).
 KERNEL_FORMATS = (_BF16, _FP8)
 

@@ -7,7 +7,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_latent_ep.experts.formats import KERNEL_FORMATS, _check_weights, _format
+from jax_latent_ep.experts.formats import _BF16, _FORMATS, KERNEL_FORMATS, _check_weights, _format
+from jax_latent_ep.experts.grouped import swiglu_pairs
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
 from jax_latent_ep.experts.planning import Plan, plan, plan_kernel_fits
 from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, _scan, activations
@@ -16,10 +17,26 @@ from jax_latent_ep.received import Received
 #: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
 #: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
 #: the kernel takes with FP8 weights; the XLA implementations ignore both).
-IMPLEMENTATIONS: dict[str, Callable] = {"ragged_dot": _ragged_dot, "scan": _scan, "gather": _gather,
-                                        "dense": _dense, "kernel": _kernel}
-#: The implementations that run on NVIDIA GPUs only.
-GPU_ONLY = frozenset({"kernel"})
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "ragged_dot": _ragged_dot, "scan": _scan, "gather": _gather, "dense": _dense, "kernel": _kernel,
+    "gmm": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "xla"),
+    "mosaic": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "mosaic"),
+}
+#: The implementations that run on NVIDIA GPUs only ("mosaic": Hopper).
+GPU_ONLY = frozenset({"kernel", "mosaic"})
+#: The implementations that read the received MXFP8 rows themselves and have no VJP (the rest differentiate).
+READS_RECEIVED = frozenset({"kernel"})
+#: The weight formats each implementation multiplies (the rest: all of them). "gmm" / "mosaic" are the training
+#: path, on bf16 weights.
+IMPL_FORMATS = {impl: _FORMATS for impl in IMPLEMENTATIONS} | {"kernel": KERNEL_FORMATS, "gmm": (_BF16,),
+                                                              "mosaic": (_BF16,)}
+
+
+def takes(impl: str, w) -> bool:
+    """Whether implementation `impl` multiplies weights of `w`'s format (an instance, or a format class such as
+    `BlockScaled`; a plain array is bf16)."""
+    fmt = next((f for f in _FORMATS if isinstance(w, type) and f.cls is w), None) or _format(w)
+    return fmt in IMPL_FORMATS[impl]
 
 
 def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot", expected_pairs: int | None = None,
@@ -40,12 +57,13 @@ def _check_inputs(pl: Plan, xb, w_gate, w_up, w_down, impl: str):
                          f"{jnp.dtype(xb.dtype).name}{list(xb.shape)}")
     _check_weights(xb, w_gate, w_up, w_down, pl)
     fmt = _format(w_down)
-    if impl in GPU_ONLY and pl.dropped is not None:
+    if impl == "kernel" and pl.dropped is not None:
         raise ValueError(f"experts.swiglu(impl={impl!r}) takes plans of the worst case's capacity (capacity_factor="
-                         "None); a plan of a capacity_factor runs on the XLA implementations")
-    if impl in GPU_ONLY and fmt not in KERNEL_FORMATS:
-        raise ValueError(f"experts.swiglu(impl={impl!r}): {fmt.label} weights are multiplied by the XLA "
-                         f"implementations only; the kernel takes {', '.join(f.label for f in KERNEL_FORMATS)}")
+                         "None); a plan of a capacity_factor runs on the other implementations")
+    if fmt not in IMPL_FORMATS[impl]:
+        others = sorted(i for i, f in IMPL_FORMATS.items() if fmt in f)
+        raise ValueError(f"experts.swiglu(impl={impl!r}): {fmt.label} weights are multiplied by {others} only; "
+                         f"{impl!r} takes {', '.join(f.label for f in IMPL_FORMATS[impl])}")
 
 
 #: Slots (`R * M`) up to which XLA's gather-sum over every slot of every row beats the row-sum kernel (256: 2.8

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_latent_ep.experts.formats import BlockScaled, Int8PerChannel, _column_scale, _xla_operands, dequantize_fp8
+from jax_latent_ep.experts.formats import (MXFP4, BlockScaled, Int8PerChannel, _column_scale, _xla_operands,
+                                          dequantize_fp8, dequantize_mxfp4)
 from jax_latent_ep.experts.planning import Plan, work_items
 from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 from jax_latent_ep.received import Received
@@ -25,8 +26,9 @@ def _glu(gu, up, inter):
 
 
 def _down_input(h, w_down):
-    """What down multiplies: bf16 `h`, or with FP8 weights `h` rounded to MXFP8 (its values, exact in bf16)."""
-    if isinstance(w_down, BlockScaled):
+    """What down multiplies: bf16 `h`, or with FP8 / MXFP4 weights `h` rounded to MXFP8 (its values, exact in bf16:
+    what the FP8 tensor cores multiply)."""
+    if isinstance(w_down, (BlockScaled, MXFP4)):
         return mxfp8_dequantize(*mxfp8_quantize(h)).astype(jnp.bfloat16)
     return h
 
@@ -58,6 +60,8 @@ def _expert(w, e):
     take = lambda a: jnp.asarray(a)[e]  # noqa: E731  (NumPy weights too: `e` is traced)
     if isinstance(w, BlockScaled):
         return dequantize_fp8(BlockScaled(take(w.values)[None], take(w.scale)[None]))[0], None
+    if isinstance(w, MXFP4):
+        return dequantize_mxfp4(MXFP4(take(w.values)[None], take(w.scale)[None]))[0], None
     if isinstance(w, Int8PerChannel):
         return take(w.values).astype(jnp.bfloat16), take(w.scale)
     return take(w), None
@@ -115,6 +119,8 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
     def f32(a):
         if isinstance(a, BlockScaled):
             return dequantize_fp8(a)
+        if isinstance(a, MXFP4):
+            return dequantize_mxfp4(a, jnp.float32)
         return (a.values if isinstance(a, Int8PerChannel) else a).astype(jnp.float32)
 
     hi = lax.Precision.HIGHEST  # no TF32 on GPUs

@@ -93,6 +93,19 @@ def random_fp8_weights(rng: np.random.Generator, *shape: int, subnormal_only: bo
     return BlockScaled(values, scale.astype(np.float32))
 
 
+def random_mxfp4_weights(rng: np.random.Generator, *shape: int):
+    """`experts.MXFP4` NumPy weights of the `[J, K, N]` weight (K a multiple of 32): every one of the 16 e2m1 codes
+    equally likely (zeros and -0 among them), and E8M0 scales around `2^-2 / sqrt(K)` (a spread of +-3 octaves)
+    so the weights are about `1 / sqrt(K)`."""
+    from jax_latent_ep.experts import MX_BLOCK, MXFP4
+
+    j, k, n = shape
+    values = rng.integers(0, 256, (j, n, k // 2), dtype=np.uint8)
+    center = 127 - 2 - int(np.round(np.log2(np.sqrt(k))))
+    scale = rng.integers(center - 3, center + 4, (j, n, k // MX_BLOCK)).astype(np.uint8)
+    return MXFP4(values, scale)
+
+
 def random_int8_weights(rng: np.random.Generator, *shape: int):
     """`experts.Int8PerChannel` NumPy weights `[J, K, N]`: int8 values uniform over [-127, 127] (zeros among them)
     and an FP32 scale per output channel, not a power of two, sized so the weights are about `1 / sqrt(K)`."""
@@ -107,8 +120,14 @@ def random_int8_weights(rng: np.random.Generator, *shape: int):
 def dequantized(w):
     """FP32 NumPy weights of `w`: an array as it is, `experts.BlockScaled` as `values * scale` per block,
     `experts.Int8PerChannel` as `values * scale` per output channel."""
-    from jax_latent_ep.experts import FP8_BLOCK, BlockScaled, Int8PerChannel
+    from jax_latent_ep.experts import FP8_BLOCK, MXFP4, BlockScaled, Int8PerChannel
 
+    if isinstance(w, MXFP4):  # ml_dtypes' e2m1 decoding (independent of the library's table)
+        v = np.asarray(w.values)
+        codes = np.stack([v & 0xF, v >> 4], -1).reshape(v.shape[0], v.shape[1], -1)
+        vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+        scale = np.ldexp(np.float32(1), np.asarray(w.scale).astype(np.int32) - 127).astype(np.float32)
+        return np.swapaxes(vals * scale.repeat(32, 2), 1, 2)
     if isinstance(w, Int8PerChannel):
         return np.asarray(w.values).astype(np.float32) * np.asarray(w.scale, np.float32)[:, None, :]
     if not isinstance(w, BlockScaled):
@@ -126,12 +145,12 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
 
     Per live row (`src != -1`, `t < max_tokens`), the distinct local experts (`id // J == rank`) in ascending
     order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
-    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` weights are dequantized to FP32 first, and with them
+    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` / `experts.MXFP4` weights are dequantized to FP32 first, and with them
     `h` is rounded to MXFP8 before down (`numerics.mxfp8_quantize`)."""
-    from jax_latent_ep.experts import BlockScaled
+    from jax_latent_ep.experts import MXFP4, BlockScaled
     from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 
-    mx_h = isinstance(w_down, BlockScaled)
+    mx_h = isinstance(w_down, (BlockScaled, MXFP4))
     x = np.asarray(recv.x).astype(np.float32) * np.exp2(np.asarray(recv.sf).astype(np.float32) - 127).repeat(32, 1)
     ids, wts, src = np.asarray(recv.ids), np.asarray(recv.weights), np.asarray(recv.src)
     wg, wd = dequantized(w_gate), dequantized(w_down)
@@ -168,3 +187,28 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
             acc = np.float32(acc + c * (h @ wd[le]))
         out[r] = acc
     return out.astype(ml_dtypes.bfloat16)
+
+
+def reference_swiglu_grads(pl, xb, w_gate, w_up, w_down, dout):
+    """float64 NumPy model of the expert stage's gradients (no roundings): `(d_rows [R, L], d_w_gate, d_w_up,
+    d_w_down)` of `sum(dout * out)`, `out[r] = sum_p weight_p * (silu(x_r W_g[e_p]) * (x_r W_u[e_p])) W_d[e_p]` over
+    the plan `pl`'s used pairs `p` (its row, expert and weight), bf16 weights `[J, L, I]`, `[J, L, I]`,
+    `[J, I, L]` and rows `xb` `[R, L]`."""
+    count = int(pl.count)
+    row, exp, c = (np.asarray(a)[:count] for a in (pl.row, pl.expert, pl.weight))
+    f = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
+    x, wg, wu, wd, dout = f(xb), f(w_gate), f(w_up), f(w_down), f(dout)
+    xp = x[row]
+    gate, up = np.einsum("pl,pli->pi", xp, wg[exp]), np.einsum("pl,pli->pi", xp, wu[exp])
+    sig = 1 / (1 + np.exp(-gate))
+    h = gate * sig * up
+    dy = c[:, None].astype(np.float64) * dout[row]  # [P, L]
+    dh = np.einsum("pl,pil->pi", dy, wd[exp])
+    dgate, dup = dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig
+    dx = np.zeros_like(x)
+    np.add.at(dx, row, np.einsum("pi,pli->pl", dgate, wg[exp]) + np.einsum("pi,pli->pl", dup, wu[exp]))
+    grads = [np.zeros_like(wg), np.zeros_like(wu), np.zeros_like(wd)]
+    np.add.at(grads[0], exp, np.einsum("pl,pi->pli", xp, dgate))
+    np.add.at(grads[1], exp, np.einsum("pl,pi->pli", xp, dup))
+    np.add.at(grads[2], exp, np.einsum("pi,pl->pil", h, dy))
+    return (dx, *grads)

@@ -22,9 +22,13 @@ def mxfp8(a) -> np.ndarray:
 
 
 def weights64(w) -> np.ndarray:
-    """float64 `[E, in, out]` of an expert weight in the stage's layout: bf16, `BlockScaled`, `Int8PerChannel`."""
+    """float64 `[E, in, out]` of an expert weight in the stage's layout: bf16, `BlockScaled`, `MXFP4`,
+    `Int8PerChannel`."""
     from jax_latent_ep import experts
+    from jax_latent_ep.testing.experts import dequantized
 
+    if isinstance(w, experts.MXFP4):
+        return dequantized(w).astype(np.float64)  # exact: e2m1 times a power of two
     if isinstance(w, experts.BlockScaled):
         b = experts.FP8_BLOCK
         scale = np.asarray(w.scale, np.float64).repeat(b, 1).repeat(b, 2)
@@ -54,8 +58,8 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
     """bf16 (as float64) `[T, D]`: the layer on tokens `x` `[T, D]` with routing `ids`, `weights` `[T, K]`.
 
     Per token: `a = mxfp8(bf16(x @ latent_down))` (or of `bf16(x)`); each distinct expert `e` of its ids (weight: the
-    sum of its slots') gives `y_e = bf16(silu(a @ g_e) * (a @ u_e)) @ d_e` (with FP8 weights `h` rounded to MXFP8
-    first); rank `d`'s partial is `bf16(sum of its experts' w_e * y_e)` in ascending first slot; the routed value is
+    sum of its slots') gives `y_e = bf16(silu(a @ g_e) * (a @ u_e)) @ d_e` (with FP8 or MXFP4 weights `h` rounded to
+    MXFP8 first); rank `d`'s partial is `bf16(sum of its experts' w_e * y_e)` in ascending first slot; the routed value is
     `bf16(sum_d partial_d)` in ascending `d`, RMS-normed with `norm` (bf16); then `@ latent_up` and the shared
     expert's `bf16(silu(x g) * (x u)) @ d` are added, rounded once. Sums in float64. `mx=False`: the dispatched
     rows stay bf16 (a bf16 layer without MXFP8, the yardstick of `docs/porting.md`'s error figure)."""
@@ -63,7 +67,7 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
 
     xb = bf16(x)
     wg, wu, wd = (_PerExpert(params[k]) for k in ("w_gate", "w_up", "w_down"))
-    fp8_down = isinstance(params["w_down"], experts.BlockScaled)
+    fp8_down = isinstance(params["w_down"], (experts.BlockScaled, experts.MXFP4))
     n_exp = wd.shape[0]
     local = n_exp // ranks
     a = bf16(xb @ np.asarray(params["latent_down"], np.float64)) if latent else xb
@@ -100,11 +104,12 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
 def random_params(rng: np.random.Generator, *, hidden: int, experts: int, intermediate: int, fmt: str = "bf16",
                   latent: int | None = None, shared_intermediate: int = 0, bias: bool = False) -> dict:
     """Random weights of a `MoELayer` (normal, scaled by 1 / sqrt(fan-in)): expert weights drawn as a checkpoint
-    stores them (`[E, out, in]`) in `fmt` ("bf16", "fp8": 128 x 128 blocks, "int8": a scale per output channel)
+    stores them (`[E, out, in]`) in `fmt` ("bf16", "fp8": 128 x 128 blocks, "mxfp4": e2m1 codes and an E8M0 scale
+    per 32 inputs, "int8": a scale per output channel)
     and turned into the layer's layout by `layer.expert_weights`; the rest bf16 (`router_bias` float32)."""
     import jax.numpy as jnp
 
-    from jax_latent_ep.experts import quantize_fp8
+    from jax_latent_ep.experts import quantize_fp8, quantize_mxfp4
     from jax_latent_ep.layer import expert_weights
 
     d, e, i = hidden, experts, intermediate
@@ -120,10 +125,13 @@ def random_params(rng: np.random.Generator, *, hidden: int, experts: int, interm
         if fmt == "fp8":
             q = quantize_fp8(jnp.asarray(np.swapaxes(w, 1, 2), jnp.float32))  # [E, in, out]
             return expert_weights(jnp.swapaxes(q.values, 1, 2), jnp.swapaxes(q.scale, 1, 2))
+        if fmt == "mxfp4":
+            q = quantize_mxfp4(jnp.asarray(np.swapaxes(w, 1, 2), jnp.float32))  # codes [E, out, in / 2]
+            return expert_weights(q.values, q.scale)
         if fmt == "int8":
             s = np.abs(w).max(axis=2) / 127.0
             return expert_weights(jnp.asarray(np.round(w / s[:, :, None]), jnp.int8), jnp.asarray(s, jnp.float32))
-        raise ValueError(f"random_params: fmt={fmt!r} must be bf16, fp8 or int8")
+        raise ValueError(f"random_params: fmt={fmt!r} must be bf16, fp8, mxfp4 or int8")
 
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     p = {"router": bf(normal(d, e)), "w_gate": ckpt(i, lw), "w_up": ckpt(i, lw), "w_down": ckpt(lw, i)}

@@ -17,6 +17,7 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
     ("layer_buckets.py", {"us_per_layer", "us_per_layer_b2b", "ratio", "ratio_b2b"}),
     ("mxfp8_error.py", {"rel_l2_layer_vs_bf16", "rel_l2_model_mxfp8_vs_bf16"}),
     ("stage_memory.py", {"capacity_pairs", "weights_GB", "fwd_temp_GB", "grad_temp_GB"}),
+    ("training.py", {"pairs", "fwd_ms", "fwd_bwd_ms", "fwd_of_plain", "fwd_bwd_of_plain", "fwd_bwd_temp_GB"}),
 ])
 def test_smoke(tmp_path, script, must):
     out = tmp_path / "out.csv"

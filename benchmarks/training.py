@@ -1,0 +1,182 @@
+"""The expert stage at training and prefill sizes on one GPU: forward, and forward + backward (`jax.grad`), per layer,
+against a plain dense SwiGLU MLP on as many rows measured in the same process (the rate of plain GEMMs of the same
+shapes), with the compiled program's temporaries.
+
+    python benchmarks/training.py [--out training.csv] [--models k3 k2] [--tokens 1024 4096 8192]
+    python benchmarks/training.py --smoke        # tiny shapes, CPU is fine
+
+Per rank of N = 8 (the per-rank share of the model): K3 (J = 112 local experts, L = 3584, I = 2048, K = 16), K2
+(J = 48, L = 7168, I = 2048, K = 8). T tokens a rank: rank 0's receive rows from 8 sources, each token's K ids
+uniform over the 8J experts, so about `T * K` pairs land here; the plan of `capacity_factor` 1.25 (overflow
+dropped). A program is `--layers` residual layers `x += stage(x)`, each with its own weights (one routing), and the
+loss `sum(y * dout)`; times are medians of `--repeats` runs, per layer. The plain reference (`plain`): a dense SwiGLU
+MLP, batched over the J experts with `ceil(pairs / J)` rows each (the same GEMM shapes, none ragged: cuBLAS's
+rate for them), in the same program shape.
+
+Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
+(the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `fwd_of_plain`,
+`fwd_bwd_of_plain` (the rate over `plain`'s), `fwd_temp_GB`, `fwd_bwd_temp_GB` (the compiled programs'
+temporaries, all layers), `pairs`. An implementation that fails is printed and has no rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from expert_stage import _median, write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
+
+MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16), "k2": dict(j=48, lat=7168, inter=2048, k=8)}
+RANKS = 8
+
+
+def _routing(rng, t, j, k):
+    """Rank 0's `Received` (ids and weights only matter) for `RANKS * t` rows of uniform top-`k` ids over
+    `RANKS * j` experts."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_latent_ep.received import Received
+
+    rows, lat = RANKS * t, 32
+    ids = np.stack([rng.choice(RANKS * j, size=k, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.random((rows, k)).astype(np.float32)
+    src = ((np.arange(rows) // t) << 16 | (np.arange(rows) % t)).astype(np.int32)
+    return Received(jnp.zeros((rows, lat), jnp.float8_e4m3fn), jnp.zeros((rows, 1), jnp.uint8), jnp.asarray(ids),
+                    jnp.asarray(weights), jnp.asarray(src))
+
+
+def _time(fn, args, repeats):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return _median(samples)
+
+
+def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
+    """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and "plain") at `model`, T = `t`,
+    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_latent_ep import experts
+
+    defaults = {c: getattr(experts.grouped, c) for c in ("MOSAIC_BLOCK_M", "MOSAIC_BLOCK_N", "MOSAIC_STEPS")}
+    c = MODELS[model]
+    j, lat, inter, k = c["j"], c["lat"], c["inter"], c["k"]
+    rng = np.random.default_rng(seed)
+    recv = _routing(rng, t, j, k)
+    pl = jax.jit(lambda r: experts.plan(r, 0, j, max_tokens=t, ranks=RANKS, capacity_factor=1.25,
+                                        overflow="drop"))(recv)
+    pairs = int(pl.count)
+    keys = jax.random.split(jax.random.key(seed), 4 * layers + 2)
+    wshape = ((j, lat, inter), (j, lat, inter), (j, inter, lat))
+    ws = [[jax.random.normal(keys[4 * i + m], s, jnp.bfloat16) * s[1] ** -0.5 for m, s in enumerate(wshape)]
+          for i in range(layers)]
+    x = jax.random.normal(keys[-2], (RANKS * t, lat), jnp.bfloat16)
+    dout = jax.random.normal(keys[-1], (RANKS * t, lat), jnp.float32)  # the loss's weights
+    flops = 2 * pairs * lat * inter * 3
+    rows = [(f"training/{model}", t, "pairs", pairs)]
+
+    def program(stage, dout):
+        def fwd(x, ws):
+            for w in ws:
+                x = (x.astype(jnp.float32) + stage(x, w).astype(jnp.float32)).astype(jnp.bfloat16)
+            return x
+
+        def loss(x, ws):
+            return jnp.sum(fwd(x, ws).astype(jnp.float32) * dout)
+
+        return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    def plain_stage(xe, w):
+        mm = lambda a, b: jnp.einsum("jml,jli->jmi", a, b, preferred_element_type=jnp.float32)  # noqa: E731
+        h = (jax.nn.silu(mm(xe, w[0])) * mm(xe, w[1])).astype(jnp.bfloat16)
+        return mm(h, w[2])
+
+    rates = {}
+    per_expert = -(-pairs // j)
+    cases = [("plain", None, {})] * plain + [(impl, impl, {}) for impl in impls] + [
+        (f"mosaic-bm{bm}-bn{bn}-s{st}", "mosaic", dict(MOSAIC_BLOCK_M=bm, MOSAIC_BLOCK_N=bn, MOSAIC_STEPS=st))
+        for bm, bn, st in tiles]
+    for name, impl, consts in cases:
+        case_flops = flops
+        try:
+            for const, v in consts.items():
+                setattr(experts.grouped, const, v)
+            if impl is None:  # every expert's rows in one batched dense MLP: `ceil(pairs / J)` rows an expert
+                case_flops = 2 * j * per_expert * lat * inter * 3
+                args = (jax.random.normal(keys[-2], (j, per_expert, lat), jnp.bfloat16), ws)
+                fwd, grad = program(plain_stage, jax.random.normal(keys[-1], (j, per_expert, lat), jnp.float32))
+            else:
+                args = (x, ws)
+                fwd, grad = program(lambda x, w, impl=impl: experts.swiglu_rows(pl, x, *w, impl=impl), dout)
+            start = time.perf_counter()
+            temps = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9 for f in (fwd, grad)]
+            t_fwd = _time(fwd, args, repeats) / layers
+            t_all = _time(grad, args, repeats) / layers
+        except Exception as e:  # noqa: BLE001  (a failing implementation is reported, the rest still run)
+            print(f"{model} T={t} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        finally:
+            for const, v in defaults.items():
+                setattr(experts.grouped, const, v)
+        r_fwd, r_all = case_flops / t_fwd / 1e12, 3 * case_flops / t_all / 1e12
+        rates.setdefault(name, (r_fwd, r_all))
+        p_fwd, p_all = rates.get("plain", (float("nan"),) * 2)
+        print(f"{model} T={t:5d} {name:10s}: fwd {t_fwd * 1e3:7.2f} ms {r_fwd:5.0f} TFLOPS ({r_fwd / p_fwd:4.2f} of "
+              f"plain), fwd+bwd {t_all * 1e3:7.2f} ms {r_all:5.0f} TFLOPS ({r_all / p_all:4.2f}), temporaries "
+              f"{temps[0]:.1f} / {temps[1]:.1f} GB ({time.perf_counter() - start:.0f} s)", flush=True)
+        b = f"training/{model}/{name}"
+        rows += [(b, t, "fwd_ms", t_fwd * 1e3), (b, t, "fwd_bwd_ms", t_all * 1e3), (b, t, "fwd_tflops", r_fwd),
+                 (b, t, "fwd_bwd_tflops", r_all), (b, t, "fwd_temp_GB", temps[0]), (b, t, "fwd_bwd_temp_GB", temps[1])]
+        if plain:
+            rows += [(b, t, "fwd_of_plain", r_fwd / p_fwd), (b, t, "fwd_bwd_of_plain", r_all / p_all)]
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="training.csv")
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--impls", nargs="+", default=["mosaic", "ragged_dot", "scan"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mosaic-tiles", nargs="*", default=[], help="BM,BN,STEPS: 'mosaic' with these tiles too")
+    p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
+                   "jax_ragged_dot_use_gpu_pallas_triton_lowering=true), recorded in the backend name")
+    p.add_argument("--no-plain", dest="plain", action="store_false", help="leave the plain reference out")
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        MODELS["tiny"] = dict(j=4, lat=128, inter=128, k=4)
+        args.models, args.tokens, args.impls, args.layers, args.repeats = ["tiny"], [16], ["gmm", "scan"], 2, 1
+    import jax
+
+    for item in args.jax_config:
+        name, value = item.split("=")
+        jax.config.update(name, value.lower() == "true")
+    device = jax.devices()[0].device_kind
+    rows = []
+    for model in args.models:
+        for t in args.tokens:
+            tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
+            tag = "".join(f"+{item}" for item in args.jax_config)
+            rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
+                model, t, args.impls, args.layers, args.repeats, tiles, args.plain)]
+            write_rows(args.out, device, [(b, RANKS, tk, m, v) for b, tk, m, v in rows])  # a cut-off run keeps these
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The grouped matmul of training and prefill sizes, `gmm`, with a custom VJP whose gradients are grouped matmuls too.
+
+    y = gmm(x, w, group_sizes, impl="mosaic")   # y[p] = x[p] @ w[g(p)], bf16, FP32 accumulation
+
+Rows `x[p]` are sorted by group: group `g` owns rows `sum(group_sizes[:g]) ..` (`Plan`'s pair order). Its
+implementations (`GMM_IMPLEMENTATIONS`) share one numerics: bf16 operands, FP32 accumulation, each output rounded
+once to bf16 (the gradient of `w` too, per group); rows past `sum(group_sizes)` are 0 in every output, whatever
+the operands hold there. "xla" is `lax.ragged_dot_general` (any device: the reference); "mosaic" is JAX's Pallas
+Mosaic GPU kernels for Hopper (`wgmma`, TMA, a persistent grid): the forward and the rows' gradient one ragged
+matmul kernel, the weights' gradient its transposed form. `jax.grad` through `gmm` runs the same implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_latent_ep.autodiff import _varying, varying_axes
+
+GMM_IMPLEMENTATIONS = ("xla", "mosaic")
+#: The Mosaic kernels' tiles (rows, columns, contraction) and pipeline depth. `K` and `N` are each a contraction
+#: or an output side in one of the three products: multiples of `MOSAIC_SIDE`.
+MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K, MOSAIC_STEPS = 128, 128, 64, 4
+MOSAIC_SIDE = max(MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K)
+
+
+def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
+    """Raises ValueError naming the bad value unless `x` is bf16 `[M, K]`, `w` bf16 `[G, K, N]` (`[G, N, K]` with
+    `transpose_w`), `group_sizes` int32 `[G]`, `impl` one of `GMM_IMPLEMENTATIONS`, and for "mosaic" the sides
+    multiples of its tiles."""
+    if impl not in GMM_IMPLEMENTATIONS:
+        raise ValueError(f"gmm: impl={impl!r} must be one of {GMM_IMPLEMENTATIONS}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"gmm: x must be bfloat16[M, K] and w bfloat16[G, K, N], got "
+                         f"{jnp.dtype(x.dtype).name}{list(x.shape)} and {jnp.dtype(w.dtype).name}{list(w.shape)}")
+    k, n = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
+    if x.shape[1] != k:
+        raise ValueError(f"gmm: x's K={x.shape[1]} must match w {list(w.shape)}'s K={k}")
+    if group_sizes.dtype != jnp.int32 or tuple(group_sizes.shape) != (w.shape[0],):
+        raise ValueError(f"gmm: group_sizes must be int32[{w.shape[0]}] (one per group of w), got "
+                         f"{jnp.dtype(group_sizes.dtype).name}{list(group_sizes.shape)}")
+    if impl == "mosaic" and (k % MOSAIC_SIDE or n % MOSAIC_SIDE):
+        raise ValueError(f"gmm(impl='mosaic'): K={k} and N={n} must be multiples of {MOSAIC_SIDE} (the kernels' "
+                         "tiles, forward and gradients; impl='xla' takes any)")
+    if impl == "mosaic":
+        kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
+        if not kinds or any(not str(c).startswith("9.") for c in kinds):
+            raise ValueError(f"gmm(impl='mosaic') runs on Hopper GPUs (compute capability 9.x); this process has "
+                             f"{sorted(map(str, kinds))}: use impl='xla' (experts impl 'gmm' or 'scan')")
+
+
+def gmm(x, w, group_sizes, *, impl: str = "xla", transpose_w: bool = False):
+    """Grouped matmul: bf16 `[M, N]`, `y[p] = bf16(x[p] @ w[g(p)])` (FP32 accumulation), 0 in rows past
+    `sum(group_sizes)`.
+
+    Args:
+      x: bf16 `[M, K]`, rows sorted by group (rows past `sum(group_sizes)` are ignored).
+      w: bf16 `[G, K, N]` (`[G, N, K]` with `transpose_w`: multiplied by each group's transpose).
+      group_sizes: int32 `[G]`, rows of each group, `sum <= M`.
+      impl: one of `GMM_IMPLEMENTATIONS`; "mosaic" runs on Hopper GPUs and needs `K`, `N` multiples of
+        `MOSAIC_SIDE` (128).
+    """
+    check_gmm(x, w, group_sizes, impl, transpose_w=transpose_w)
+    # Inside a shard_map the operands enter the custom VJP varying over the same axes (its cotangents must match
+    # its inputs' types); the casts' own transposes sum a less-varying operand's gradient.
+    axes = _axes(x, w, group_sizes)
+    x, w, group_sizes = (_vary(a, axes) for a in (x, w, group_sizes))
+    return _gmm(impl, transpose_w, x, w, group_sizes)
+
+
+def _axes(*arrays):
+    """The mesh axes any of `arrays` varies over (`autodiff.varying_axes`)."""
+    return set().union(*(varying_axes(a) or () for a in arrays))
+
+
+def _vary(a, axes):
+    """`a` marked as varying over each of `axes` (`autodiff._varying`)."""
+    for ax in sorted(axes):
+        a = _varying(a, ax)
+    return a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gmm(impl, transpose_w, x, w, group_sizes):
+    return _FORWARD[impl](x, w, group_sizes, transpose_w)
+
+
+def _gmm_fwd(impl, transpose_w, x, w, group_sizes):
+    return _gmm(impl, transpose_w, x, w, group_sizes), (x, w, group_sizes)
+
+
+def _gmm_bwd(impl, transpose_w, res, dy):
+    x, w, group_sizes = res
+    dy = _zero_tail(dy.astype(jnp.bfloat16), group_sizes)
+    dx = _FORWARD[impl](dy, w, group_sizes, not transpose_w)  # dx[p] = dy[p] @ w[g]^T
+    dw = _WEIGHTS_GRAD[impl](dy, x, group_sizes) if transpose_w else _WEIGHTS_GRAD[impl](x, dy, group_sizes)
+    return dx, dw.astype(w.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _zero_tail(y, group_sizes):
+    """`y` with its rows past `sum(group_sizes)` set to 0."""
+    live = jnp.arange(y.shape[0], dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(live, y, jnp.zeros((), y.dtype))
+
+
+def _xla_forward(x, w, group_sizes, transpose_w):
+    dims = (([1], [2]), ([], [])) if transpose_w else (([1], [1]), ([], []))
+    nums = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=dims, lhs_ragged_dimensions=[0],
+                                         rhs_group_dimensions=[0])
+    return lax.ragged_dot_general(x, w, group_sizes, nums, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _xla_weights_grad(x, dy, group_sizes):
+    """bf16 `[G, K, N]`: `x_g^T @ dy_g` per group (FP32 accumulation; 0 for an empty group)."""
+    nums = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                         rhs_group_dimensions=[])
+    return lax.ragged_dot_general(x, dy, group_sizes, nums, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _padded_rows(a):
+    """`a` `[M, ..]` with zero rows up to a multiple of `MOSAIC_BLOCK_M` (the kernels' TMA tiles of rows)."""
+    pad = -a.shape[0] % MOSAIC_BLOCK_M
+    return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _mosaic_forward(x, w, group_sizes, transpose_w):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # Hopper only: imported where it runs
+
+    y = ragged_dot_mgpu.ragged_dot(_padded_rows(x), w, group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M,
+                                   block_n=MOSAIC_BLOCK_N, block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STEPS,
+                                   grid_block_n=1, transpose_rhs=transpose_w)
+    y = _vary(y, _axes(x, w))  # a kernel's result carries no shard_map type: its operands'
+    return _zero_tail(y[: x.shape[0]], group_sizes)  # the kernel leaves rows past the groups unwritten
+
+
+def _mosaic_weights_grad(x, dy, group_sizes):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        _padded_rows(x), _padded_rows(dy), group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M, block_n=MOSAIC_BLOCK_N,
+        block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STEPS, grid_block_n=1)
+    return _vary(dw, _axes(x, dy))
+
+
+_FORWARD = {"xla": _xla_forward, "mosaic": _mosaic_forward}
+_WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad}
+
+
+def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
+    """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm` (the "gmm" and "mosaic" implementations of
+    `experts.IMPLEMENTATIONS`): bf16 `gate`, `up` (one product when fused), `h = bf16(silu(gate) * up)`, and each
+    pair's down product rounded to bf16; 0 in unused pairs."""
+    gs, xp, inter = pl.group_sizes, xb[pl.row], w_down.shape[1]
+    if w_up is None:
+        gu = gmm(xp, w_gate, gs, impl=impl).astype(jnp.float32)
+        gate, up = gu[:, :inter], gu[:, inter:]
+    else:
+        gate = gmm(xp, w_gate, gs, impl=impl).astype(jnp.float32)
+        up = gmm(xp, w_up, gs, impl=impl).astype(jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    return gmm(h, w_down, gs, impl=impl).astype(jnp.float32)

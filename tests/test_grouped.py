@@ -1,0 +1,174 @@
+"""The grouped matmul `experts.gmm` and the training path on it ("gmm", "mosaic"): values and gradients against
+float64 NumPy models and against `jax.grad` of the other implementations, on fresh random groups (empty groups,
+rows past the groups holding garbage). One test body per check, parametrized over the implementations."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_latent_ep import experts
+from jax_latent_ep.experts.xla import activations
+from jax_latent_ep.testing.experts import random_received, reference_swiglu_grads
+
+GMM_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i == "mosaic" else i for i in experts.GMM_IMPLEMENTATIONS]
+#: The differentiable stage implementations (the kernel has no VJP), "mosaic" on Hopper GPUs only.
+STAGE_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i
+               for i in sorted(set(experts.IMPLEMENTATIONS) - experts.READS_RECEIVED)]
+
+
+def _rng(text):
+    return np.random.default_rng(zlib.crc32(text.encode()))
+
+
+def _groups(rng, g, m):
+    """int32 group sizes summing to less than `m` (some groups empty), and bf16 `x` `[m, K]`'s tail garbage."""
+    sizes = rng.multinomial(int(m * 0.8), rng.dirichlet(np.full(g, 0.5)))
+    sizes[rng.choice(g, size=max(1, g // 4), replace=False)] = 0
+    return sizes.astype(np.int32)
+
+
+def _bf16(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(ml_dtypes.bfloat16)
+
+
+def _assert_bf16_close(got, want, what):
+    """Within 2^-8 of |want| (the one bf16 rounding of the output) plus 1e-3 of the largest |want| (FP32
+    accumulation orders)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    tol = np.abs(want) * 2.0**-8 + 1e-3 * np.max(np.abs(want))
+    bad = np.argwhere(np.abs(got - want) > tol)
+    assert bad.size == 0, f"{what}: {len(bad)} values off, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+
+
+@pytest.mark.parametrize("impl", GMM_IMPLS)
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_gmm_and_its_gradients_against_numpy(impl, transpose_w):
+    rng = _rng(f"gmm/{impl}/{transpose_w}")
+    g, m, k, n = 6, 300, 256, 128
+    sizes = _groups(rng, g, m)
+    x = _bf16(rng, m, k)
+    x[sizes.sum():] = np.float32("nan")  # rows past the groups: never read into a used output
+    w = _bf16(rng, *((g, n, k) if transpose_w else (g, k, n)), scale=k**-0.5)
+    dy = _bf16(rng, m, n)
+    wf = np.asarray(w, np.float64)
+    wf = np.swapaxes(wf, 1, 2) if transpose_w else wf
+    xf, dyf = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    ends = np.cumsum(sizes)
+    want, want_dx, want_dw = np.zeros((m, n)), np.zeros((m, k)), np.zeros_like(wf)
+    for e in range(g):
+        s = slice(ends[e] - sizes[e], ends[e])
+        want[s], want_dx[s], want_dw[e] = xf[s] @ wf[e], dyf[s] @ wf[e].T, xf[s].T @ dyf[s]
+    if transpose_w:
+        want_dw = np.swapaxes(want_dw, 1, 2)
+
+    f = jax.jit(lambda x, w, gs: experts.gmm(x, w, gs, impl=impl, transpose_w=transpose_w))
+    y, vjp = jax.vjp(lambda x, w: f(x, w, jnp.asarray(sizes)), jnp.asarray(x), jnp.asarray(w))
+    assert y.dtype == jnp.bfloat16
+    _assert_bf16_close(y, want, f"{impl} forward")
+    assert np.all(np.asarray(y, np.float32)[sizes.sum():] == 0), "rows past the groups are not 0"
+    dx, dw = vjp(jnp.asarray(dy))
+    _assert_bf16_close(dx, want_dx, f"{impl} d x")
+    _assert_bf16_close(dw, want_dw, f"{impl} d w")
+    assert np.all(np.asarray(dw, np.float32)[sizes == 0] == 0), "an empty group's gradient is not 0"
+
+
+def test_gmm_refuses_bad_arguments():
+    x, w, gs = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((2, 64, 32), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="impl='cutlass' must be one of"):
+        experts.gmm(x, w, gs, impl="cutlass")
+    with pytest.raises(ValueError, match=r"x must be bfloat16\[M, K\] and w bfloat16\[G, K, N\], got float32"):
+        experts.gmm(x.astype(jnp.float32), w, gs)
+    with pytest.raises(ValueError, match="x's K=64 must match w"):
+        experts.gmm(x, w, gs, transpose_w=True)
+    with pytest.raises(ValueError, match=r"group_sizes must be int32\[2\]"):
+        experts.gmm(x, w, gs[:1])
+    with pytest.raises(ValueError, match=r"K=64 and N=32 must be multiples of 128"):
+        experts.gmm(x, w, gs, impl="mosaic")
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="a CPU-only process's refusal")
+def test_mosaic_needs_a_hopper_gpu():
+    x, w, gs = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((2, 128, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"gmm\(impl='mosaic'\) runs on Hopper GPUs .*this process has \['cpu'\]"):
+        experts.gmm(x, w, gs, impl="mosaic")
+
+
+def _stage_case(text, fused=False):
+    n, rank, tokens, mt, lat, e, k, inter = 4, 2, [3, 8, 1, 5], 8, 128, 16, 8, 128
+    rng = _rng(text)
+    recv = random_received(rng, ranks=n, rank=rank, tokens=tokens, max_tokens=mt, latent=lat, experts=e, topk=k,
+                           pad_tokens=0.15, pad_slots=0.2, duplicates=0.3, local_bias=0.4)
+    recv = jax.tree.map(jnp.asarray, recv)
+    j = e // n
+    w = [jnp.asarray(_bf16(rng, *s, scale=s[1] ** -0.5)) for s in ((j, lat, inter), (j, lat, inter), (j, inter, lat))]
+    pl = experts.plan(recv, rank, j, max_tokens=mt, ranks=n)
+    xb = activations(recv)
+    target = jnp.asarray(rng.standard_normal((xb.shape[0], lat)) * 0.1, jnp.float32)
+    return pl, xb, w, target
+
+
+def _stage_grads(impl, pl, xb, w, dout):
+    def loss(xb, *w):
+        return jnp.sum(experts.swiglu_rows(pl, xb, *w, impl=impl).astype(jnp.float32) * dout)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(xb, *w)
+
+
+@pytest.mark.parametrize("impl", STAGE_IMPLS)
+def test_stage_gradients_against_numpy(impl):
+    """`jax.grad` through the stage against the float64 model of its gradients: relative L2 within 2e-2 for each
+    of the rows and the three weights (bf16 roundings of `h`, and on the "gmm" path of `gate`, `up`, each pair's
+    output and the cotangent, each ~2^-9 relative, through a few chained products)."""
+    pl, xb, w, _ = _stage_case(f"stage-grad/{impl}")
+    dout = jnp.asarray(_rng("dout").standard_normal(xb.shape), jnp.float32)
+    want = reference_swiglu_grads(pl, xb, *w, dout)
+    for name, g, r in zip(("rows", "w_gate", "w_up", "w_down"), _stage_grads(impl, pl, xb, w, dout), want):
+        g = np.asarray(g, np.float64)
+        assert np.any(r != 0), name
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2, f"{impl}: d {name}"
+
+
+@pytest.mark.parametrize("impl", [p for p in GMM_IMPLS if p != "xla"] + ["gmm"])
+def test_gmm_stage_gradients_against_the_xla_path(impl):
+    """The "gmm" / "mosaic" stage's `jax.grad` against `jax.grad` of "ragged_dot" (XLA's own transpose rules):
+    relative L2 within 2e-2 (the bf16 intermediates of the gmm path)."""
+    impl = "mosaic" if impl == "mosaic" else "gmm"
+    pl, xb, w, _ = _stage_case(f"stage-vs-xla/{impl}")
+    dout = jnp.asarray(_rng("dout2").standard_normal(xb.shape), jnp.float32)
+    for name, g, r in zip(("rows", "w_gate", "w_up", "w_down"), _stage_grads(impl, pl, xb, w, dout),
+                          _stage_grads("ragged_dot", pl, xb, w, dout)):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2, f"{impl}: d {name}"
+
+
+@pytest.mark.gpu
+def test_layer_trains_on_mosaic():
+    """`MoELayer(impl="mosaic")` on one GPU (inside its shard_map): output and `jax.grad` against the same layer on
+    "gmm" (the same roundings in XLA): relative L2 within 1e-2 (their FP32 accumulation orders)."""
+    from jax_latent_ep.layer import MoELayer
+    from jax_latent_ep.testing import layer_model
+
+    gpu = [d for d in jax.devices() if d.platform == "gpu"][:1]
+    mesh = jax.make_mesh((1,), ("ep",), devices=gpu)
+    rng = _rng("layer-mosaic")
+    p = layer_model.random_params(rng, hidden=256, experts=8, intermediate=256, latent=128)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(-1, 8, (40, 4)), jnp.int32)
+    w = jnp.asarray(rng.random((40, 4)), jnp.float32)
+
+    def run(impl):
+        layer = MoELayer(mesh, hidden=256, experts=8, topk=4, intermediate=256, latent=128, max_tokens=64,
+                         impl=impl, capacity_factor=1.5, overflow="drop")
+        loss = lambda x, p: jnp.sum(layer(x, p, ids, w).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(layer)(x, p, ids, w), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+
+    (y, g), (y_ref, g_ref) = run("mosaic"), run("gmm")
+    pairs = [("y", y, y_ref), ("x", g[0], g_ref[0])] + [(k, g[1][k], g_ref[1][k]) for k in ("w_gate", "w_up",
+                                                                                          "w_down", "latent_down")]
+    for name, a, b in pairs:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.any(b != 0), name
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
