@@ -13,6 +13,9 @@ loss `sum(y * dout)`; times are medians of `--repeats` runs, per layer. The plai
 MLP, batched over the J experts with `ceil(pairs / J)` rows each (the same GEMM shapes, none ragged: cuBLAS's
 rate for them), in the same program shape.
 
+With `--layer`, the whole `MoELayer` too (router, K3's latent projections and norm or K2's shared expert, dispatch
+and combine on the xla backend, the stage) at N = 1 with the J experts, rows `training/<model>/layer/<impl>`.
+
 Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
 (the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `fwd_of_plain`,
 `fwd_bwd_of_plain` (the rate over `plain`'s), `fwd_temp_GB`, `fwd_bwd_temp_GB` (the compiled programs'
@@ -31,6 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from expert_stage import _median, write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16), "k2": dict(j=48, lat=7168, inter=2048, k=8)}
+#: `--layer`: the rest of each model's MoE block (K3: a latent projection from 7168 and the norm; K2: a shared
+#: expert of 2048).
+BLOCKS = {"k3": dict(hidden=7168, latent=3584, shared=0, norm=True), "k2": dict(hidden=7168, latent=None,
+                                                                            shared=2048, norm=False)}
 RANKS = 8
 
 
@@ -145,6 +152,60 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
     return rows
 
 
+def measure_layer(model, t, impls, layers, repeats, seed=0):
+    """Rows of the whole `MoELayer` (router, projections, dispatch and combine on the xla backend, the stage) at
+    N = 1 with a rank's share of the experts (J routed experts, top-K of them), `t` tokens: `layer/<impl>` rows
+    `fwd_ms`, `fwd_bwd_ms`, `fwd_bwd_temp_GB`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_latent_ep import routers
+    from jax_latent_ep.layer import MoELayer
+
+    c, b = MODELS[model], BLOCKS[model]
+    j, lat, inter, k, d = c["j"], c["lat"], c["inter"], c["k"], b["hidden"]
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    keys = iter(jax.random.split(jax.random.key(seed), 16 * layers + 2))
+    normal = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16) * s[-2] ** -0.5  # noqa: E731
+    params = []
+    for _ in range(layers):
+        p = {"router": normal(d, j), "w_gate": normal(j, lat, inter), "w_up": normal(j, lat, inter),
+             "w_down": normal(j, inter, lat)}
+        if b["latent"]:
+            p.update(latent_down=normal(d, lat), latent_up=normal(lat, d), norm=jnp.ones((lat,), jnp.bfloat16))
+        if b["shared"]:
+            p.update(shared_gate=normal(d, b["shared"]), shared_up=normal(d, b["shared"]),
+                     shared_down=normal(b["shared"], d))
+        params.append(p)
+    x = jax.random.normal(next(keys), (t, d), jnp.bfloat16)
+    dout = jax.random.normal(next(keys), (t, d), jnp.float32)
+    rows = []
+    for impl in impls:
+        try:
+            layer = MoELayer(mesh, hidden=d, experts=j, topk=k, intermediate=inter, router=routers.SoftmaxTopK(k),
+                             latent=b["latent"], shared_intermediate=b["shared"], norm=b["norm"], max_tokens=t,
+                             buckets=(t,), impl=impl, backend="xla", capacity_factor=1.25, overflow="drop")
+
+            def fwd(x, ps):
+                for p in ps:
+                    x = (x.astype(jnp.float32) + layer(x, p).astype(jnp.float32)).astype(jnp.bfloat16)
+                return x
+
+            grad = jax.jit(jax.grad(lambda x, ps: jnp.sum(fwd(x, ps).astype(jnp.float32) * dout), argnums=(0, 1)))
+            fwd = jax.jit(fwd)
+            temp = grad.lower(x, params).compile().memory_analysis().temp_size_in_bytes / 1e9
+            t_fwd, t_all = _time(fwd, (x, params), repeats) / layers, _time(grad, (x, params), repeats) / layers
+        except Exception as e:  # noqa: BLE001  (a failing implementation is reported, the rest still run)
+            print(f"{model} layer T={t} {impl}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        print(f"{model} layer T={t:5d} {impl:10s}: fwd {t_fwd * 1e3:7.2f} ms, fwd+bwd {t_all * 1e3:7.2f} ms, "
+              f"gradient temporaries {temp:.1f} GB", flush=True)
+        name = f"training/{model}/layer/{impl}"
+        rows += [(name, t, "fwd_ms", t_fwd * 1e3), (name, t, "fwd_bwd_ms", t_all * 1e3),
+                 (name, t, "fwd_bwd_temp_GB", temp)]
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="training.csv")
@@ -157,11 +218,14 @@ def main(argv=None):
     p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
                    "jax_ragged_dot_use_gpu_pallas_triton_lowering=true), recorded in the backend name")
     p.add_argument("--no-plain", dest="plain", action="store_false", help="leave the plain reference out")
+    p.add_argument("--layer", action="store_true", help="the whole MoELayer too (N = 1, a rank's share of experts)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         MODELS["tiny"] = dict(j=4, lat=128, inter=128, k=4)
+        BLOCKS["tiny"] = dict(hidden=256, latent=128, shared=128, norm=True)
         args.models, args.tokens, args.impls, args.layers, args.repeats = ["tiny"], [16], ["gmm", "scan"], 2, 1
+        args.layer = True
     import jax
 
     for item in args.jax_config:
@@ -175,7 +239,10 @@ def main(argv=None):
             tag = "".join(f"+{item}" for item in args.jax_config)
             rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
                 model, t, args.impls, args.layers, args.repeats, tiles, args.plain)]
-            write_rows(args.out, device, [(b, RANKS, tk, m, v) for b, tk, m, v in rows])  # a cut-off run keeps these
+            if args.layer:
+                rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, args.layers,
+                                                                              args.repeats)]
+            write_rows(args.out, device, [(b, 1 if "/layer/" in b else RANKS, tk, m, v) for b, tk, m, v in rows])  # a cut-off run keeps these
 
 
 if __name__ == "__main__":
