@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_stage import _median, write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _time, write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16), "k2": dict(j=48, lat=7168, inter=2048, k=8)}
 #: `--layer`: the rest of each model's MoE block (K3: a latent projection from 7168 and the norm; K2: a shared
@@ -55,18 +55,6 @@ def _routing(rng, t, j, k):
     src = ((np.arange(rows) // t) << 16 | (np.arange(rows) % t)).astype(np.int32)
     return Received(jnp.zeros((rows, lat), jnp.float8_e4m3fn), jnp.zeros((rows, 1), jnp.uint8), jnp.asarray(ids),
                     jnp.asarray(weights), jnp.asarray(src))
-
-
-def _time(fn, args, repeats):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return _median(samples)
 
 
 def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
