@@ -230,7 +230,8 @@ def main(argv=None):
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, args.layers,
                                                                               args.repeats)]
-            write_rows(args.out, device, [(b, 1 if "/layer/" in b else RANKS, tk, m, v) for b, tk, m, v in rows])  # a cut-off run keeps these
+            # written after each point: a run cut off keeps what it measured
+            write_rows(args.out, device, [(b, 1 if "/layer/" in b else RANKS, tk, m, v) for b, tk, m, v in rows])
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def _assert_bf16_close(got, want, what):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     tol = np.abs(want) * 2.0**-8 + 1e-3 * np.max(np.abs(want))
     bad = np.argwhere(np.abs(got - want) > tol)
-    assert bad.size == 0, f"{what}: {len(bad)} values off, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+    assert bad.size == 0, (f"{what}: {len(bad)} values off, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs "
+                           f"{want[tuple(bad[0])]}")
 
 
 @pytest.mark.parametrize("impl", GMM_IMPLS)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.autodiff import _varying, varying_axes
+from jax_latent_ep.experts.xla import _glu
 
 GMM_IMPLEMENTATIONS = ("xla", "mosaic")
 #: The Mosaic kernels' tiles (rows, columns, contraction) and pipeline depth. `K` and `N` are each a contraction
@@ -42,14 +43,15 @@ def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
     if group_sizes.dtype != jnp.int32 or tuple(group_sizes.shape) != (w.shape[0],):
         raise ValueError(f"gmm: group_sizes must be int32[{w.shape[0]}] (one per group of w), got "
                          f"{jnp.dtype(group_sizes.dtype).name}{list(group_sizes.shape)}")
-    if impl == "mosaic" and (k % MOSAIC_SIDE or n % MOSAIC_SIDE):
+    if impl != "mosaic":
+        return
+    if k % MOSAIC_SIDE or n % MOSAIC_SIDE:
         raise ValueError(f"gmm(impl='mosaic'): K={k} and N={n} must be multiples of {MOSAIC_SIDE} (the kernels' "
                          "tiles, forward and gradients; impl='xla' takes any)")
-    if impl == "mosaic":
-        kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
-        if not kinds or any(not str(c).startswith("9.") for c in kinds):
-            raise ValueError(f"gmm(impl='mosaic') runs on Hopper GPUs (compute capability 9.x); this process has "
-                             f"{sorted(map(str, kinds))}: use impl='xla' (experts impl 'gmm' or 'scan')")
+    kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
+    if not kinds or any(not str(c).startswith("9.") for c in kinds):
+        raise ValueError(f"gmm(impl='mosaic') runs on Hopper GPUs (compute capability 9.x); this process has "
+                         f"{sorted(map(str, kinds))}: use impl='xla' (experts impl 'gmm' or 'scan')")
 
 
 def gmm(x, w, group_sizes, *, impl: str = "xla", transpose_w: bool = False):
@@ -156,12 +158,7 @@ def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
     """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm` (the "gmm" and "mosaic" implementations of
     `experts.IMPLEMENTATIONS`): bf16 `gate`, `up` (one product when fused), `h = bf16(silu(gate) * up)`, and each
     pair's down product rounded to bf16; 0 in unused pairs."""
-    gs, xp, inter = pl.group_sizes, xb[pl.row], w_down.shape[1]
-    if w_up is None:
-        gu = gmm(xp, w_gate, gs, impl=impl).astype(jnp.float32)
-        gate, up = gu[:, :inter], gu[:, inter:]
-    else:
-        gate = gmm(xp, w_gate, gs, impl=impl).astype(jnp.float32)
-        up = gmm(xp, w_up, gs, impl=impl).astype(jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    return gmm(h, w_down, gs, impl=impl).astype(jnp.float32)
+    gs, xp = pl.group_sizes, xb[pl.row]
+    mm = lambda a, w: gmm(a, w, gs, impl=impl).astype(jnp.float32)  # noqa: E731
+    h = _glu(mm(xp, w_gate), None if w_up is None else mm(xp, w_up), w_down.shape[1])
+    return mm(h, w_down)

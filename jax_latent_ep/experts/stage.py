@@ -35,7 +35,7 @@ IMPL_FORMATS = {impl: _FORMATS for impl in IMPLEMENTATIONS} | {"kernel": KERNEL_
 def takes(impl: str, w) -> bool:
     """Whether implementation `impl` multiplies weights of `w`'s format (an instance, or a format class such as
     `BlockScaled`; a plain array is bf16)."""
-    fmt = next((f for f in _FORMATS if isinstance(w, type) and f.cls is w), None) or _format(w)
+    fmt = next((f for f in _FORMATS if f.cls is w), None) if isinstance(w, type) else _format(w)
     return fmt in IMPL_FORMATS[impl]
 
 

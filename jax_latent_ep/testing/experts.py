@@ -145,8 +145,8 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
 
     Per live row (`src != -1`, `t < max_tokens`), the distinct local experts (`id // J == rank`) in ascending
     order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
-    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` / `experts.MXFP4` weights are dequantized to FP32 first, and with them
-    `h` is rounded to MXFP8 before down (`numerics.mxfp8_quantize`)."""
+    means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` / `experts.MXFP4` weights are dequantized to FP32
+    first, and with them `h` is rounded to MXFP8 before down (`numerics.mxfp8_quantize`)."""
     from jax_latent_ep.experts import MXFP4, BlockScaled
     from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 

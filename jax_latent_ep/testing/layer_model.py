@@ -59,8 +59,8 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
 
     Per token: `a = mxfp8(bf16(x @ latent_down))` (or of `bf16(x)`); each distinct expert `e` of its ids (weight: the
     sum of its slots') gives `y_e = bf16(silu(a @ g_e) * (a @ u_e)) @ d_e` (with FP8 or MXFP4 weights `h` rounded to
-    MXFP8 first); rank `d`'s partial is `bf16(sum of its experts' w_e * y_e)` in ascending first slot; the routed value is
-    `bf16(sum_d partial_d)` in ascending `d`, RMS-normed with `norm` (bf16); then `@ latent_up` and the shared
+    MXFP8 first); rank `d`'s partial is `bf16(sum of its experts' w_e * y_e)` in ascending first slot; the routed
+    value is `bf16(sum_d partial_d)` in ascending `d`, RMS-normed with `norm` (bf16); then `@ latent_up` and the shared
     expert's `bf16(silu(x g) * (x u)) @ d` are added, rounded once. Sums in float64. `mx=False`: the dispatched
     rows stay bf16 (a bf16 layer without MXFP8, the yardstick of `docs/porting.md`'s error figure)."""
     from jax_latent_ep import experts
