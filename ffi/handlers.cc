@@ -66,7 +66,7 @@ struct Dispatch {
         .template Ret<ffi::AnyBuffer>()      // recv_weights: f32 [N*S, K]
         .template Ret<ffi::AnyBuffer>()      // recv_src: int32 [N*S] (r << 16) | t, or -1
         .template Attr<int64_t>("instance")  // which NvlinkBackend (several may coexist)
-        .template Attr<int64_t>("grid")      // CTAs, >= T
+        .template Attr<int64_t>("grid")      // CTAs, >= 1 (CTA c takes tokens c, c + grid, ...)
         .template Attr<int64_t>("call");     // unique per call in a program: XLA never merges two calls
   }
 
@@ -85,11 +85,10 @@ struct Dispatch {
       return ffi::Error::InvalidArgument("jax_latent_ep dispatch: T=" + std::to_string(T) +
                                          " tokens, expected 1 <= T <= max_tokens=" + std::to_string(r.max_tokens));
     }
-    if (grid < T || grid > r.dispatch.max_grid) {
+    if (grid < 1 || grid > r.dispatch.max_grid) {
       return ffi::Error::InvalidArgument(
-          "jax_latent_ep dispatch: grid=" + std::to_string(grid) + " CTAs for T=" + std::to_string(T) +
-          " tokens; it must satisfy T <= grid <= " + std::to_string(r.dispatch.max_grid) +
-          " (the CTAs of one launch that fit on the device at once)");
+          "jax_latent_ep dispatch: grid=" + std::to_string(grid) + " CTAs; it must satisfy 1 <= grid <= " +
+          std::to_string(r.dispatch.max_grid) + " (the CTAs of one launch that fit on the device at once)");
     }
     if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::BF16, {T, L}),
                                     expect(kWhat, "ids", ids, ffi::DataType::S32, {T, K}),

@@ -67,6 +67,21 @@ def test_virtual_ranks_one_gpu(ranks):
 
 @needs_gpu
 @needs_artifacts
+@pytest.mark.parametrize("ranks, grid_cap", [(1, 5), (2, 16), (4, 7)])
+def test_virtual_ranks_grid_below_t(ranks, grid_cap):
+    """Grids below T (`grid_cap` CTAs, T up to 64): CTA c stores the tokens c, c + G, ..., then its empty rows up to
+    the largest T of the call (each rank draws its own T), and the combine reduces t = c, c + G, ...."""
+    from tools import kernel_harness as harness
+
+    system = harness.System("kimi_k3", ranks, 64, "virtual")
+    system.grid_cap = grid_cap
+    system.timeout_ns = 10_000_000_000
+    layers, mismatches, info = harness.run_layers(system, 200, seed=10 + ranks, nonfinite_every=25, log_every=0)
+    assert (layers, mismatches) == (200, 0), info["details"]
+
+
+@needs_gpu
+@needs_artifacts
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 NVIDIA GPUs")
 def test_two_gpus():
     from tools import kernel_harness as harness

@@ -49,14 +49,16 @@ from jax_latent_ep.layout import stride
 from jax_latent_ep.runtime.symmetric import SymmetricBuffers, _distributed_client, publish_failure
 from jax_latent_ep.received import Received
 
-#: Default dispatch grid: at least one CTA per token, at least min(N * stride(T), 256) CTAs (a CTA polls its rows one
-#: after another). The copy-out walks the other ranks' (N - 1) * T rows that carry anything in a call of T tokens
-#: (the kernels' `peer_tokens`) from the last CTA down, so with N * stride(T) >= (N - 1) * T + T CTAs no CTA that
-#: stores a token also polls a row. The grid follows T, not the buffer's max_tokens: the rows past T are written empty
-#: without a poll. 256 rather than 128: faster at N = 2, T = 1-128 (docs/performance.md, "Grid cap 256").
+#: Default dispatch grid: one CTA per token and at least min(N * stride(T), 256) CTAs (a CTA polls its rows one after
+#: another), lowered to the co-residency bound (`NvlinkBackend.max_grids`; below T, CTA c quantizes and stores the
+#: tokens c, c + G, ... one after another). The copy-out walks the other ranks' (N - 1) * T rows that carry anything
+#: in a call of T tokens (the kernels' `peer_tokens`) from the last CTA down, so with N * stride(T) >= (N - 1) * T + T
+#: CTAs no CTA that stores a token also polls a row. The grid follows T, not the buffer's max_tokens: the rows past T
+#: are written empty without a poll. 256 rather than 128: faster at N = 2, T = 1-128 (docs/performance.md, "Grid cap
+#: 256").
 DISPATCH_MIN_CTAS = 256
-#: Default combine grid: at least one CTA per own token, at least min(N * stride(T), 256) CTAs (the first
-#: (N - 1) * T send the other ranks' rows, one each).
+#: Default combine grid: one CTA per own token and at least min(N * stride(T), 256) CTAs (the first (N - 1) * T send
+#: the other ranks' rows, one each), lowered to the co-residency bound (CTA c reduces the tokens c, c + G, ...).
 COMBINE_MIN_CTAS = 256
 
 _instances = itertools.count(1)
@@ -117,10 +119,15 @@ def _release(instance: int, registered: list, buffers: list, background: bool) -
         close_all()
 
 
-def default_grids(tokens: int, ranks: int) -> tuple[int, int]:
-    """(dispatch CTAs, combine CTAs) for a call with `tokens` tokens per rank (whatever the buffer's max_tokens)."""
+def default_grids(tokens: int, ranks: int, bounds: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(dispatch CTAs, combine CTAs) for a call with `tokens` tokens per rank (whatever the buffer's max_tokens):
+    `max(T, min(N * stride(T), 256))` each, lowered to `bounds` (the co-residency bounds, `NvlinkBackend.max_grids`;
+    None: no bound). Both kernels loop over their tokens (CTA c takes t = c, c + G, ...): any grid handles any T."""
     rows = ranks * stride(tokens)
-    return max(tokens, min(rows, DISPATCH_MIN_CTAS)), max(tokens, min(rows, COMBINE_MIN_CTAS))
+    grids = max(tokens, min(rows, DISPATCH_MIN_CTAS)), max(tokens, min(rows, COMBINE_MIN_CTAS))
+    if bounds is None:
+        return grids
+    return min(grids[0], bounds[0]), min(grids[1], bounds[1])
 
 
 class NvlinkBackend:
@@ -134,8 +141,9 @@ class NvlinkBackend:
       shape: the layer's `LatentMoEShape`.
       timeout_s: bound of every flag wait inside the kernels; 0 waits forever.
       grid: CTAs per launch: None (the default rule, `default_grids`), an int for both kernels, or a pair
-        `(dispatch, combine)`; a dispatch grid is raised to at least `T`. Every grid must fit on the device
-        at once (`max_grids`, occupancy x SMs), which also bounds `T` per call (a dispatch needs `T` CTAs).
+        `(dispatch, combine)`, used as given for every `T` (a grid below `T` loops over the tokens). Every grid
+        must fit on the device at once (`max_grids`, occupancy x SMs); `T` itself is bounded by `max_tokens`
+        alone.
 
     Raises:
       ValueError, LookupError (no compiled kernel for this N / shape / arch), FileNotFoundError (no
@@ -172,7 +180,7 @@ class NvlinkBackend:
         with _instances_lock:
             self.instance = next(_instances)
         #: (dispatch, combine) largest grid of one launch: every CTA of a launch must be resident at once
-        #: (occupancy x SMs, docs/kernel_abi.md); a dispatch needs T CTAs, so this also bounds T.
+        #: (occupancy x SMs, docs/kernel_abi.md). It bounds the grids, not T: a CTA loops over its tokens.
         self.max_grids = (1 << 31, 1 << 31)
         self._buffers: list[SymmetricBuffers] = []
         self._group_index: list[int] = []  # the mesh-wide index of each of `_buffers`' groups
@@ -239,26 +247,24 @@ class NvlinkBackend:
         return pair
 
     def grids(self, tokens: int) -> tuple[int, int]:
-        """(dispatch CTAs, combine CTAs) used for a call with `tokens` tokens per rank.
+        """(dispatch CTAs, combine CTAs) used for a call with `tokens` tokens per rank: the default rule
+        (`default_grids`, lowered to the co-residency bound `max_grids`), or the `grid` given to the constructor
+        as it is (any grid of at least one CTA handles any `T`).
 
         Raises:
-          ValueError: if a grid exceeds the co-residency bound `max_grids` (a dispatch needs `T` CTAs, so a
-            large `T` cannot be sent in one call).
+          ValueError: if a grid given to the constructor exceeds the co-residency bound `max_grids` (the default
+            rule never does).
         """
         if self._grid is None:
-            # The default rule, lowered to the co-residency bound where that still leaves one CTA per token.
-            grids = tuple(max(tokens, min(g, bound))
-                          for g, bound in zip(default_grids(tokens, self.ranks), self.max_grids))
-        else:
-            grids = max(tokens, self._grid[0]), self._grid[1]
-        for name, g, bound in zip(("dispatch", "combine"), grids, self.max_grids):
+            return default_grids(tokens, self.ranks, self.max_grids)
+        for name, g, bound in zip(("dispatch", "combine"), self._grid, self.max_grids):
             if g > bound:
                 raise ValueError(
-                    f"NvlinkBackend: the {name} kernel would need {g} CTAs for T={tokens} tokens, but only {bound} "
-                    f"fit on the device at once (every CTA of a launch waits for the others); send at most {bound} "
-                    f"tokens per call{' or lower grid' if self._grid else ''}"
+                    f"NvlinkBackend: grid={g} CTAs for the {name} kernel, but only {bound} fit on the device at once "
+                    f"(every CTA of a launch waits for the others): pass grid=None (the default rule) or at most "
+                    f"{bound}"
                 )
-        return grids
+        return self._grid
 
     def _check_open(self):
         if self._closed:
@@ -268,7 +274,7 @@ class NvlinkBackend:
         """Per rank, inside `jax.shard_map` over `axis_name`: the contract's dispatch (one kernel launch).
 
         Args:
-          x: bfloat16 `[T, L]`, `1 <= T <= max_tokens` (and within `max_grids`, see `grids`).
+          x: bfloat16 `[T, L]`, `1 <= T <= max_tokens`.
           ids: int32 `[T, K]` global expert ids; one outside `[0, E)` selects no rank (as in the XLA backend).
           weights: float32 `[T, K]` routing weights.
 

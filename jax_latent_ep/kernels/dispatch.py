@@ -8,13 +8,16 @@ Reading order: settings, the host-side launch signature, the device code, compil
 Parameters: `kernels.abi.DISPATCH` (the launch and kernel signatures below are checked against it when compiled).
 `peer_tokens` (>= T, the same on every rank of the call; the JAX path passes T, which every rank shares) bounds the
 rows that carry anything: rows j >= peer_tokens of every source are empty without a word sent or polled.
-Grid: G >= T CTAs (a run-time choice); CTA c < S takes source rows j = c, c + G, ... < S (token j if j < T, else an
-empty row; stored to the peers only if j < peer_tokens, and for j >= peer_tokens every rank's row j is written empty
-here); the (N - 1) * peer_tokens polled rows of the other ranks are copied out, the r-th by CTA (G - 1 - r) mod G.
+Grid: G >= 1 CTAs (a run-time choice, at most the co-residency bound; any G handles any T): CTA c takes source rows
+j = c, c + G, ... < peer_tokens, one after another (token j if j < T, else an empty row, stored to the peers); rows
+j >= peer_tokens of every rank are written empty here, one per warp of the grid; then the (N - 1) * peer_tokens
+polled rows of the other ranks are copied out, the r-th by CTA (G - 1 - r) mod G, each CTA after all its stores.
 Block: L // 16 threads.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -191,7 +194,7 @@ class Dispatch:
         lane = tid % 32
         warp = tid // 32
         smem = cutlass.memory.SmemAllocator()
-        # [0]: the token's destination mask.
+        # [0]: the destination mask of the token being stored (`store_token`, one token at a time).
         shared = smem.allocate_tensor(Int32, cute.make_layout(4), 16)
         # The token's data stream (its MXFP8 bytes, then its scales, then zero padding) as 4-byte pieces: each thread
         # stages what it quantized, and after the barrier takes the three pieces of each wide word it stores.
@@ -222,7 +225,7 @@ class Dispatch:
         griddepcontrol_wait_after(max_tokens, [x_line, meta, ctrl, local + buf.mirror])
         if cutlass.const_expr(TRACE):
             t_wait, c_wait = globaltimer(), clock64()
-        # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): the token's
+        # ---- Phase 1: one wave of loads (nothing waits for any of them before all are issued): token c's
         # inputs, lane d's peer base, the epoch words.
         expert_word = load_b32(ids + meta * 4)
         weight_word = load_b32(weights + meta * 4)
@@ -240,134 +243,43 @@ class Dispatch:
         # q + half_rows in the x, ids, weights and hdr regions.
         half_rows = Int64(epoch & Uint32(1)) * buf.rows
 
-        # ---- Phase 2 (CTAs c < peer_tokens): store, with no wait. Invariant: every store of this layer into rank
-        # d's half e % 2 follows rank d's last read of it, its copy-out of layer e - 2: this rank's dispatch e - 1
-        # completed only after rank d's layer e - 1 headers arrived, which rank d stores after its dispatch e - 2
-        # completed (docs/protocol.md, "Double-buffered rows").
-
-        if cta < tokens:
-            token = cta
-            # Destination mask of the token: bit d set iff one of its experts lives on rank d (`expert_rank_bit`: an
-            # id outside [0, E) selects no rank, as in the XLA backend).
-            if warp == 0:
-                bit = Uint32(0)
-                if lane < topk:
-                    bit = expert_rank_bit(expert_word, self.local_experts, ranks)
-                mask = warp_or(bit)
-                if lane == 0:
-                    shared[0] = Int32(mask)
-
-            # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block.
-            words = first + second
-            top = Uint32(0)
-            for w in cutlass.range_constexpr(8):
-                lo = words[w] & Uint32(0x7FFF)
-                hi = (words[w] >> Uint32(16)) & Uint32(0x7FFF)
-                if lo > top:
-                    top = lo
-                if hi > top:
-                    top = hi
-            other = shfl_bfly(top, 1)
-            if other > top:
-                top = other
-            # MXFP8 scale (numerics.md) on the bits: s = ftz(amax * R); e = 0 if s == 0 else
-            # min(254, biased_exp(s) + (mantissa(s) != 0)); inv = 2^(127 - e) built from bits (0 if e == 0).
-            # For BF16 input e <= 247, so inv is a normal FP32. A block holding a NaN or Inf (amax bits >= 0x7F80)
-            # gets e = 255 and inv = 0: q = e4m3(x * 0) is NaN for its non-finite elements, +-0 for the others.
-            s_bits = Uint32(
-                bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)), f32_from_bits(Uint32(RECIPROCAL_448_BITS))))
-            )
-            e = Uint32(0)
-            if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
-                e = (s_bits >> Uint32(23)) & Uint32(0xFF)
-                if s_bits & Uint32(0x7FFFFF) != Uint32(0):
-                    e = e + Uint32(1)
-                if e > Uint32(254):
-                    e = Uint32(254)
-            inv_bits = Uint32(0)
-            if e != Uint32(0):
-                inv_bits = (Uint32(254) - e) << Uint32(23)
-            if top >= Uint32(0x7F80):  # NaN or Inf in the block
-                e = Uint32(SF_NONFINITE)
-                inv_bits = Uint32(0)
-            inv = f32_from_bits(inv_bits)
-            packed = []
-            for j in cutlass.range_constexpr(4):
-                a, b = words[2 * j], words[2 * j + 1]
-                packed.append(
-                    e4m3x4(
-                        mul_ftz(lo_f32(a), inv),
-                        mul_ftz(hi_f32(a), inv),
-                        mul_ftz(lo_f32(b), inv),
-                        mul_ftz(hi_f32(b), inv),
-                    )
-                )
-            # Lanes 8i gather the scales of blocks 4i..4i+3 of their warp into one word (byte j = block j).
-            sf_word = e
-            for s in cutlass.range_constexpr(1, 4):
-                sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
-            # Stage the row's data stream: piece 4 tid + j = packed[j]; the scale word of blocks 4i..4i+3 is piece
-            # L / 4 + i (i = tid / 8); the pieces past L / 4 + SF / 4 are zero.
-            for j in cutlass.range_constexpr(4):
-                stage[4 * tid + j] = Int32(packed[j])
-            if tid % 8 == 0:
-                stage[latent // 4 + tid // 8] = Int32(sf_word)
-            pad = 3 * x_words - (latent + num_sf) // 4
-            if cutlass.const_expr(pad > 0):
-                if tid < pad:
-                    stage[(latent + num_sf) // 4 + tid] = Int32(0)
-
-            source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
-            slot = Int64(rank) * buf.stride + token + half_rows  # this layer's receive row of the token on every rank
-            cute.arch.sync_threads()  # the mask and the staged stream, for every thread
-            mask = Uint32(shared[0])
-            # The three pieces of each of this thread's wide words.
-            my_words, has_word = self.my_words(tid)
-            pieces = [Uint32(stage[3 * my_words[k] + c]) for k in range(word_slots) for c in range(3)]
-            if cutlass.const_expr(TRACE):
-                trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
-                trace_stamp(ctrl, epoch, 1, t_wait, c_wait, traced)
-                trace_stamp(ctrl, epoch, 2, globaltimer(), clock64(), traced)
-
-            for d in cutlass.range_constexpr(ranks):
-                if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
-                    base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
-                    row_dst = base + buf.x + slot * buf.x_pitch
-                    for k in cutlass.range_constexpr(word_slots):
-                        p = pieces[3 * k:3 * k + 3]
-                        if has_word[k] != Uint32(0):
-                            store_wide(row_dst + Int64(my_words[k]) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
-                    if tid < topk:
-                        store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
-                        store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
-            # Headers: lane d tells peer d whether the row holds the token (its source word) or nothing (-1); issued
-            # before the own row's stores, as the peers' copy-out waits for them.
-            if warp == 0 and lane < ranks and lane != rank:
-                header = Uint32(EMPTY)
-                if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
-                    header = source_word
-                store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
-            # This rank's own receive row of the token goes straight into XLA's outputs from the registers (no
-            # buffer word, no poll): the MXFP8 bytes, the scales, ids, weights and source; the constants of an empty
-            # row if the token has no expert here.
-            own_row = Int64(rank) * buf.stride + token
-            if (mask >> Uint32(rank)) & Uint32(1) != Uint32(0):
-                store_v4(recv_x + own_row * latent + column, packed)
-                if tid % 8 == 0:
-                    store_b32(recv_sf + own_row * num_sf + Int64(tid // 8) * 4, sf_word)
-                self.write_own_meta(own_row, tid, expert_word, weight_word, source_word, recv_ids, recv_weights,
-                                    recv_src, local + buf.mirror)
-            else:
-                self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
-                                    recv_src, local + buf.mirror)
-            if cutlass.const_expr(TRACE):
-                trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), traced)
-        # Rows without a token that the peers poll (T <= j < peer_tokens; j = c, then c + G, ...; only where a rank of
-        # the call has more tokens than this one): warp 0 stores an empty header on every peer; the constants of an
-        # empty row go into this rank's own outputs.
+        # ---- Phase 2: store, with no wait: own tokens j = c, c + G, ... < T (`store_token`), then the empty rows
+        # T <= j < peer_tokens that the peers poll. Invariant: every store of this layer into rank d's half e % 2
+        # follows rank d's last read of it, its copy-out of layer e - 2: this rank's dispatch e - 1 completed only
+        # after rank d's layer e - 1 headers arrived, which rank d stores after its dispatch e - 2 completed
+        # (docs/protocol.md, "Double-buffered rows").
+        # Invariant: a CTA issues every store of its j's (any G) before its first poll, and no store waits: no deadlock.
+        cta_state = SimpleNamespace(
+            tid=tid, lane=lane, warp=warp, rank=rank, buf=buf, table=table, epoch=epoch, half_rows=half_rows,
+            invalid=invalid, local=local, ctrl=ctrl, column=column, shared=shared, stage=stage, recv_x=recv_x,
+            recv_sf=recv_sf, recv_ids=recv_ids, recv_weights=recv_weights, recv_src=recv_src,
+        )
+        stamps = None
+        if cutlass.const_expr(TRACE):
+            stamps = (t_entry, c_entry, t_wait, c_wait, traced)
         j = cta
         if cta < tokens:
+            # Token c from the registers of phase 1's wave.
+            self.store_token(cta, expert_word, weight_word, first + second, cta_state, stamps)
             j = cta + grid
+        # Tokens c + G, c + 2G, ... < T (only where G < T): each loads its inputs, then waits at the barrier.
+        while j < tokens:
+            j_meta = Int64(j) * topk + tid
+            if tid >= topk:
+                j_meta = Int64(0)  # a valid address; the value is not used
+            j_line = x + (Int64(j) * latent + column) * 2
+            j_expert = load_b32(ids + j_meta * 4)
+            j_weight = load_b32(weights + j_meta * 4)
+            j_words = load_v4(j_line) + load_v4(j_line + 16)
+            # Every thread read the previous token's mask and staged stream before this barrier: this token
+            # overwrites them.
+            cute.arch.sync_threads()
+            self.store_token(j, j_expert, j_weight, j_words, cta_state, None)
+            j += grid
+        # Rows without a token that the peers poll (T <= j < peer_tokens; the j's of this CTA past its tokens; only
+        # where a rank of the call has more tokens than this one): warp 0 stores an empty header on every peer; the
+        # constants of an empty row go into this rank's own outputs. Invariant: this rank's own rows j < peer_tokens
+        # are written exactly once, row j by CTA j mod G (token loop above, empty loop here).
         if warp == 0:
             while j < peer_tokens:
                 own_row = Int64(rank) * buf.stride + j
@@ -378,7 +290,7 @@ class Dispatch:
                 j += grid
 
         # Every thread of this CTA has passed the sequence check (above): arrive (nothing waits for the count
-        # before the end).
+        # before the end). Invariant: each CTA arrives once, whatever its number of tokens, so the count reaches G.
         arrived = arrive_in_sequence(ctrl, lay.CTRL_COUNT_D, grid, tid)
         # The next kernel may be scheduled now; its griddepcontrol.wait still waits for this grid's end.
         cute.arch.griddepcontrol_launch_dependents()
@@ -404,6 +316,8 @@ class Dispatch:
         # rank's first expert, weights 0); a full row is copied once every word this thread copies carries it.
         # Invariant: every word copied was stored in this layer by the row's source (each word is stored once
         # per layer, and only this layer's stores carry this epoch).
+        # Invariant: this CTA issued all its stores above (any G), so its polls wait only for other co-resident
+        # CTAs, which store before they poll: no cycle of waits (docs/kernel_abi.md, "Co-residency").
         x_pieces = latent // 4  # pieces [0, L / 4) of a data stream are MXFP8 bytes, then SF / 4 pieces of scales
         stream_pieces = (latent + num_sf) // 4
         my_words, has_word = self.my_words(tid)  # the words of each row this thread polls and copies out
@@ -484,6 +398,142 @@ class Dispatch:
         if cutlass.const_expr(TRACE):
             trace_stamp(ctrl, epoch, 6, globaltimer(), clock64(), traced)
 
+
+    @cute.jit
+    def store_token(self, token: Int32, expert_word: Uint32, weight_word: Uint32, words, cta_state, stamps):
+        """Phase 2 of own token `token`, by every thread of the CTA: its destination mask, its MXFP8 row, whose
+        wide words, ids and weights go into its receive row on every destination peer, a header on every other
+        peer, and this rank's own receive row written into XLA's outputs. `expert_word` / `weight_word`: this
+        thread's id and weight of the token (used by threads tid < K); `words`: this thread's 8 words of x
+        (elements [16 tid, 16 tid + 16)); `cta_state`: the kernel's values the tokens share; `stamps`: the trace
+        stamps of the CTA's first token, or None. Writes the shared mask and staging buffer, then reads them after
+        a barrier: a second call needs a barrier before it (the reads of this one first)."""
+        shape, ranks = self.shape, self.ranks
+        latent, topk, num_sf = shape.latent, shape.topk, shape.num_sf
+        x_words = lay.x_words(shape)
+        word_slots = (x_words + self.threads - 1) // self.threads  # wide words per thread (`my_words`)
+        tid, lane, warp, rank, buf = cta_state.tid, cta_state.lane, cta_state.warp, cta_state.rank, cta_state.buf
+        table, epoch, half_rows, invalid = cta_state.table, cta_state.epoch, cta_state.half_rows, cta_state.invalid
+        local, ctrl, column = cta_state.local, cta_state.ctrl, cta_state.column
+        shared, stage = cta_state.shared, cta_state.stage
+        recv_x, recv_sf, recv_ids = cta_state.recv_x, cta_state.recv_sf, cta_state.recv_ids
+        recv_weights, recv_src = cta_state.recv_weights, cta_state.recv_src
+
+        # Destination mask of the token: bit d set iff one of its experts lives on rank d (`expert_rank_bit`: an
+        # id outside [0, E) selects no rank, as in the XLA backend).
+        if warp == 0:
+            bit = Uint32(0)
+            if lane < topk:
+                bit = expert_rank_bit(expert_word, self.local_experts, ranks)
+            mask = warp_or(bit)
+            if lane == 0:
+                shared[0] = Int32(mask)
+
+        # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block.
+        top = Uint32(0)
+        for w in cutlass.range_constexpr(8):
+            lo = words[w] & Uint32(0x7FFF)
+            hi = (words[w] >> Uint32(16)) & Uint32(0x7FFF)
+            if lo > top:
+                top = lo
+            if hi > top:
+                top = hi
+        other = shfl_bfly(top, 1)
+        if other > top:
+            top = other
+        # MXFP8 scale (numerics.md) on the bits: s = ftz(amax * R); e = 0 if s == 0 else
+        # min(254, biased_exp(s) + (mantissa(s) != 0)); inv = 2^(127 - e) built from bits (0 if e == 0).
+        # For BF16 input e <= 247, so inv is a normal FP32. A block holding a NaN or Inf (amax bits >= 0x7F80)
+        # gets e = 255 and inv = 0: q = e4m3(x * 0) is NaN for its non-finite elements, +-0 for the others.
+        s_bits = Uint32(
+            bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)), f32_from_bits(Uint32(RECIPROCAL_448_BITS))))
+        )
+        e = Uint32(0)
+        if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
+            e = (s_bits >> Uint32(23)) & Uint32(0xFF)
+            if s_bits & Uint32(0x7FFFFF) != Uint32(0):
+                e = e + Uint32(1)
+            if e > Uint32(254):
+                e = Uint32(254)
+        inv_bits = Uint32(0)
+        if e != Uint32(0):
+            inv_bits = (Uint32(254) - e) << Uint32(23)
+        if top >= Uint32(0x7F80):  # NaN or Inf in the block
+            e = Uint32(SF_NONFINITE)
+            inv_bits = Uint32(0)
+        inv = f32_from_bits(inv_bits)
+        packed = []
+        for j in cutlass.range_constexpr(4):
+            a, b = words[2 * j], words[2 * j + 1]
+            packed.append(
+                e4m3x4(
+                    mul_ftz(lo_f32(a), inv),
+                    mul_ftz(hi_f32(a), inv),
+                    mul_ftz(lo_f32(b), inv),
+                    mul_ftz(hi_f32(b), inv),
+                )
+            )
+        # Lanes 8i gather the scales of blocks 4i..4i+3 of their warp into one word (byte j = block j).
+        sf_word = e
+        for s in cutlass.range_constexpr(1, 4):
+            sf_word = sf_word | (shfl_idx(e, Uint32(lane + 2 * s) % Uint32(32)) << Uint32(8 * s))
+        # Stage the row's data stream: piece 4 tid + j = packed[j]; the scale word of blocks 4i..4i+3 is piece
+        # L / 4 + i (i = tid / 8); the pieces past L / 4 + SF / 4 are zero.
+        for j in cutlass.range_constexpr(4):
+            stage[4 * tid + j] = Int32(packed[j])
+        if tid % 8 == 0:
+            stage[latent // 4 + tid // 8] = Int32(sf_word)
+        pad = 3 * x_words - (latent + num_sf) // 4
+        if cutlass.const_expr(pad > 0):
+            if tid < pad:
+                stage[(latent + num_sf) // 4 + tid] = Int32(0)
+
+        source_word = (Uint32(rank) << Uint32(16)) | Uint32(token)
+        slot = Int64(rank) * buf.stride + token + half_rows  # this layer's receive row of the token on every rank
+        cute.arch.sync_threads()  # the mask and the staged stream, for every thread
+        mask = Uint32(shared[0])
+        # The three pieces of each of this thread's wide words.
+        my_words, has_word = self.my_words(tid)
+        pieces = [Uint32(stage[3 * my_words[k] + c]) for k in range(word_slots) for c in range(3)]
+        if cutlass.const_expr(stamps is not None):
+            t_entry, c_entry, t_wait, c_wait, traced = stamps
+            trace_stamp(ctrl, epoch, 0, t_entry, c_entry, traced)
+            trace_stamp(ctrl, epoch, 1, t_wait, c_wait, traced)
+            trace_stamp(ctrl, epoch, 2, globaltimer(), clock64(), traced)
+
+        for d in cutlass.range_constexpr(ranks):
+            if (mask >> Uint32(d)) & Uint32(1) != Uint32(0) and Int32(d) != rank:
+                base = peer_of(table, Int32(d))  # the mask is CTA-uniform: the warp is converged
+                row_dst = base + buf.x + slot * buf.x_pitch
+                for k in cutlass.range_constexpr(word_slots):
+                    p = pieces[3 * k:3 * k + 3]
+                    if has_word[k] != Uint32(0):
+                        store_wide(row_dst + Int64(my_words[k]) * lay.WIDE_WORD, p[0], p[1], p[2], epoch)
+                if tid < topk:
+                    store_ll(base + buf.ids + slot * buf.meta_pitch + Int64(tid) * 8, expert_word, epoch)
+                    store_ll(base + buf.weights + slot * buf.meta_pitch + Int64(tid) * 8, weight_word, epoch)
+        # Headers: lane d tells peer d whether the row holds the token (its source word) or nothing (-1); issued
+        # before the own row's stores, as the peers' copy-out waits for them.
+        if warp == 0 and lane < ranks and lane != rank:
+            header = Uint32(EMPTY)
+            if (mask >> Uint32(lane)) & Uint32(1) != Uint32(0):
+                header = source_word
+            store_ll(table + buf.hdr + slot * buf.hdr_pitch, header, epoch)
+        # This rank's own receive row of the token goes straight into XLA's outputs from the registers (no
+        # buffer word, no poll): the MXFP8 bytes, the scales, ids, weights and source; the constants of an empty
+        # row if the token has no expert here.
+        own_row = Int64(rank) * buf.stride + token
+        if (mask >> Uint32(rank)) & Uint32(1) != Uint32(0):
+            store_v4(recv_x + own_row * latent + column, packed)
+            if tid % 8 == 0:
+                store_b32(recv_sf + own_row * num_sf + Int64(tid // 8) * 4, sf_word)
+            self.write_own_meta(own_row, tid, expert_word, weight_word, source_word, recv_ids, recv_weights,
+                                recv_src, local + buf.mirror)
+        else:
+            self.write_own_meta(own_row, tid, invalid, Uint32(0), Uint32(EMPTY), recv_ids, recv_weights,
+                                recv_src, local + buf.mirror)
+        if cutlass.const_expr(stamps is not None):
+            trace_stamp(ctrl, epoch, 3, globaltimer(), clock64(), stamps[4])
 
     @cute.jit
     def write_own_meta(self, own_row: Int64, tid: Int32, expert_word: Uint32, weight_word: Uint32, source: Uint32,

@@ -22,7 +22,12 @@ def test_default_grids():
     assert default_grids(1, 2) == (16, 16)
     assert default_grids(5, 8) == (64, 64)
     assert default_grids(64, 8) == (min(512, DISPATCH_MIN_CTAS), min(512, COMBINE_MIN_CTAS))
-    assert default_grids(1000, 2) == (1000, 1000)  # at least one CTA per token
+    assert default_grids(1000, 2) == (1000, 1000)  # one CTA per token where the device holds them all
+    # Lowered to the co-residency bounds: the kernels loop over their tokens, so T may exceed the grid.
+    assert default_grids(1000, 2, (528, 600)) == (528, 600)
+    assert default_grids(8192, 1, (528, 528)) == (528, 528)
+    assert default_grids(5, 8, (528, 528)) == (64, 64)  # below the bound: unchanged
+    assert default_grids(64, 8, (100, 300)) == (100, min(512, COMBINE_MIN_CTAS))
     assert NvlinkBackend._check_grid(None) is None
     assert NvlinkBackend._check_grid(7) == (7, 7)
     assert NvlinkBackend._check_grid((3, 9)) == (3, 9)
@@ -46,13 +51,24 @@ def test_grid_bound_is_checked_at_trace_time():
     from jax_latent_ep.backends.nvlink import NvlinkBackend
 
     nv = NvlinkBackend.__new__(NvlinkBackend)  # no GPU: only the grid rule's state
-    nv.ranks, nv.max_tokens, nv._grid, nv.max_grids = 2, 1024, None, (396, 396)
+    nv.ranks, nv.max_tokens, nv._grid, nv.max_grids = 2, 8192, None, (396, 396)
     assert nv.grids(396) == (396, 396)
-    with pytest.raises(ValueError, match="only 396 fit"):
-        nv.grids(397)
+    # T above the co-residency bound: the default grids stop at the bound (each CTA loops over its tokens).
+    assert nv.grids(397) == (396, 396)
+    assert nv.grids(8192) == (396, 396)
+    # A grid given to the constructor is used as it is, below T too.
+    nv._grid = (64, 64)
+    assert nv.grids(300) == (64, 64)
+    assert nv.grids(8192) == (64, 64)
+    nv._grid = (1, 3)
+    assert nv.grids(5) == (1, 3)
+    # ... but never above the bound, which the message names.
     nv._grid = (10, 500)
-    with pytest.raises(ValueError, match="combine kernel would need 500"):
+    with pytest.raises(ValueError, match=r"grid=500 CTAs for the combine kernel, but only 396 fit"):
         nv.grids(5)
+    nv._grid = (397, 10)
+    with pytest.raises(ValueError, match=r"grid=397 CTAs for the dispatch kernel, but only 396 fit"):
+        nv.grids(1)
 
 
 class FakeBuffers:

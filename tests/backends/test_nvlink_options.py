@@ -43,3 +43,25 @@ def test_timeout_too_large_for_a_float_is_a_value_error():
     mesh = SimpleNamespace(shape={"ep": 2}, axis_names=("ep",), devices=None)
     with pytest.raises(ValueError, match=r"timeout_s=.* must be a finite number of seconds >= 0"):
         NvlinkBackend(mesh, "ep", 8, KIMI_K3, timeout_s=10**400)
+
+
+@pytest.mark.parametrize("max_tokens, grid", [(8192, None), (8192, 64), (300, (64, 64)), (65535, (1, 1))])
+def test_t_is_bounded_by_max_tokens_alone(max_tokens, grid):
+    """Any max_tokens < 65536 and a grid below it pass the option checks (the kernels loop over their tokens, the
+    grid bounds nothing but co-residency): on CPU devices the backend then refuses the devices themselves."""
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError:
+        cpus = []
+    if len(cpus) < 2:
+        pytest.skip(f"needs 2 CPU devices, have {len(cpus)}")
+    mesh = jax.make_mesh((2,), ("ep",), devices=cpus[:2])
+    with pytest.raises(ValueError, match="compute capability") as info:
+        NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3, grid=grid)
+    assert "grid" not in str(info.value) and "max_tokens" not in str(info.value)
+
+
+def test_max_tokens_of_65536_is_refused():
+    mesh = SimpleNamespace(shape={"ep": 2})
+    with pytest.raises(ValueError, match=r"max_tokens=65536 must satisfy 1 <= max_tokens < 65536"):
+        NvlinkBackend(mesh, "ep", 65536, KIMI_K3)

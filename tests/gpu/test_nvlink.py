@@ -1,4 +1,4 @@
-"""The NVLink backend on GPUs (`@pytest.mark.gpu`, skipped with the reason where there is no NVIDIA GPU): every result of a two-layer case against the XLA backend and the NumPy model, with 1 and 2 GPUs in one process; many layers in one jit with XLA command buffers; the record and traced paths bit for bit alike; one process per GPU; bad input refused before any kernel runs; the kernels' sequence errors reported by `check()`."""
+"""The NVLink backend on GPUs (`@pytest.mark.gpu`, skipped with the reason where there is no NVIDIA GPU): every result of a two-layer case against the XLA backend and the NumPy model, with 1 and 2 GPUs in one process, also with T above the grid (up to 8192 tokens); many layers in one jit with XLA command buffers; the record and traced paths bit for bit alike; one process per GPU; bad input refused before any kernel runs; the kernels' sequence errors reported by `check()`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,50 @@ def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
         check.compare_rank(got_again[r], model, r)
         # Against the XLA backend on the same GPUs: rows and routed bit-exact; normed within 2 ulp (both
         # may be 1 ulp off the exact model, in opposite directions).
+        g_recv1, g_routed, g_recv2, g_normed = got[r]
+        check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
+        np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")
+        check.compare_received(g_recv2, xla[2], r, "layer 2 dispatch vs xla")
+        assert bf16_ulp_diff(g_normed, xla[3][r]).max() <= 2, "normed vs xla"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, tokens, max_tokens, grid", [
+    pytest.param(1, 2048, 2048, None, id="n1-T2048-default_grid"),
+    pytest.param(1, 8192, 8192, None, id="n1-T8192-default_grid"),
+    pytest.param(1, 300, 300, (64, 64), id="n1-T300-grid64"),
+    pytest.param(1, 8192, 8192, (1, 1), id="n1-T8192-grid1"),
+    pytest.param(2, 2048, 2048, None, id="n2-T2048-default_grid"),
+    pytest.param(2, 1000, 1024, (64, 64), id="n2-T1000-grid64"),
+])
+def test_tokens_beyond_the_grid_match_xla_and_model(n, tokens, max_tokens, grid):
+    """T above the dispatch grid (CTA c quantizes and stores the tokens c, c + G, ...): the default grids where T
+    exceeds the co-residency bound, and forced small grids. Every received row and the routed latent bit for bit
+    against the XLA backend and the NumPy model, as in test_two_layers_match_xla_and_model."""
+    if len(_gpus()) < n:
+        pytest.skip(f"needs {n} GPUs, found {len(_gpus())}")
+    from jax_latent_ep.backends.nvlink import NvlinkBackend
+    from jax_latent_ep.backends.xla import XlaBackend
+    from jax_latent_ep.testing import check
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+
+    mesh = _mesh(n)
+    case = check.make_case(1000 * n + tokens, KIMI_K3, n, tokens, max_tokens)
+    with NvlinkBackend(mesh, "ep", max_tokens, KIMI_K3, grid=grid) as nv:
+        grids = nv.grids(tokens)
+        # The case runs the kernels' loop over tokens: both grids below T and within the co-residency bound.
+        assert all(g < tokens for g in grids), grids
+        assert all(g <= bound for g, bound in zip(grids, nv.max_grids)), (grids, nv.max_grids)
+        if grid is None:
+            assert grids == nv.max_grids  # T above the bound: the default grids stop at it
+        got = check.run_case(nv, case)
+        got_again = check.run_case(nv, case)
+        assert nv.status() == {(0, r): (0, 0, 0, 0) for r in range(n)}
+    xla = _as_stacked(check.run_case(XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case))
+    model = check.model_two_layers(case)
+    for r in range(n):
+        check.compare_rank(got[r], model, r)
+        check.compare_rank(got_again[r], model, r)
         g_recv1, g_routed, g_recv2, g_normed = got[r]
         check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
         np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")

@@ -48,6 +48,7 @@ class Emulator:
         self.on_dispatch = None  # callback(layer, rank, args): may corrupt the receive outputs
         self.on_combine = None  # callback(layer, rank, args): may corrupt the result
         self.fail_at_layer = None  # a sync that would play this layer reports a CUDA error instead
+        self.grids = []  # (kind, grid, tokens) of every launch
 
     def drain(self):
         while any(self.queues.values()):
@@ -140,7 +141,8 @@ class FakeKernel:
 
     def launch(self, stream, grid, pdl=True, **args):
         assert set(args) == set(self.names), sorted(set(args) ^ set(self.names))
-        assert grid >= args["tokens"]
+        assert 1 <= grid  # below T too: a CTA takes the tokens c, c + G, ...
+        self.emulator.grids.append((self.kind, grid, args["tokens"]))
         for name in self.names:
             if name not in ("eps",):
                 assert isinstance(args[name], int), (name, type(args[name]))
@@ -269,14 +271,18 @@ def test_kernel_refuses_a_manifest_of_another_abi(tmp_path):
 
 
 def test_grid_rule_is_the_ffi_rule_with_the_harness_cap():
-    # The harness caps its grids at its residency bound instead of the FFI's 256 CTAs (the only difference, with
-    # peer_tokens for the ranks' own T): at cap 256 and peer_tokens = T both give the same grids.
+    # The harness caps its grids at its residency bound instead of the FFI's 256 CTAs and co-residency bound (the
+    # only difference, with peer_tokens for the ranks' own T): with both at 256 and peer_tokens = T both give the
+    # same grids, below T from T = 257 on.
     nvlink = pytest.importorskip("jax_latent_ep.backends.nvlink")
     assert nvlink.DISPATCH_MIN_CTAS == nvlink.COMBINE_MIN_CTAS == 256
     for ranks in (1, 2, 4, 8):
-        for tokens in (1, 2, 7, 8, 33, 128, 255, 256, 300, 1000):
-            want = nvlink.default_grids(tokens, ranks)
+        for tokens in (1, 2, 7, 8, 33, 128, 255, 256, 300, 1000, 8192):
+            want = nvlink.default_grids(tokens, ranks, (256, 256))
             assert (harness.launch_grid(tokens, tokens, ranks, 256),) * 2 == want, (ranks, tokens)
+            if tokens <= 256:
+                assert want == nvlink.default_grids(tokens, ranks)  # the bound changes nothing up to 256
+    assert harness.launch_grid(1000, 1000, 2, 33) == 33
 
 
 def test_import_needs_no_jax():
@@ -362,9 +368,10 @@ def test_compare_rules():
     assert [int(v) for v in harness.result_mismatches(got[0, 0], exp[0, 0], 1)] == [0, 1]
 
 
-@pytest.mark.parametrize("ranks,max_tokens,pool", [(2, 16, 8), (4, 8, 4)])
-def test_stress_emulated_clean(monkeypatch, capsys, ranks, max_tokens, pool):
+@pytest.mark.parametrize("ranks,max_tokens,pool,cap", [(2, 16, 8, 1024), (4, 8, 4, 1024), (2, 16, 8, 3)])
+def test_stress_emulated_clean(monkeypatch, capsys, ranks, max_tokens, pool, cap):
     system = fake_system(monkeypatch, ranks=ranks, max_tokens=max_tokens)
+    system.grid_cap = cap
     layers, mismatches, info = harness.stress(system, 150, seed=5, pool_size=pool, batch=32, max_delay_us=5,
                                               log_every=64)
     assert (layers, mismatches) == (150, 0), info["details"]
@@ -372,6 +379,10 @@ def test_stress_emulated_clean(monkeypatch, capsys, ranks, max_tokens, pool):
     assert [w[CTRL_EPOCH_D] for w in info["ctrl"]] == [150] * ranks
     assert info["combos"] == (64 if ranks == 2 else 4)
     assert "layer 128/150" in capsys.readouterr().out
+    grids = system.cu.emulator.grids
+    assert {kind for kind, _, _ in grids} == {"dispatch", "combine"} and max(g for _, g, _ in grids) <= cap
+    # A cap below max_tokens launches grids below T (the kernels loop over their tokens); a wide one never does.
+    assert any(g < t for _, g, t in grids) == (cap < max_tokens)
 
 
 def test_run_layers_emulated(monkeypatch):

@@ -175,6 +175,61 @@ def test_exhaustive_double_rows_every_route(dgrid, cgrid):
     assert result.complete and result.ok and result.finished > 1 and not result.errors, _describe(result)
 
 
+# A dispatch grid below T (`Gd < T`): CTA c stores the tokens c, c + Gd, ... in its store step, then copies out its
+# rows (the kernels' loop over own tokens, every store of a CTA before its first poll).
+SMALL_GRID = [
+    (2, 2, 2, 1, 1),
+    (2, 2, 2, 1, 2),
+    (2, 3, 3, 1, 1),
+    (2, 3, 3, 2, 2),
+    (2, 3, 4, 2, 1),  # a padding row j >= T as well
+    (3, 2, 2, 1, 1),
+    (3, 2, 2, 1, 2),
+]
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid", SMALL_GRID)
+def test_exhaustive_dispatch_grid_below_t(ranks, tokens, stride, dgrid, cgrid):
+    for variant in (DOUBLE, {}):  # the kernels' protocol, and the single-buffered one with ready lines
+        result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, **variant))
+        assert result.complete and result.ok and result.finished == 1, _describe(result)
+        assert result.states > 200
+
+
+def test_exhaustive_dispatch_grid_below_t_every_route():
+    """N = 2, T = 2, one dispatch CTA storing both tokens: every destination set of each token at each dispatch (two
+    layers, 86k states)."""
+    result = P.explore(_ready(ranks=2, tokens=2, dispatch_grid=1, route="any", layers=2, **DOUBLE))
+    assert result.complete and result.ok and result.finished > 1 and not result.errors, _describe(result)
+
+
+@pytest.mark.parametrize("ranks,tokens,stride,dgrid,cgrid,layer_tokens", [
+    (2, 2, 2, 1, 1, (2, 1, 2)),
+    (2, 3, 3, 2, 1, (3, 1, 2)),  # CTA 0 stores two tokens, one, then one
+])
+def test_exhaustive_dispatch_grid_below_t_of_different_t(ranks, tokens, stride, dgrid, cgrid, layer_tokens):
+    result = P.explore(_config(ranks, tokens, stride, dgrid, cgrid, layer_tokens=layer_tokens, **DOUBLE))
+    assert result.complete and result.ok and result.finished == 1, _describe(result)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5, 6, 7, 8])
+def test_random_schedules_dispatch_grid_below_t(ranks):
+    rng = random.Random(100 + ranks)
+    for case in range(3):
+        tokens = rng.randint(2, 3 if ranks <= 5 else 2)
+        config = _ready(
+            ranks=ranks,
+            tokens=tokens,
+            stride=tokens + rng.randint(0, 1),
+            dispatch_grid=rng.randint(1, tokens - 1),
+            combine_grid=rng.randint(1, 3),
+            route=P.random_route(rng, ranks, tokens, 3),
+            **DOUBLE,
+        )
+        result = P.random_runs(config, runs=RANDOM_RUNS, seed=case)
+        assert result.ok and result.finished == RANDOM_RUNS, _describe(result)
+
+
 @pytest.mark.parametrize("variant", [dict(layer_tokens=(2, 1, 2)), dict(layers=5, tokens=1, stride=2),
                                      dict(atomic_reads=False)])
 def test_exhaustive_double_rows_variants(variant):
@@ -269,7 +324,8 @@ BROKEN = {
     # (f) the next dispatch starts before this rank's combine finished (no stream order)
     "no_stream_order": (dict(stream_order=False), P.OVERWRITE_UNREAD),
 }
-CATCHING = [dict(ranks=2, tokens=1, route="any"), dict(ranks=3, tokens=1, dispatch_grid=2)]
+CATCHING = [dict(ranks=2, tokens=1, route="any"), dict(ranks=3, tokens=1, dispatch_grid=2),
+            dict(ranks=2, tokens=2, dispatch_grid=1, route="any")]
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -420,6 +476,14 @@ def test_grid_larger_than_residency_deadlocks():
     result = P.explore(_config(2, 2, 2, 3, 1, resident=1))
     assert P.DEADLOCK in result.violations, _describe(result)
     assert P.explore(_config(2, 2, 2, 3, 1, resident=2)).ok
+
+
+def test_grid_below_t_needs_no_more_residency():
+    """One dispatch CTA for both tokens (Gd = 1 < T = 2) runs with one resident CTA: it issues every store of its
+    tokens before its first poll, so no poll waits for a CTA that is not running."""
+    for variant in (DOUBLE, {}):
+        result = P.explore(_config(2, 2, 2, 1, 1, resident=1, **variant))
+        assert result.complete and result.ok and result.finished == 1, _describe(result)
 
 
 # ----------------------------------------------------------------------------------------------------------

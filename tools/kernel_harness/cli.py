@@ -82,7 +82,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--latency-tokens", type=int, nargs="+", default=None,
                         help="latency mode: the T values (default 1 5 32 128, each at most --max-tokens)")
-    parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids max(T, min(N * S, this))")
+    parser.add_argument("--grid-cap", type=int, default=0, help="latency mode: grids min(this, max(T, N * S))")
     parser.add_argument("--tag", default="", help="suffix of the CSV rows' backend name (latency mode)")
     parser.add_argument("--trace", action="store_true", help="latency mode with a trace build: print its stamps")
     parser.add_argument("--latency-delay-ns", type=int, default=0,
@@ -128,7 +128,7 @@ def main(argv=None):
             if args.grid_cap:
                 system.grid_cap = min(args.grid_cap, system.cap)
             where = "1 GPU (virtual ranks)" if args.latency_virtual else f"{n} GPUs"
-            print(f"latency {args.shape} N={n} on {where}, grids max(T, min(N * S, {system.grid_cap}))", flush=True)
+            print(f"latency {args.shape} N={n} on {where}, grids min({system.grid_cap}, max(T, N * S))", flush=True)
             counts = tuple(args.latency_tokens) if args.latency_tokens else (1, 5, 32, 128)
             res = latency(system, token_counts=counts, trace=args.trace, delay_ns=args.latency_delay_ns)
             backend_device = f"1x {device} ({n} virtual ranks)" if args.latency_virtual else f"{n}x {device}"

@@ -294,13 +294,14 @@ class Rank:
 
 
 def launch_grid(tokens, peer_tokens, ranks, cap):
-    """CTAs of one launch: `max(T, min(N * stride(peer_tokens), cap))`.
+    """CTAs of one launch: `min(cap, max(T, N * stride(peer_tokens)))` (below T where T > cap: the kernels loop
+    over their tokens).
 
-    The FFI's rule (`backends.nvlink.default_grids`, then lowered to the co-residency bound) is the same
-    formula with `cap = DISPATCH_MIN_CTAS = COMBINE_MIN_CTAS = 256` and `peer_tokens = T`; the harness caps at
-    its residency bound (`System.cap`, or `--grid-cap`) instead, so that its latency and stress runs may try
-    grids beyond 256, and follows `peer_tokens` because its ranks may each draw their own T."""
-    return max(tokens, min(ranks * stride(peer_tokens), cap))
+    The FFI's rule (`backends.nvlink.default_grids` lowered to the co-residency bound) is the same formula with
+    the bound and `DISPATCH_MIN_CTAS = COMBINE_MIN_CTAS = 256` both at `cap` and `peer_tokens = T`; the harness
+    caps at its residency bound (`System.cap`, or `--grid-cap`) instead, so that its latency and stress runs may
+    try grids beyond 256, and follows `peer_tokens` because its ranks may each draw their own T."""
+    return min(cap, max(tokens, ranks * stride(peer_tokens)))
 
 
 class System:
@@ -338,13 +339,11 @@ class System:
         sms = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, check(cu.cuDeviceGet(0))))
         resident = min(k.occupancy() for k in kernels[ordinals[0]]) * sms
         per_device_ranks = ranks if mode == "virtual" else 1
-        # Every CTA of every rank on a GPU may spin at once: keep them all resident.
+        # Every CTA of every rank on a GPU may spin at once: keep them all resident. The grids stop there, T does
+        # not (a CTA takes the tokens c, c + G, ...).
         self.cap = max(1, resident // (2 * per_device_ranks))
-        if max_tokens > self.cap:
-            print(f"note: max_tokens {max_tokens} -> {self.cap} (residency: {resident} CTAs per GPU)")
-            max_tokens = self.cap
         self.max_tokens = max_tokens
-        #: Most CTAs of one launch beyond T (`launch_grid`).
+        #: Most CTAs of one launch (`launch_grid`).
         self.grid_cap = self.cap
         self.layout = EpLayout(ranks, max_tokens, self.shape)
         self.ranks = [Rank(r, self.ctxs[ordinals[r]], self.layout, kernels[ordinals[r]], r in host_ranks)

@@ -127,7 +127,7 @@ class Config:
     tokens: int = 1
     stride: int | None = None  # default: tokens
     words: int = 2
-    dispatch_grid: int | None = None  # default: tokens
+    dispatch_grid: int | None = None  # default: tokens; below T, CTA c stores the tokens c, c + Gd, ... in one step
     combine_grid: int = 1
     layers: int = 3
     route: tuple | str | None = None
@@ -177,7 +177,7 @@ class Config:
         if self.route is None:
             object.__setattr__(self, "route", default_route(self.ranks, t, self.layers))
         assert self.ranks >= 1 and t >= 1 and self.layers >= 1 and self.words >= 1
-        assert self.stride >= t and self.dispatch_grid >= t and self.combine_grid >= 1
+        assert self.stride >= t and self.dispatch_grid >= 1 and self.combine_grid >= 1
         assert self.guard in GUARDS and self.ready_in in ("combine", "dispatch", "none")
         assert self.send_source in ("mirror", "header")
         assert self.own_rows in ("bypass", "buffer")
@@ -363,17 +363,25 @@ class Model:
             return True
         if self.cfg.layer_tokens is None or layer < 0:
             return False
-        t = self.cfg.layer_tokens[layer]
-        if isinstance(t, tuple):
-            t = t[r]  # this rank's own view of the call's T
+        t = self.layer_t(r, layer)
         name = op[0]
         if name == "store":
-            return c >= t  # (Gd >= T: CTA c stores row c only)
+            return c >= t  # CTA c stores the rows c, c + Gd, ... < T: none from c = T on
         if name in ("copy", "hdr", "data", "send"):
             return op[1] % self.s >= t
         if name in ("reduce", "slot"):
             return op[1] >= t
         return False
+
+    def layer_t(self, r, layer) -> int:
+        """T of rank `r` in `layer` (`Config.layer_tokens`, this rank's own view where ranks disagree)."""
+        t = self.t if self.cfg.layer_tokens is None else self.cfg.layer_tokens[layer]
+        return t[r] if isinstance(t, tuple) else t
+
+    def stored_tokens(self, r, layer, c) -> range:
+        """The tokens dispatch CTA `c` of rank `r` stores in `layer`, one after another in its store step:
+        `c, c + Gd, ... < T` (one token where Gd >= T)."""
+        return range(c, self.layer_t(r, layer), self.cfg.dispatch_grid)
 
     def hq(self, q, layer):
         """The buffer row that receive row `q` of `layer` occupies (`Config.double_rows`: half `layer % 2`)."""
@@ -537,7 +545,9 @@ class Model:
                             if landed is None:
                                 continue
                         if self.any_route and c < self.t:
-                            steps = [step + (landed, m) for m in self.masks]
+                            # D(j) of each of the CTA's tokens: one mask per token
+                            count = len(self.stored_tokens(r, layer, c))
+                            steps = [step + (landed, m) for m in itertools.product(self.masks, repeat=count)]
                         else:
                             steps = [step + (landed,)]
                         if good and self.eager:
@@ -728,8 +738,9 @@ class Model:
         elif op == "store":
             words = "sees every ready line, issues its row stores" if self.cfg.wait_ready else "issues its row stores"
             if len(step) > 5:
-                dests = [d for d in range(self.n) if step[5] >> d & 1]
-                words += f" (token {c} to ranks {dests})"
+                tokens = self.stored_tokens(r, layer, c)
+                words += " (" + ", ".join(f"token {j} to ranks {[d for d in range(self.n) if m >> d & 1]}"
+                                         for j, m in zip(tokens, step[5])) + ")"
         elif op == "copy":
             words = f"copies out row {self._row(step[4])}"
         elif op == "hdr":
@@ -786,7 +797,7 @@ class Model:
         for p in sorted(extra[0], key=lambda p: (p[2], p[1])) if extra else ():  # landing just before this step
             self._land(w, p)
             pending = pending - {p}
-        mask = extra[1] if len(extra) > 1 else None  # route="any": D(c) chosen by this store step
+        masks = extra[1] if len(extra) > 1 else None  # route="any": D(j) of each token j of this store step
         new = []
         if op == "guard":
             layer = self._guard(w, r, c, kind, plan_layer, error, new)
@@ -796,10 +807,10 @@ class Model:
             if op == "hdr":
                 pc += self.W  # and its data polls
         elif op == "store":
-            for j in range(c, self.t, cfg.dispatch_grid):  # j = c is the only token (Gd >= T)
+            for i, j in enumerate(self.stored_tokens(r, layer, c)):
                 q = r * self.s + j
-                if mask is not None:
-                    dests = mask
+                if masks is not None:
+                    dests = masks[i]
                     w[base + _HEAD + 2 * self.gmax + (layer % 2) * self.t + j] = dests
                 else:
                     dests = self.route(w, r, layer, j)
