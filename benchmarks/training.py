@@ -199,7 +199,7 @@ def main(argv=None):
     p.add_argument("--out", default="training.csv")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 8192])
-    p.add_argument("--impls", nargs="+", default=["mosaic", "ragged_dot", "scan"])
+    p.add_argument("--impls", nargs="+", default=["wgmma", "mosaic", "ragged_dot", "scan"])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mosaic-tiles", nargs="*", default=[], help="BM,BN,STEPS: 'mosaic' with these tiles too")

@@ -84,6 +84,12 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpExpertStage(XLA_FFI_CallFrame* call_frame)
 extern "C" EP_EXPORT XLA_FFI_Error* EpRowSum(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::row_sum_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmul(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_targets().traced);
+}
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulWgrad(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_wgrad_targets().traced);
+}
 
 #if JAX_LATENT_EP_RECORD
 namespace {

@@ -406,11 +406,132 @@ static_assert(visited_count<ep_abi::RowSumParams>() == ep_abi::kRowSumParamsCoun
               "ep_abi.h: visit_params(RowSumParams) must pass every parameter once");
 static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelParams holds too few parameters");
 
+
+// ---------------------------------------------------------------------------------------------------------
+// grouped_matmul(x, w, tiles) -> out: the grouped matmul of training sizes (kernels/grouped_matmul.py, sm_90a), a CTA
+// per (tile, 128 columns); a CTA of an empty tile returns at once.
+
+struct GroupedMatmul {
+  static constexpr const char* kWhat = "grouped_matmul";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()   // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()       // x: bf16 [P, K] the pairs' rows, sorted by group
+        .template Arg<ffi::AnyBuffer>()       // w: bf16 [G, K, N], or [G, N, K] with w_k_major
+        .template Arg<ffi::AnyBuffer>()       // tiles: int32 [T, 4] (group, first pair, pairs <= 128, 0)
+        .template Ret<ffi::AnyBuffer>()       // out: bf16 [P, N]; rows outside every tile untouched
+        .template Attr<int64_t>("w_k_major");  // 1: w is [G, N, K] (out = x @ w[g].T)
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer tiles,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t w_k_major) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions();
+    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul: expected x [P, K], w [G, K, N] (or [G, N, K]), "
+                                         "tiles [T, 4]");
+    }
+    const int64_t P = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0];
+    const int64_t column_tiles = N / ep_abi::kMatmulTileN;
+    if (P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK || N < ep_abi::kMatmulTileN ||
+        N % ep_abi::kMatmulTileN || P * K > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep grouped_matmul: K=" + std::to_string(K) + " must be a positive multiple of " +
+          std::to_string(ep_abi::kMatmulTileK) + ", N=" + std::to_string(N) + " of " +
+          std::to_string(ep_abi::kMatmulTileN) + ", P=" + std::to_string(P) + ", G=" + std::to_string(G) +
+          " and T=" + std::to_string(T) + " >= 1");
+    }
+    const std::initializer_list<int64_t> w_dims = {G, w_k_major ? N : K, w_k_major ? K : N};
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::BF16, {P, K}),
+                                    expect(kWhat, "w", w, ffi::DataType::BF16, w_dims),
+                                    expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
+                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = static_cast<unsigned>(T * column_tiles);
+    l.params = make_params(ep_abi::GroupedMatmulParams{
+        .x = address(x.untyped_data()),
+        .w = address(w.untyped_data()),
+        .tiles = address(tiles.untyped_data()),
+        .out = address(out->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_tiles = static_cast<int32_t>(T),
+        .w_k_major = w_k_major ? 1 : 0,
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedMatmulParams>() == ep_abi::kGroupedMatmulParamsCount,
+              "ep_abi.h: visit_params(GroupedMatmulParams) must pass every parameter once");
+
+// ---------------------------------------------------------------------------------------------------------
+// grouped_matmul_wgrad(x, dy, groups) -> dw: the weights' gradient of the grouped matmul (kernels/grouped_matmul.py,
+// sm_90a), a CTA per (group, 128 rows, 128 columns) of dw.
+
+struct GroupedMatmulWgrad {
+  static constexpr const char* kWhat = "grouped_matmul_wgrad";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // x: bf16 [P, K] the pairs' rows, sorted by group
+        .template Arg<ffi::AnyBuffer>()      // dy: bf16 [P, N] the output's cotangent
+        .template Arg<ffi::AnyBuffer>()      // groups: int32 [G, 2] (first pair, pairs)
+        .template Ret<ffi::AnyBuffer>();     // dw: bf16 [G, K, N]
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer groups,
+                            ffi::Result<ffi::AnyBuffer> dw) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), yd = dy.dimensions(), gd = groups.dimensions();
+    if (xd.size() != 2 || yd.size() != 2 || gd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul_wgrad: expected x [P, K], dy [P, N], "
+                                         "groups [G, 2]");
+    }
+    const int64_t P = xd[0], K = xd[1], N = yd[1], G = gd[0];
+    const int64_t blocks = G * (K / ep_abi::kMatmulTileM) * (N / ep_abi::kMatmulTileN);
+    if (P < 1 || G < 1 || K < ep_abi::kMatmulTileM || K % ep_abi::kMatmulTileM || N < ep_abi::kMatmulTileN ||
+        N % ep_abi::kMatmulTileN || P * (K > N ? K : N) > (int64_t{1} << 40) || blocks > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument(
+          "jax_latent_ep grouped_matmul_wgrad: K=" + std::to_string(K) + " must be a positive multiple of " +
+          std::to_string(ep_abi::kMatmulTileM) + ", N=" + std::to_string(N) + " of " +
+          std::to_string(ep_abi::kMatmulTileN) + ", P=" + std::to_string(P) + " and G=" + std::to_string(G) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::BF16, {P, K}),
+                                    expect(kWhat, "dy", dy, ffi::DataType::BF16, {P, N}),
+                                    expect(kWhat, "groups", groups, ffi::DataType::S32, {G, 2}),
+                                    expect(kWhat, "dw", *dw, ffi::DataType::BF16, {G, K, N})});
+        e.failure()) {
+      return e;
+    }
+    l.grid = static_cast<unsigned>(blocks);
+    l.params = make_params(ep_abi::GroupedMatmulWgradParams{
+        .x = address(x.untyped_data()),
+        .dy = address(dy.untyped_data()),
+        .groups = address(groups.untyped_data()),
+        .dw = address(dw->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_groups = static_cast<int32_t>(G),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGroupedMatmulWgradParamsCount,
+              "ep_abi.h: visit_params(GroupedMatmulWgradParams) must pass every parameter once");
+
 }  // namespace
 
 Targets expert_plan_targets() { return targets<ExpertPlan>(); }
 Targets grouped_gemm_targets() { return targets<GroupedGemm>(); }
 Targets expert_stage_targets() { return targets<ExpertStage>(); }
 Targets row_sum_targets() { return targets<RowSum>(); }
+Targets grouped_matmul_targets() { return targets<GroupedMatmul>(); }
+Targets grouped_matmul_wgrad_targets() { return targets<GroupedMatmulWgrad>(); }
 
 }  // namespace jax_latent_ep

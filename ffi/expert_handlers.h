@@ -10,5 +10,7 @@ Targets expert_plan_targets();
 Targets grouped_gemm_targets();
 Targets expert_stage_targets();
 Targets row_sum_targets();
+Targets grouped_matmul_targets();
+Targets grouped_matmul_wgrad_targets();
 
 }  // namespace jax_latent_ep

@@ -43,7 +43,7 @@ CASES = [
 def _sized(impl, case):
     """`case` with L and I raised to the implementation's tile multiple ("mosaic": 128; the others take 64)."""
     n, rank, tokens, mt, lat, e, k, inter = case
-    t = experts.grouped.MOSAIC_SIDE if impl == "mosaic" else 1
+    t = experts.grouped.MOSAIC_SIDE if impl in experts.grouped.HOPPER_ONLY else 1
     return n, rank, tokens, mt, -(-lat // t) * t, e, k, -(-inter // t) * t
 
 

@@ -14,10 +14,13 @@ from jax_latent_ep import experts
 from jax_latent_ep.experts.xla import activations
 from jax_latent_ep.testing.experts import random_received, reference_swiglu_grads
 
-GMM_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i == "mosaic" else i for i in experts.GMM_IMPLEMENTATIONS]
+GMM_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.grouped.HOPPER_ONLY else i
+             for i in experts.GMM_IMPLEMENTATIONS]
 #: The differentiable stage implementations (the kernel has no VJP), "mosaic" on Hopper GPUs only.
 STAGE_IMPLS = [pytest.param(i, marks=pytest.mark.gpu) if i in experts.GPU_ONLY else i
                for i in sorted(set(experts.IMPLEMENTATIONS) - experts.READS_RECEIVED)]
+#: The stage implementations on `gmm`.
+GMM_STAGE_IMPLS = ("gmm", "mosaic", "wgmma")
 
 
 def _rng(text):
@@ -132,11 +135,10 @@ def test_stage_gradients_against_numpy(impl):
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2, f"{impl}: d {name}"
 
 
-@pytest.mark.parametrize("impl", [p for p in GMM_IMPLS if p != "xla"] + ["gmm"])
+@pytest.mark.parametrize("impl", [p for p in STAGE_IMPLS if getattr(p, "values", [p])[0] in GMM_STAGE_IMPLS])
 def test_gmm_stage_gradients_against_the_xla_path(impl):
-    """The "gmm" / "mosaic" stage's `jax.grad` against `jax.grad` of "ragged_dot" (XLA's own transpose rules):
-    relative L2 within 2e-2 (the bf16 intermediates of the gmm path)."""
-    impl = "mosaic" if impl == "mosaic" else "gmm"
+    """The stages on `gmm` ("gmm", "mosaic", "wgmma"): `jax.grad` against `jax.grad` of "ragged_dot" (XLA's own
+    transpose rules): relative L2 within 2e-2 (the bf16 intermediates of the gmm path)."""
     pl, xb, w, _ = _stage_case(f"stage-vs-xla/{impl}")
     dout = jnp.asarray(_rng("dout2").standard_normal(xb.shape), jnp.float32)
     for name, g, r in zip(("rows", "w_gate", "w_up", "w_down"), _stage_grads(impl, pl, xb, w, dout),
@@ -146,15 +148,16 @@ def test_gmm_stage_gradients_against_the_xla_path(impl):
 
 
 @pytest.mark.gpu
-def test_layer_trains_on_mosaic():
-    """`MoELayer(impl="mosaic")` on one GPU (inside its shard_map): output and `jax.grad` against the same layer on
-    "gmm" (the same roundings in XLA): relative L2 within 1e-2 (their FP32 accumulation orders)."""
+@pytest.mark.parametrize("impl", ["mosaic", "wgmma"])
+def test_layer_trains_on_hopper_kernels(impl):
+    """`MoELayer(impl=...)` ("mosaic", "wgmma") on one GPU (inside its shard_map): output and `jax.grad` against the
+    same layer on "gmm" (the same roundings in XLA): relative L2 within 1e-2 (their FP32 accumulation orders)."""
     from jax_latent_ep.layer import MoELayer
     from jax_latent_ep.testing import layer_model
 
     gpu = [d for d in jax.devices() if d.platform == "gpu"][:1]
     mesh = jax.make_mesh((1,), ("ep",), devices=gpu)
-    rng = _rng("layer-mosaic")
+    rng = _rng(f"layer-{impl}")
     p = layer_model.random_params(rng, hidden=256, experts=8, intermediate=256, latent=128)
     x = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
     ids = jnp.asarray(rng.integers(-1, 8, (40, 4)), jnp.int32)
@@ -166,7 +169,7 @@ def test_layer_trains_on_mosaic():
         loss = lambda x, p: jnp.sum(layer(x, p, ids, w).astype(jnp.float32) ** 2)  # noqa: E731
         return jax.jit(layer)(x, p, ids, w), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
 
-    (y, g), (y_ref, g_ref) = run("mosaic"), run("gmm")
+    (y, g), (y_ref, g_ref) = run(impl), run("gmm")
     pairs = [("y", y, y_ref), ("x", g[0], g_ref[0])] + [(k, g[1][k], g_ref[1][k]) for k in ("w_gate", "w_up",
                                                                                           "w_down", "latent_down")]
     for name, a, b in pairs:

@@ -22,7 +22,9 @@ docs/experts.md has the numerics and the implementations.
 
 Modules: `planning` (the plan, `capacity`, `plan_kernel_fits`, `work_items`), `formats` (the weight formats and
 their checks), `xla` (the XLA implementations, `activations`, the row sum), `kernel` (the grouped GEMM kernel's
-implementation: the contraction splits and their `KERNEL_*` targets, the one launch, the row-sum kernel), `stage`
+implementation: the contraction splits and their `KERNEL_*` targets, the one launch, the row-sum kernel), `grouped`
+(`gmm`, the training path's grouped matmul with its custom VJP: XLA, the project's `wgmma` kernels, JAX's Mosaic
+GPU kernels), `stage`
 (the registry, the entry points, `XLA_ROW_SUM_SLOTS`, and `swiglu_rows`: the SwiGLU on bf16 activations `[R, L]`
 of one's own).
 """

@@ -5,9 +5,11 @@
 Rows `x[p]` are sorted by group: group `g` owns rows `sum(group_sizes[:g]) ..` (`Plan`'s pair order). Its
 implementations (`GMM_IMPLEMENTATIONS`) share one numerics: bf16 operands, FP32 accumulation, each output rounded
 once to bf16 (the gradient of `w` too, per group); rows past `sum(group_sizes)` are 0 in every output, whatever
-the operands hold there. "xla" is `lax.ragged_dot_general` (any device: the reference); "mosaic" is JAX's Pallas
-Mosaic GPU kernels for Hopper (`wgmma`, TMA, a persistent grid): the forward and the rows' gradient one ragged
-matmul kernel, the weights' gradient its transposed form. `jax.grad` through `gmm` runs the same implementation.
+the operands hold there. "xla" is `lax.ragged_dot_general` (any device: the reference); "wgmma" is the project's
+kernels for Hopper (`kernels/grouped_matmul.py`: tiles of at most 128 rows of one group, listed by `tiles`, so the
+work follows the rows; the weights' gradient a kernel of its own); "mosaic" is JAX's Pallas Mosaic GPU kernels
+(a static grid of every possible tile): the forward and the rows' gradient one ragged matmul kernel, the weights'
+gradient its transposed form. `jax.grad` through `gmm` runs the same implementation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from jax import lax
 from jax_latent_ep.autodiff import _varying, varying_axes
 from jax_latent_ep.experts.xla import _glu
 
-GMM_IMPLEMENTATIONS = ("xla", "mosaic")
+GMM_IMPLEMENTATIONS = ("xla", "mosaic", "wgmma")
+#: Implementations that run on Hopper GPUs only.
+HOPPER_ONLY = ("mosaic", "wgmma")
 #: The Mosaic kernels' tiles (rows, columns, contraction) and pipeline depth. `K` and `N` are each a contraction
 #: or an output side in one of the three products: multiples of `MOSAIC_SIDE`.
 MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K, MOSAIC_STEPS = 128, 128, 64, 4
@@ -30,8 +34,8 @@ MOSAIC_SIDE = max(MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K)
 
 def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
     """Raises ValueError naming the bad value unless `x` is bf16 `[M, K]`, `w` bf16 `[G, K, N]` (`[G, N, K]` with
-    `transpose_w`), `group_sizes` int32 `[G]`, `impl` one of `GMM_IMPLEMENTATIONS`, and for "mosaic" the sides
-    multiples of its tiles."""
+    `transpose_w`), `group_sizes` int32 `[G]`, `impl` one of `GMM_IMPLEMENTATIONS`, and for the Hopper kernels
+    (`HOPPER_ONLY`) the sides multiples of their tiles and a process of Hopper GPUs."""
     if impl not in GMM_IMPLEMENTATIONS:
         raise ValueError(f"gmm: impl={impl!r} must be one of {GMM_IMPLEMENTATIONS}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or x.ndim != 2 or w.ndim != 3:
@@ -43,14 +47,14 @@ def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
     if group_sizes.dtype != jnp.int32 or tuple(group_sizes.shape) != (w.shape[0],):
         raise ValueError(f"gmm: group_sizes must be int32[{w.shape[0]}] (one per group of w), got "
                          f"{jnp.dtype(group_sizes.dtype).name}{list(group_sizes.shape)}")
-    if impl != "mosaic":
+    if impl not in HOPPER_ONLY:
         return
     if k % MOSAIC_SIDE or n % MOSAIC_SIDE:
-        raise ValueError(f"gmm(impl='mosaic'): K={k} and N={n} must be multiples of {MOSAIC_SIDE} (the kernels' "
+        raise ValueError(f"gmm(impl={impl!r}): K={k} and N={n} must be multiples of {MOSAIC_SIDE} (the kernels' "
                          "tiles, forward and gradients; impl='xla' takes any)")
     kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
     if not kinds or any(not str(c).startswith("9.") for c in kinds):
-        raise ValueError(f"gmm(impl='mosaic') runs on Hopper GPUs (compute capability 9.x); this process has "
+        raise ValueError(f"gmm(impl={impl!r}) runs on Hopper GPUs (compute capability 9.x); this process has "
                          f"{sorted(map(str, kinds))}: use impl='xla' (experts impl 'gmm' or 'scan')")
 
 
@@ -62,8 +66,8 @@ def gmm(x, w, group_sizes, *, impl: str = "xla", transpose_w: bool = False):
       x: bf16 `[M, K]`, rows sorted by group (rows past `sum(group_sizes)` are ignored).
       w: bf16 `[G, K, N]` (`[G, N, K]` with `transpose_w`: multiplied by each group's transpose).
       group_sizes: int32 `[G]`, rows of each group, `sum <= M`.
-      impl: one of `GMM_IMPLEMENTATIONS`; "mosaic" runs on Hopper GPUs and needs `K`, `N` multiples of
-        `MOSAIC_SIDE` (128).
+      impl: one of `GMM_IMPLEMENTATIONS`; "wgmma" and "mosaic" (`HOPPER_ONLY`) run on Hopper GPUs and need
+        `K`, `N` multiples of `MOSAIC_SIDE` (128).
     """
     check_gmm(x, w, group_sizes, impl, transpose_w=transpose_w)
     # Inside a shard_map the operands enter the custom VJP varying over the same axes (its cotangents must match
@@ -150,13 +154,46 @@ def _mosaic_weights_grad(x, dy, group_sizes):
     return _vary(dw, _axes(x, dy))
 
 
-_FORWARD = {"xla": _xla_forward, "mosaic": _mosaic_forward}
-_WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad}
+def tiles(group_sizes, num_rows: int):
+    """int32 `[ceil(num_rows / TILE_M) + G - 1, 4]`: the project kernel's tile list, `(group, first row, rows, 0)`
+    for each run of at most `TILE_M` rows of one group in group order, then tiles of 0 rows (the static bound: each
+    non-empty group adds at most one partial tile)."""
+    from jax_latent_ep.kernels.abi import MATMUL_TILE_M as tm
+
+    g = group_sizes.shape[0]
+    per = (group_sizes + tm - 1) // tm
+    tile_end = jnp.cumsum(per)
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    t = jnp.arange(-(-num_rows // tm) + g - 1, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
+    j = t - (tile_end - per)[group]
+    rows = jnp.where(t < tile_end[-1], jnp.minimum(tm, group_sizes[group] - j * tm), 0)
+    return jnp.stack([group, row_start[group] + j * tm, rows, jnp.zeros_like(t)], axis=1).astype(jnp.int32)
+
+
+def _wgmma_forward(x, w, group_sizes, transpose_w):
+    from jax_latent_ep.runtime import ffi
+
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    y = ffi.grouped_matmul_call(x, w, tiles(group_sizes, x.shape[0]), w_k_major=transpose_w)
+    y = _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
+    return _zero_tail(y, group_sizes)  # the kernel writes the tiles' rows only
+
+
+def _wgmma_weights_grad(x, dy, group_sizes):
+    from jax_latent_ep.runtime import ffi
+
+    groups = jnp.stack([jnp.cumsum(group_sizes) - group_sizes, group_sizes], axis=1).astype(jnp.int32)
+    return _vary(ffi.grouped_matmul_wgrad_call(x, dy, groups), _axes(x, dy))
+
+
+_FORWARD = {"xla": _xla_forward, "mosaic": _mosaic_forward, "wgmma": _wgmma_forward}
+_WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad, "wgmma": _wgmma_weights_grad}
 
 
 def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
-    """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm` (the "gmm" and "mosaic" implementations of
-    `experts.IMPLEMENTATIONS`): bf16 `gate`, `up` (one product when fused), `h = bf16(silu(gate) * up)`, and each
+    """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm` (the "gmm", "mosaic" and "wgmma" implementations
+    of `experts.IMPLEMENTATIONS`): bf16 `gate`, `up` (one product when fused), `h = bf16(silu(gate) * up)`, and each
     pair's down product rounded to bf16; 0 in unused pairs."""
     gs, xp = pl.group_sizes, xb[pl.row]
     mm = lambda a, w: gmm(a, w, gs, impl=impl).astype(jnp.float32)  # noqa: E731

@@ -21,15 +21,16 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "ragged_dot": _ragged_dot, "scan": _scan, "gather": _gather, "dense": _dense, "kernel": _kernel,
     "gmm": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "xla"),
     "mosaic": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "mosaic"),
+    "wgmma": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "wgmma"),
 }
-#: The implementations that run on NVIDIA GPUs only ("mosaic": Hopper).
-GPU_ONLY = frozenset({"kernel", "mosaic"})
+#: The implementations that run on NVIDIA GPUs only ("mosaic", "wgmma": Hopper).
+GPU_ONLY = frozenset({"kernel", "mosaic", "wgmma"})
 #: The implementations that read the received MXFP8 rows themselves and have no VJP (the rest differentiate).
 READS_RECEIVED = frozenset({"kernel"})
-#: The weight formats each implementation multiplies (the rest: all of them). "gmm" / "mosaic" are the training
-#: path, on bf16 weights.
+#: The weight formats each implementation multiplies (the rest: all of them). "gmm", "mosaic" and "wgmma" are the
+#: training path, on bf16 weights.
 IMPL_FORMATS = {impl: _FORMATS for impl in IMPLEMENTATIONS} | {"kernel": KERNEL_FORMATS, "gmm": (_BF16,),
-                                                              "mosaic": (_BF16,)}
+                                                              "mosaic": (_BF16,), "wgmma": (_BF16,)}
 
 
 def takes(impl: str, w) -> bool:

@@ -57,6 +57,12 @@ NUM_PLAN_BITMAP_WORDS = 24576
 PLAN_THREADS = 1024
 #: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
 ROW_SUM_COLUMNS = 512
+#: The grouped matmul (`kernels/grouped_matmul.py`): pairs of one tile, columns of one CTA, contraction of a stage,
+#: words of a tile of the list.
+MATMUL_TILE_M = 128
+MATMUL_TILE_N = 128
+MATMUL_TILE_K = 64
+MATMUL_TILE_WORDS = 4
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -251,7 +257,34 @@ ROW_SUM = Kernel("row_sum", "ep_row_sum", (
     Param("num_l", "i32", False, "L, a multiple of 4"),
 ))
 
-KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM)}
+#: The grouped matmul of training and prefill sizes (`kernels/grouped_matmul.py`, sm_90a `wgmma`): for each tile of
+#: the list, `x[first:first + pairs] @ w[group]` (FP32 accumulation) rounded to BF16.
+GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
+    _address("x", "bf16 [P, num_k]: the pairs' rows, sorted by group"),
+    _address("w", "bf16 [G, num_k, num_n] (`w_k_major` 0) or [G, num_n, num_k] (1): each group's weight"),
+    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= 128, 0) per tile, the used first; pairs 0: "
+             "none"),
+    _address("out", "bf16 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+    Param("num_k", "i32", False, "contraction length, a multiple of 64"),
+    Param("num_n", "i32", False, "columns, a multiple of 128"),
+    Param("num_tiles", "i32", False, "tiles of the list"),
+    Param("w_k_major", "i32", False, "1: `w` is [G, num_n, num_k] (out = x @ w[g].T), 0: [G, num_k, num_n]"),
+))
+
+#: The weights' gradient of the grouped matmul (`kernels/grouped_matmul.py`, sm_90a `wgmma`): for each group,
+#: `x_g^T @ dy_g` over its pairs (FP32 accumulation) rounded to BF16; 0 for an empty group.
+GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad", (
+    _address("x", "bf16 [P, num_k]: the pairs' rows, sorted by group"),
+    _address("dy", "bf16 [P, num_n]: the output's cotangent, the same rows"),
+    _address("groups", "int32 [num_groups, 2]: (first pair, pairs) of each group"),
+    _address("dw", "bf16 [num_groups, num_k, num_n]: each group's gradient (output)"),
+    Param("num_k", "i32", False, "rows of each group's gradient, a multiple of 128"),
+    Param("num_n", "i32", False, "columns, a multiple of 128"),
+    Param("num_groups", "i32", False, "groups"),
+))
+
+KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
+                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD)}
 
 
 def c_name(op: str) -> str:
@@ -367,6 +400,10 @@ def header() -> str:
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
         f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
+        f"constexpr int kMatmulTileM = {MATMUL_TILE_M};",
+        f"constexpr int kMatmulTileN = {MATMUL_TILE_N};",
+        f"constexpr int kMatmulTileK = {MATMUL_TILE_K};",
+        f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

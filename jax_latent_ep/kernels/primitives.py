@@ -631,3 +631,63 @@ def e4m3x8_to_bf16x8(lo, hi, scale, *, loc=None, ip=None):
     struct = _asm(llvm.StructType.get_literal([T.i32()] * 4),
                   [_u32(lo, loc, ip), _u32(hi, loc, ip), _f32(scale, loc, ip)], code, "=r,=r,=r,=r,r,r,f", loc, ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Warpgroup MMA (sm_90a): shared-memory operands named by 64-bit matrix descriptors, FP32 accumulators in registers.
+# The accumulators of an issued `wgmma_*` are the hardware's until `wgmma_wait` says it completed (ptxas
+# serializes, never corrupts, a read it cannot prove safe).
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Always issues `fence.proxy.async.shared::cta`: this thread's completed generic-proxy writes to shared memory
+    (`cp.async` bytes after `cp_async_wait`, `st.shared`) become visible to the async proxy (`wgmma`'s operand
+    reads) of the threads that pass a later barrier with it."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """Always issues `wgmma.fence.sync.aligned` (warpgroup-wide): orders this warpgroup's prior register and shared
+    memory accesses before the `wgmma_*` that follow."""
+    _asm(None, [], "wgmma.fence.sync.aligned;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None) -> None:
+    """Always issues `wgmma.commit_group.sync.aligned`: the `wgmma_*` issued since the last commit form one group."""
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Always issues `wgmma.wait_group.sync.aligned pending`: returns once at most `pending` of this warpgroup's
+    committed groups are in flight (the others' accumulators written, their shared operands read)."""
+    _asm(None, [], f"wgmma.wait_group.sync.aligned {int(pending)};", "~{memory}", loc, ip)
+
+
+def smem_descriptor(addr, leading_bytes: int, stride_bytes: int):
+    """The 64-bit `wgmma` matrix descriptor of the 128-byte-swizzled operand tile at shared address `addr` (its
+    swizzle atoms 1024-byte aligned): start, leading and stride byte offsets in 16-byte units, swizzle mode 1
+    (128 B) in bits 62-63. K-major tiles: `stride_bytes` between 8-row groups, `leading_bytes` unused; MN-major:
+    `leading_bytes` between 64-element column blocks, `stride_bytes` between 8-row groups of the contraction."""
+    return ((Int64(addr) & 0x3FFFF) >> 4) | (Int64(leading_bytes >> 4) << 16) | (Int64(stride_bytes >> 4) << 32) \
+        | (Int64(1) << 62)
+
+
+@dsl_user_op
+def wgmma_bf16_m64n128k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *, loc=None, ip=None):
+    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`: `acc` (64 FP32 of this thread) +=
+    A (64 x 16, `desc_a`) x B (16 x 128, `desc_b`), each K-major or, with `a_mn_major` / `b_mn_major`, MN-major.
+    Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at
+    `acc[4 j + 2 i + e]` (row + 8 i, column + e). Returns the 64 new accumulators (asynchronous: `wgmma_wait`)."""
+    n = len(acc)
+    outs = ", ".join(f"${i}" for i in range(n))
+    code = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%s}, $%d, $%d, p, 1, 1, %d, %d; }" % (2 * n + 2, outs, 2 * n, 2 * n + 1, int(a_mn_major),
+                                                   int(b_mn_major)))
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["l", "l", "r"])
+    operands = [_f32(a, loc, ip) for a in acc] + [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip), _u32(1, loc, ip)]
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * n), operands, code, constraints, loc, ip)
+    return [Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(n)]

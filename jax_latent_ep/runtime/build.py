@@ -41,7 +41,10 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 #: Kernels compiled once per arch for every shape (their sizes are run-time parameters): manifest shape "any";
 #: kernel -> its module in `jax_latent_ep.kernels`.
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
-              "expert_plan": "expert_plan", "row_sum": "row_sum"}
+              "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
+              "grouped_matmul_wgrad": "grouped_matmul"}
+#: Shape-free kernels built for some archs only (`wgmma` is sm_90a's).
+ONLY_ARCHS = {"grouped_matmul": ("sm_90a",), "grouped_matmul_wgrad": ("sm_90a",)}
 MANIFEST_VERSION = 1
 
 
@@ -57,7 +60,7 @@ def default_variants(archs=ARCHS):
         for shape, all_ranks in DEFAULT_RANKS.items()
         for ranks in all_ranks
         for kernel in KERNELS
-    ] + [(kernel, "any", 0, arch) for arch in archs for kernel in SHAPE_FREE]
+    ] + [(kernel, "any", 0, arch) for arch in archs for kernel in SHAPE_FREE if arch in ONLY_ARCHS.get(kernel, archs)]
 
 
 def _parse_only(items):

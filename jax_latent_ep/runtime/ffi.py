@@ -393,10 +393,15 @@ def combine_call(out, ids, norm_weight, *, instance: int, grid: int, eps: float,
 EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"),
                   "expert_plan": ("jax_latent_ep_expert_plan", "EpExpertPlan"),
                   "expert_stage": ("jax_latent_ep_expert_stage", "EpExpertStage"),
-                  "row_sum": ("jax_latent_ep_row_sum", "EpRowSum")}
+                  "row_sum": ("jax_latent_ep_row_sum", "EpRowSum"),
+                  "grouped_matmul": ("jax_latent_ep_grouped_matmul", "EpGroupedMatmul"),
+                  "grouped_matmul_wgrad": ("jax_latent_ep_grouped_matmul_wgrad", "EpGroupedMatmulWgrad")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
-EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum")
+EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
+                  "grouped_matmul_wgrad")
+#: Expert kernels built for some archs only (`runtime.build.ONLY_ARCHS`): loaded where they exist.
+EXPERT_KERNEL_ARCHS = {"grouped_matmul": ("sm_90a",), "grouped_matmul_wgrad": ("sm_90a",)}
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
@@ -465,8 +470,11 @@ def load_expert_kernels(devices) -> None:
             if device.id in _expert_devices:
                 continue
             ordinal = int(getattr(device, "local_hardware_id", device.id))
+            arch = gpu_arch(device)
             for op in EXPERT_KERNELS:
-                image = find_standalone_kernel(op, gpu_arch(device))
+                if arch not in EXPERT_KERNEL_ARCHS.get(op, (arch,)):
+                    continue
+                image = find_standalone_kernel(op, arch)
                 if lib.ep_register_kernel(op.encode(), ordinal, image.cubin, len(image.cubin), image.name.encode(),
                                           image.block, image.smem):
                     raise RuntimeError(f"jax_latent_ep: loading the {op} kernel on {device} failed: "
@@ -487,6 +495,22 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
     return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
                 max_tokens=np.int64(max_tokens), **extra)[:7]
+
+
+def grouped_matmul_call(x, w, tiles, *, w_k_major: bool):
+    """The grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL, whose table says what each operand holds):
+    bf16 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held)."""
+    n = w.shape[1] if w_k_major else w.shape[2]
+    call = jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul"][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16),
+                            has_side_effect=False)
+    return call(x, w, tiles, w_k_major=np.int64(bool(w_k_major)))
+
+
+def grouped_matmul_wgrad_call(x, dy, groups):
+    """The grouped matmul's weights' gradient custom call (`kernels/abi.py` GROUPED_MATMUL_WGRAD): bf16
+    `[G, K, N]`, `x_g^T @ dy_g` per group of `groups` int32 `[G, 2]` (first pair, pairs)."""
+    out = jax.ShapeDtypeStruct((groups.shape[0], x.shape[1], dy.shape[1]), jnp.bfloat16)
+    return jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul_wgrad"][0], out, has_side_effect=False)(x, dy, groups)
 
 
 def grouped_gemm_call(a, a_rows, w, w_second, work, *, indexed: bool, fuse_glu: bool, splits: int,

@@ -116,7 +116,7 @@ def test_expert_launch_path_choice(monkeypatch):
     monkeypatch.delenv(ffi.RECORD_ENV, raising=False)
     monkeypatch.delenv(ffi.PDL_ENV, raising=False)
     monkeypatch.setattr(ffi, "_expert_record_error", None)
-    for op in ffi.EXPERT_TARGETS:
+    for op in ffi.EXPERT_RECORD_TARGETS:
         assert ffi._expert_target(op) == (ffi.EXPERT_RECORD_TARGETS[op], {"uses_pdl": True})
     monkeypatch.setenv(ffi.PDL_ENV, "0")
     assert ffi._expert_target("grouped_gemm") == (ffi.EXPERT_RECORD_TARGETS["grouped_gemm"], {"uses_pdl": False})

@@ -1,0 +1,386 @@
+"""EpGroupedMatmul / EpGroupedMatmulWgrad: the grouped matmuls of training and prefill sizes on Hopper's warpgroup MMA
+(BF16 in, FP32 accumulation, BF16 out) for pairs sorted by group: `out[p] = x[p] @ w[group of p]` in tiles that
+follow the groups, and the weights' gradient `dw[g] = x_g^T @ dy_g` over each group's pairs.
+
+Reading order: settings, the host-side launch signatures, the device code, compile. No JAX here.
+
+Parameters: `kernels.abi.GROUPED_MATMUL`, `kernels.abi.GROUPED_MATMUL_WGRAD`.
+
+`GroupedMatmul`: a tile is at most `TILE_M` consecutive pairs of one group (the caller lists them: `(group, first
+pair, pairs)`, the used tiles first, then tiles of 0 pairs); CTA `c` computes tile `c / (num_n / TILE_N)` times the
+`TILE_N` columns `c % (num_n / TILE_N)` of its group's weight (a group's tiles run side by side, so its weight is
+read from HBM about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst
+case. Rows past the tile's pairs are zero-filled and never stored.
+
+`GroupedMatmulWgrad`: CTA `c` computes the `TILE_M x TILE_N` block `(c / (num_n / TILE_N)) % (num_k / TILE_M)`,
+`c % (num_n / TILE_N)` of group `c / (num_k num_n / TILE_M / TILE_N)`'s gradient, contracting over the group's pairs
+`TILE_K` at a time (rows past the group zero-filled); an empty group's block is 0.
+
+Both run the contraction through a `STAGES`-deep ring of `cp.async` copies into shared memory laid out as `wgmma`
+reads it with the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at chunk `c ^ (l % 8)`, 1024-byte
+atoms): a K-major operand a line per row (64 contraction elements), an MN-major one a line per contraction row and
+64-column block, the blocks `MN_BLOCK_BYTES` apart. Each of the two warpgroups multiplies its 64 rows by the 128
+columns with `wgmma.mma_async.m64n128k16` (four a stage) while the next stages' copies land; two CTAs share an SM.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.primitives import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    fence_proxy_async_shared,
+    griddepcontrol_wait,
+    load_b32,
+    smem_descriptor,
+    store_b32_bf16x2,
+    wgmma_bf16_m64n128k16,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings
+
+#: Rows of one CTA's block: two warpgroups of 64 (the forward: pairs of a tile; the gradient: rows of `dw[g]`).
+TILE_M = abi.MATMUL_TILE_M
+#: Columns of one CTA: one `wgmma` n128.
+TILE_N = abi.MATMUL_TILE_N
+#: Contraction step of one stage: a 128-byte line of BF16.
+TILE_K = abi.MATMUL_TILE_K
+THREADS = 256
+#: Stages of the ring, and the stages of MMAs a warpgroup leaves in flight when it moves on (0 or 1): copies for
+#: `STAGES - 1 - MMA_PENDING` stages ahead are in flight while one stage's MMAs run. Two CTAs an SM of three stages
+#: each: one CTA's MMAs run while the other waits at its barrier or stores its tile (K3, T = 4096 on an H200:
+#: 7.1 ms against 8.4 ms for one CTA of six stages with one stage's MMAs in flight; docs/performance.md).
+STAGES = 3
+MMA_PENDING = 0
+#: CTAs an SM holds (registers bounded for them: 65536 / (THREADS * CTAS_PER_SM) a thread).
+CTAS_PER_SM = 2
+LINE_BYTES = 128
+#: An MN-major operand's 64-column block of one stage: `TILE_K` lines.
+MN_BLOCK_BYTES = TILE_K * LINE_BYTES
+A_STAGE_BYTES = TILE_M * LINE_BYTES
+B_STAGE_BYTES = TILE_N * LINE_BYTES
+STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES
+
+
+def ring_bytes(stages: int) -> int:
+    """Dynamic shared bytes of a ring of `stages`: one extra KB, as the ring starts at the first 1024-byte boundary
+    (the swizzle atoms)."""
+    return stages * STAGE_BYTES + 1024
+
+
+SMEM_BYTES = ring_bytes(STAGES)
+#: 16-byte chunks of one operand's stage each thread copies (both operands' stages are 128 lines).
+CHUNKS = TILE_M * LINE_BYTES // 16 // THREADS
+#: Words of a tile of the list.
+TILE_WORDS = abi.MATMUL_TILE_WORDS
+#: `wgmma` n128 accumulators of one thread.
+ACC = TILE_N // 2
+#: A chunk's liveness bound that every line passes (the weights' chunks).
+ALWAYS = 1 << 30
+
+
+def smem_bytes() -> int:
+    """Dynamic shared memory bytes the launcher must pass (either kernel)."""
+    return SMEM_BYTES
+
+
+def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
+    """(threads per CTA, dynamic shared bytes) of `kernel` (either of this module's)."""
+    return THREADS, SMEM_BYTES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pipeline both kernels run: a CTA's `steps` contraction stages of two operands into its 64 accumulators a thread.
+
+
+class _Ring:
+    """Device helpers of the ring; a kernel supplies each thread's chunk sources (module docstring). `stages`,
+    `pending`, `ctas_per_sm`: the ring's settings (`STAGES`, `MMA_PENDING`, `CTAS_PER_SM` by default)."""
+
+    def __init__(self, stages: int = STAGES, pending: int = MMA_PENDING, ctas_per_sm: int = CTAS_PER_SM):
+        if pending not in (0, 1) or stages < 2 + pending:
+            raise ValueError(f"stages={stages}, pending={pending}: need pending in (0, 1) and stages >= 2 + pending")
+        self.stages, self.pending, self.ctas_per_sm = stages, pending, ctas_per_sm
+        self.smem_bytes = ring_bytes(stages)
+
+    def launch_options(self, grid) -> dict:
+        """The `.launch(...)` options of either kernel (the FFI handler sets the grid)."""
+        return dict(grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
+                    min_blocks_per_mp=self.ctas_per_sm if self.ctas_per_sm > 1 else 0)
+
+    @cute.jit
+    def contract(self, acc, steps: Int32, warpgroup_live, a_src, a_line, a_limit: Int32, a_step: Int64,
+                 b_src, b_line, b_limit: Int32, b_step: Int64, limit_step: Int32, dst,
+                 a_mn_major: cutlass.Constexpr, b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32):
+        """Accumulates `steps` stages into `acc`. Chunk `i` of operand A copies `a_src[i] + s a_step` at stage `s`,
+        16 bytes if `a_line[i] < a_limit - s limit_step`, else zeros (B likewise); the warpgroup multiplies only if
+        `warpgroup_live`. `b_mn_major_runtime` (with `b_mn_major` False) picks the B layout at run time."""
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 1024)
+        ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+        tid, _, _ = cute.arch.thread_idx()
+        warpgroup = Int32(tid) // 128
+
+        ahead_stages = self.stages - 1 - self.pending
+        # ---- Prologue: stages 0 .. ahead_stages - 1 in flight (a group committed for each, empty past the last).
+        for s in cutlass.range_constexpr(ahead_stages):
+            if s < steps:
+                self.load_stage(ring + Uint32(s * STAGE_BYTES), a_src, a_line, a_limit - s * limit_step,
+                                Int64(s) * a_step, b_src, b_line, b_limit - s * limit_step, Int64(s) * b_step, dst)
+            cp_async_commit()
+
+        # ---- Main loop. Invariant at the barrier of step kt: stage kt is in shared memory for both warpgroups,
+        # and every MMA of step kt - 1 - pending completed, so its slot takes step kt + ahead_stages.
+        for kt in range(steps):
+            cp_async_wait(ahead_stages - 1)
+            fence_proxy_async_shared()
+            cute.arch.sync_threads()
+            ahead = kt + ahead_stages
+            if ahead < steps:
+                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), a_src, a_line,
+                                a_limit - ahead * limit_step, Int64(ahead) * a_step, b_src, b_line,
+                                b_limit - ahead * limit_step, Int64(ahead) * b_step, dst)
+            cp_async_commit()
+            if warpgroup_live:
+                slot = ring + Uint32((kt % self.stages) * STAGE_BYTES)
+                wgmma_fence()
+                if cutlass.const_expr(b_mn_major):
+                    self.multiply_stage(acc, slot, warpgroup, a_mn_major, True)
+                else:
+                    if b_mn_major_runtime != 0:
+                        self.multiply_stage(acc, slot, warpgroup, a_mn_major, True)
+                    else:
+                        self.multiply_stage(acc, slot, warpgroup, a_mn_major, False)
+                wgmma_commit()
+                wgmma_wait(self.pending)
+        wgmma_wait(0)
+
+    @cute.jit
+    def multiply_stage(self, acc, slot: Uint32, warpgroup: Int32, a_mn_major: cutlass.Constexpr,
+                       b_mn_major: cutlass.Constexpr):
+        """Issues the stage's four `wgmma` k16 of this warpgroup's 64 rows of A by the 128 columns of B into `acc`.
+        A K-major operand advances 32 bytes a k16 within its lines (8-line groups 1024 bytes apart); an MN-major one
+        two 8-line atoms (2 KB) in each 64-column block (blocks `MN_BLOCK_BYTES` apart; a warpgroup's 64 rows of an
+        MN-major A are one block)."""
+        for k16 in cutlass.range_constexpr(TILE_K // 16):
+            if cutlass.const_expr(a_mn_major):
+                desc_a = smem_descriptor(slot + Uint32(warpgroup * MN_BLOCK_BYTES + k16 * 2048), MN_BLOCK_BYTES, 1024)
+            else:
+                desc_a = smem_descriptor(slot + Uint32(warpgroup * 64 * LINE_BYTES + k16 * 32), 16, 1024)
+            b_tile = slot + Uint32(A_STAGE_BYTES)
+            if cutlass.const_expr(b_mn_major):
+                desc_b = smem_descriptor(b_tile + Uint32(k16 * 2048), MN_BLOCK_BYTES, 1024)
+            else:
+                desc_b = smem_descriptor(b_tile + Uint32(k16 * 32), 16, 1024)
+            new = wgmma_bf16_m64n128k16([acc[i] for i in range(ACC)], desc_a, desc_b, a_mn_major, b_mn_major)
+            for i in cutlass.range_constexpr(ACC):
+                acc[i] = new[i]
+
+    @cute.jit
+    def load_stage(self, slot: Uint32, a_src, a_line, a_limit: Int32, a_offset: Int64, b_src, b_line, b_limit: Int32,
+                   b_offset: Int64, dst):
+        """Issues this thread's copies of one stage into `slot`: chunk `i` of each operand 16 bytes from its source
+        `+ offset` if its line is below the operand's limit, else 16 zero bytes (from the source itself, unread)."""
+        for i in cutlass.range_constexpr(CHUNKS):
+            src = a_src[i]
+            size = Uint32(0)
+            if a_line[i] < a_limit:
+                src = a_src[i] + a_offset
+                size = Uint32(16)
+            cp_async_16(slot + dst[i], src, size)
+        for i in cutlass.range_constexpr(CHUNKS):
+            src = b_src[i]
+            size = Uint32(0)
+            if b_line[i] < b_limit:
+                src = b_src[i] + b_offset
+                size = Uint32(16)
+            cp_async_16(slot + Uint32(A_STAGE_BYTES) + dst[i], src, size)
+
+    @cute.jit
+    def store(self, acc, out: Int64, row0: Int64, rows: Int32, num_n: Int32, n0: Int32):
+        """Rounds this thread's accumulators to BF16 into `out` rows `row0 + r` (for block rows `r < rows`), columns
+        `n0 ..`."""
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        lane = tid % 32
+        block_row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        for i in cutlass.range_constexpr(2):
+            r = block_row + 8 * i
+            if r < rows:
+                row_at = out + ((row0 + Int64(r)) * Int64(num_n) + Int64(n0 + 2 * (lane % 4))) * 2
+                for j in cutlass.range_constexpr(TILE_N // 8):
+                    store_b32_bf16x2(row_at + Int64(16 * j), acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1])
+
+
+def _chunks(tid):
+    """This thread's chunk of each operand's stage: line `tid / 8 + 32 i`, chunk `tid % 8`, and its swizzled shared
+    offset."""
+    chunk = tid % 8
+    lines = [tid // 8 + (THREADS // 8) * i for i in range(CHUNKS)]
+    return chunk, lines, [Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)) for line in lines]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch / host signatures (`abi.GROUPED_MATMUL`, `abi.GROUPED_MATMUL_WGRAD`): these host functions exist only to
+# compile the kernels; the C++ FFI launches the cubins with their own grids.
+
+
+class GroupedMatmul(_Ring):
+    """The grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul` builds it."""
+
+    @cute.jit
+    def launch(
+        self,
+        x: Int64,
+        w: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+        w_k_major: Int32,
+    ):
+        self.kernel(x, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(**self.launch_options([num_tiles, 1, 1]))
+
+    # -----------------------------------------------------------------------------------------------------
+    # Device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: Int64,
+        w: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+        w_k_major: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        column_tiles = num_n // TILE_N
+        n0 = (cta % column_tiles) * TILE_N
+        griddepcontrol_wait()  # the tile list and `x` come from the previous kernels
+        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
+        group = Int32(load_b32(entry))
+        first = Int32(load_b32(entry + 4))
+        rows = Int32(load_b32(entry + 8))
+        if rows > 0:
+            chunk, lines, dst = _chunks(tid)
+            x_src, w_src, w_line = [], [], []
+            for line in lines:
+                x_src.append(x + (Int64(first + line) * Int64(num_k) + Int64(chunk * 8)) * 2)
+                # MN-major weight: line = (column block line / 64, contraction row line % 64).
+                src = w + ((Int64(group) * Int64(num_k) + Int64(line % 64)) * Int64(num_n)
+                           + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2
+                if w_k_major != 0:
+                    # K-major weight: line = output column n0 + line, its contraction elements contiguous.
+                    src = w + ((Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 8)) * 2
+                w_src.append(src)
+                w_line.append(Int32(0))
+            w_step = Int64(TILE_K) * Int64(num_n) * 2
+            if w_k_major != 0:
+                w_step = Int64(TILE_K * 2)
+            acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+            acc.fill(0.0)
+            self.contract(acc, num_k // TILE_K, rows > (tid // 128) * 64, x_src, lines, rows, Int64(TILE_K * 2),
+                          w_src, w_line, Int32(ALWAYS), w_step, Int32(0), dst, False, False, Int32(1) - w_k_major)
+            self.store(acc, out, Int64(first), rows, num_n, n0)
+
+
+GroupedMatmul.kernel.set_name_prefix(abi.GROUPED_MATMUL.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+
+
+class GroupedMatmulWgrad(_Ring):
+    """The weights' gradient kernel (every size a run-time parameter); `compile_grouped_matmul_wgrad` builds it."""
+
+    @cute.jit
+    def launch(
+        self,
+        x: Int64,
+        dy: Int64,
+        groups: Int64,
+        dw: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_groups: Int32,
+    ):
+        self.kernel(x, dy, groups, dw, num_k, num_n, num_groups).launch(**self.launch_options([num_groups, 1, 1]))
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: Int64,
+        dy: Int64,
+        groups: Int64,
+        dw: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_groups: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        column_tiles = num_n // TILE_N
+        row_tiles = num_k // TILE_M
+        n0 = (cta % column_tiles) * TILE_N
+        m0 = ((cta // column_tiles) % row_tiles) * TILE_M
+        group = cta // (column_tiles * row_tiles)
+        griddepcontrol_wait()  # the groups, `x` and `dy` come from the previous kernels
+        first = Int32(load_b32(groups + Int64(group) * 8))
+        rows = Int32(load_b32(groups + Int64(group) * 8 + 4))
+        chunk, lines, dst = _chunks(tid)
+        # Both operands MN-major: line = (64-column block line / 64, pair line % 64 of the stage).
+        x_src, dy_src, pair = [], [], []
+        for line in lines:
+            p = Int64(first + line % 64)
+            x_src.append(x + (p * Int64(num_k) + Int64(m0 + (line // 64) * 64 + chunk * 8)) * 2)
+            dy_src.append(dy + (p * Int64(num_n) + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2)
+            pair.append(Int32(line % 64))
+        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        acc.fill(0.0)
+        self.contract(acc, (rows + TILE_K - 1) // TILE_K, rows > 0, x_src, pair, rows, Int64(TILE_K) * Int64(num_k) * 2,
+                      dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2, Int32(TILE_K), dst, True, True, Int32(1))
+        self.store(acc, dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
+
+
+GroupedMatmulWgrad.kernel.set_name_prefix(abi.GROUPED_MATMUL_WGRAD.symbol, remove_cutlass_symbol=True,
+                                          keep_mangled_name=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile
+
+
+def _compile(op: abi.Kernel, kernel, arch: str):
+    with warnings.catch_warnings():
+        # The 64 accumulators' copies are unrolled on purpose (registers, never a loop over them).
+        warnings.filterwarnings("ignore", message="This static loop has")
+        return compile_cubin(op, kernel, arch)
+
+
+def compile_grouped_matmul(arch: str = "sm_90a", **ring):
+    """Compiles the grouped matmul for `arch` (sm_90a only: `wgmma`; `ring`: `_Ring`'s settings); returns
+    `(symbol, cubin bytes)`."""
+    return _compile(abi.GROUPED_MATMUL, GroupedMatmul(**ring), arch)
+
+
+def compile_grouped_matmul_wgrad(arch: str = "sm_90a", **ring):
+    """Compiles the weights' gradient kernel for `arch` (sm_90a only); returns `(symbol, cubin bytes)`."""
+    return _compile(abi.GROUPED_MATMUL_WGRAD, GroupedMatmulWgrad(**ring), arch)
