@@ -5,16 +5,18 @@ shapes), with the compiled program's temporaries.
     python benchmarks/training.py [--out training.csv] [--models k3 k2] [--tokens 1024 4096 8192]
     python benchmarks/training.py --smoke        # tiny shapes, CPU is fine
 
-Per rank of N = 8 (the per-rank share of the model): K3 (J = 112 local experts, L = 3584, I = 2048, K = 16), K2
-(J = 48, L = 7168, I = 2048, K = 8). T tokens a rank: rank 0's receive rows from 8 sources, each token's K ids
-uniform over the 8J experts, so about `T * K` pairs land here; the plan of `capacity_factor` 1.25 (overflow
-dropped). A program is `--layers` residual layers `x += stage(x)`, each with its own weights (one routing), and the
-loss `sum(y * dout)`; times are medians of `--repeats` runs, per layer. The plain reference (`plain`): a dense SwiGLU
-MLP, batched over the J experts with `ceil(pairs / J)` rows each (the same GEMM shapes, none ragged: cuBLAS's
-rate for them), in the same program shape.
+A rank's share of the model (`MODELS`): K3 at N = 8 (J = 112 local experts, L = 3584, I = 2048, K = 16), K3 at
+N = 2 (`k3n2`, J = 448), K2 at N = 8 (J = 48, L = 7168, I = 2048, K = 8). T tokens a rank: rank 0's receive rows
+from N sources, each token's K ids uniform over the NJ experts, so about `T * K` pairs land here; the plan of
+`capacity_factor` 1.25 (overflow dropped). A program is `--layers` residual layers `x += stage(x)`, each with its
+own weights (one routing), and the loss `sum(y * dout)`; times are medians of `--repeats` runs, per layer. The
+plain reference (`plain`): a dense SwiGLU MLP, batched over the J experts with `ceil(pairs / J)` rows each (the same
+GEMM shapes, none ragged: cuBLAS's rate for them), in the same program shape.
 
-With `--layer`, the whole `MoELayer` too (router, K3's latent projections and norm or K2's shared expert, dispatch
-and combine on the xla backend, the stage) at N = 1 with the J experts, rows `training/<model>/layer/<impl>`.
+With `--profile K` (a GPU), each forward + backward program's K kernels of the most GPU time are printed (where the
+backward's time goes; a diagnosis, no rows). With `--layer`, the whole `MoELayer` too (router, K3's latent
+projections and norm or K2's shared expert, dispatch and combine on the xla backend, the stage) at N = 1 with the J
+experts, rows `training/<model>/layer/<impl>`.
 
 Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
 (the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `fwd_of_plain`,
@@ -31,35 +33,39 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from expert_stage import _time, write_rows  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import _time, device_times, write_rows  # noqa: E402  (benchmarks/ is on the path as a script)
 
-MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16), "k2": dict(j=48, lat=7168, inter=2048, k=8)}
+#: A rank's share of each model: `ranks` N, J = experts / N local experts. "k3n2": K3 at N = 2 (J 448; its weights,
+#: 2 x 19.7 GB a program, fit an H200).
+MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16, ranks=8), "k2": dict(j=48, lat=7168, inter=2048, k=8, ranks=8),
+          "k3n2": dict(j=448, lat=3584, inter=2048, k=16, ranks=2)}
 #: `--layer`: the rest of each model's MoE block (K3: a latent projection from 7168 and the norm; K2: a shared
 #: expert of 2048).
 BLOCKS = {"k3": dict(hidden=7168, latent=3584, shared=0, norm=True), "k2": dict(hidden=7168, latent=None,
                                                                             shared=2048, norm=False)}
-RANKS = 8
+BLOCKS["k3n2"] = BLOCKS["k3"]
 
 
-def _routing(rng, t, j, k):
-    """Rank 0's `Received` (ids and weights only matter) for `RANKS * t` rows of uniform top-`k` ids over
-    `RANKS * j` experts."""
+def _routing(rng, t, j, k, ranks):
+    """Rank 0's `Received` (ids and weights only matter) for `ranks * t` rows of uniform top-`k` ids over
+    `ranks * j` experts."""
     import jax.numpy as jnp
     import numpy as np
 
     from jax_latent_ep.received import Received
 
-    rows, lat = RANKS * t, 32
-    ids = np.stack([rng.choice(RANKS * j, size=k, replace=False) for _ in range(rows)]).astype(np.int32)
+    rows, lat = ranks * t, 32
+    ids = np.stack([rng.choice(ranks * j, size=k, replace=False) for _ in range(rows)]).astype(np.int32)
     weights = rng.random((rows, k)).astype(np.float32)
     src = ((np.arange(rows) // t) << 16 | (np.arange(rows) % t)).astype(np.int32)
     return Received(jnp.zeros((rows, lat), jnp.float8_e4m3fn), jnp.zeros((rows, 1), jnp.uint8), jnp.asarray(ids),
                     jnp.asarray(weights), jnp.asarray(src))
 
 
-def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
+def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, profile=0):
     """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and "plain") at `model`, T = `t`,
-    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`."""
+    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`. With `profile` (a GPU), each forward +
+    backward program's `profile` kernels of the most GPU time are printed (a diagnosis, no rows)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -68,18 +74,18 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
 
     defaults = {c: getattr(experts.grouped, c) for c in ("MOSAIC_BLOCK_M", "MOSAIC_BLOCK_N", "MOSAIC_STEPS")}
     c = MODELS[model]
-    j, lat, inter, k = c["j"], c["lat"], c["inter"], c["k"]
+    j, lat, inter, k, ranks = c["j"], c["lat"], c["inter"], c["k"], c["ranks"]
     rng = np.random.default_rng(seed)
-    recv = _routing(rng, t, j, k)
-    pl = jax.jit(lambda r: experts.plan(r, 0, j, max_tokens=t, ranks=RANKS, capacity_factor=1.25,
+    recv = _routing(rng, t, j, k, ranks)
+    pl = jax.jit(lambda r: experts.plan(r, 0, j, max_tokens=t, ranks=ranks, capacity_factor=1.25,
                                         overflow="drop"))(recv)
     pairs = int(pl.count)
     keys = jax.random.split(jax.random.key(seed), 4 * layers + 2)
     wshape = ((j, lat, inter), (j, lat, inter), (j, inter, lat))
     ws = [[jax.random.normal(keys[4 * i + m], s, jnp.bfloat16) * s[1] ** -0.5 for m, s in enumerate(wshape)]
           for i in range(layers)]
-    x = jax.random.normal(keys[-2], (RANKS * t, lat), jnp.bfloat16)
-    dout = jax.random.normal(keys[-1], (RANKS * t, lat), jnp.float32)  # the loss's weights
+    x = jax.random.normal(keys[-2], (ranks * t, lat), jnp.bfloat16)
+    dout = jax.random.normal(keys[-1], (ranks * t, lat), jnp.float32)  # the loss's weights
     flops = 2 * pairs * lat * inter * 3
     rows = [(f"training/{model}", t, "pairs", pairs)]
 
@@ -137,7 +143,24 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0):
                  (b, t, "fwd_bwd_tflops", r_all), (b, t, "fwd_temp_GB", temps[0]), (b, t, "fwd_bwd_temp_GB", temps[1])]
         if plain:
             rows += [(b, t, "fwd_of_plain", r_fwd / p_fwd), (b, t, "fwd_bwd_of_plain", r_all / p_all)]
+        if profile:
+            print_profile(grad, args, layers, profile)
     return rows
+
+
+def print_profile(fn, args, layers, top):
+    """Prints the GPU time per layer of one call of `fn` (busy and span) and its `top` kernels by summed time."""
+    import jax
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        print("  profile: needs a GPU", flush=True)
+        return
+    per_kernel = {}
+    busy, span = device_times(fn, args, per_kernel)
+    print(f"  profile, per layer: GPU busy {busy / layers / 1e3:.2f} ms, span {span / layers / 1e3:.2f} ms",
+          flush=True)
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {us / layers / 1e3:8.3f} ms  {us / busy:5.1%}  {name[:100]}", flush=True)
 
 
 def measure_layer(model, t, impls, layers, repeats, seed=0):
@@ -206,14 +229,16 @@ def main(argv=None):
     p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
                    "jax_ragged_dot_use_gpu_pallas_triton_lowering=true), recorded in the backend name")
     p.add_argument("--no-plain", dest="plain", action="store_false", help="leave the plain reference out")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="print each forward + backward program's K kernels of the most GPU time (a GPU only)")
     p.add_argument("--layer", action="store_true", help="the whole MoELayer too (N = 1, a rank's share of experts)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
-        MODELS["tiny"] = dict(j=4, lat=128, inter=128, k=4)
+        MODELS["tiny"] = dict(j=4, lat=128, inter=128, k=4, ranks=8)
         BLOCKS["tiny"] = dict(hidden=256, latent=128, shared=128, norm=True)
         args.models, args.tokens, args.impls, args.layers, args.repeats = ["tiny"], [16], ["gmm", "scan"], 2, 1
-        args.layer = True
+        args.layer, args.profile = True, args.profile or 2
     import jax
 
     for item in args.jax_config:
@@ -226,12 +251,13 @@ def main(argv=None):
             tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
             tag = "".join(f"+{item}" for item in args.jax_config)
             rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
-                model, t, args.impls, args.layers, args.repeats, tiles, args.plain)]
+                model, t, args.impls, args.layers, args.repeats, tiles, args.plain, profile=args.profile)]
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, args.layers,
                                                                               args.repeats)]
             # written after each point: a run cut off keeps what it measured
-            write_rows(args.out, device, [(b, 1 if "/layer/" in b else RANKS, tk, m, v) for b, tk, m, v in rows])
+            write_rows(args.out, device, [(b, 1 if "/layer/" in b else MODELS[b.split("/")[1]]["ranks"], tk, m, v)
+                                          for b, tk, m, v in rows])
 
 
 if __name__ == "__main__":

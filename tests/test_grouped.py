@@ -176,3 +176,26 @@ def test_layer_trains_on_hopper_kernels(impl):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.any(b != 0), name
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
+
+
+def test_wgmma_tiles_follow_the_groups():
+    """`grouped.tiles` (the wgmma kernel's work list) against a NumPy enumeration on fresh random group sizes
+    (empty groups, groups of exactly 128 and of one row, all rows used or few): each run of at most 128 rows of one
+    group in order, then tiles of 0 rows, within the static bound `ceil(M / 128) + G - 1`."""
+    rng = _rng("wgmma-tiles")
+    for trial in range(60):
+        g, m = int(rng.integers(1, 12)), int(rng.integers(1, 900))
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(g, 0.7))).astype(np.int32)
+        if trial % 4 == 0:
+            sizes[rng.integers(0, g)] = 0
+        if trial % 5 == 0 and m >= 128:
+            sizes[:] = 0
+            sizes[rng.integers(0, g)] = 128
+        want, start = [], 0
+        for e in range(g):
+            want += [(e, start + j, min(128, sizes[e] - j)) for j in range(0, sizes[e], 128)]
+            start += sizes[e]
+        got = np.asarray(experts.grouped.tiles(jnp.asarray(sizes), m))
+        assert got.shape == (-(-m // 128) + g - 1, 4) and got.dtype == np.int32
+        assert [tuple(int(v) for v in r[:3]) for r in got[: len(want)]] == want, sizes
+        assert np.all(got[len(want):, 2] == 0) and np.all(got[:, 3] == 0)

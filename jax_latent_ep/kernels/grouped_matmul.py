@@ -121,12 +121,13 @@ class _Ring:
                     min_blocks_per_mp=self.ctas_per_sm if self.ctas_per_sm > 1 else 0)
 
     @cute.jit
-    def contract(self, acc, steps: Int32, warpgroup_live, a_src, a_line, a_limit: Int32, a_step: Int64,
-                 b_src, b_line, b_limit: Int32, b_step: Int64, limit_step: Int32, dst,
+    def contract(self, acc, steps: Int32, warpgroup_live, a_base: Int64, a_src, a_line, a_limit: Int32,
+                 a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64, limit_step: Int32, dst,
                  a_mn_major: cutlass.Constexpr, b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32):
         """Accumulates `steps` stages into `acc`. Chunk `i` of operand A copies `a_src[i] + s a_step` at stage `s`,
-        16 bytes if `a_line[i] < a_limit - s limit_step`, else zeros (B likewise); the warpgroup multiplies only if
-        `warpgroup_live`. `b_mn_major_runtime` (with `b_mn_major` False) picks the B layout at run time."""
+        16 bytes if `a_line[i] < a_limit - s limit_step`, else 16 zeros (named by `a_base`, the operand's start,
+        never past it; B likewise); the warpgroup multiplies only if `warpgroup_live`. `b_mn_major_runtime` (with
+        `b_mn_major` False) picks the B layout at run time."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 1024)
         ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
@@ -137,8 +138,9 @@ class _Ring:
         # ---- Prologue: stages 0 .. ahead_stages - 1 in flight (a group committed for each, empty past the last).
         for s in cutlass.range_constexpr(ahead_stages):
             if s < steps:
-                self.load_stage(ring + Uint32(s * STAGE_BYTES), a_src, a_line, a_limit - s * limit_step,
-                                Int64(s) * a_step, b_src, b_line, b_limit - s * limit_step, Int64(s) * b_step, dst)
+                self.load_stage(ring + Uint32(s * STAGE_BYTES), a_base, a_src, a_line, a_limit - s * limit_step,
+                                Int64(s) * a_step, b_base, b_src, b_line, b_limit - s * limit_step, Int64(s) * b_step,
+                                dst)
             cp_async_commit()
 
         # ---- Main loop. Invariant at the barrier of step kt: stage kt is in shared memory for both warpgroups,
@@ -149,8 +151,8 @@ class _Ring:
             cute.arch.sync_threads()
             ahead = kt + ahead_stages
             if ahead < steps:
-                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), a_src, a_line,
-                                a_limit - ahead * limit_step, Int64(ahead) * a_step, b_src, b_line,
+                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), a_base, a_src, a_line,
+                                a_limit - ahead * limit_step, Int64(ahead) * a_step, b_base, b_src, b_line,
                                 b_limit - ahead * limit_step, Int64(ahead) * b_step, dst)
             cp_async_commit()
             if warpgroup_live:
@@ -189,19 +191,19 @@ class _Ring:
                 acc[i] = new[i]
 
     @cute.jit
-    def load_stage(self, slot: Uint32, a_src, a_line, a_limit: Int32, a_offset: Int64, b_src, b_line, b_limit: Int32,
-                   b_offset: Int64, dst):
+    def load_stage(self, slot: Uint32, a_base: Int64, a_src, a_line, a_limit: Int32, a_offset: Int64, b_base: Int64,
+                   b_src, b_line, b_limit: Int32, b_offset: Int64, dst):
         """Issues this thread's copies of one stage into `slot`: chunk `i` of each operand 16 bytes from its source
-        `+ offset` if its line is below the operand's limit, else 16 zero bytes (from the source itself, unread)."""
+        `+ offset` if its line is below the operand's limit, else 16 zero bytes (naming the operand's base, unread)."""
         for i in cutlass.range_constexpr(CHUNKS):
-            src = a_src[i]
+            src = a_base
             size = Uint32(0)
             if a_line[i] < a_limit:
                 src = a_src[i] + a_offset
                 size = Uint32(16)
             cp_async_16(slot + dst[i], src, size)
         for i in cutlass.range_constexpr(CHUNKS):
-            src = b_src[i]
+            src = b_base
             size = Uint32(0)
             if b_line[i] < b_limit:
                 src = b_src[i] + b_offset
@@ -252,7 +254,8 @@ class GroupedMatmul(_Ring):
         num_tiles: Int32,
         w_k_major: Int32,
     ):
-        self.kernel(x, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(**self.launch_options([num_tiles, 1, 1]))
+        self.kernel(x, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(
+            **self.launch_options([num_tiles, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -298,8 +301,8 @@ class GroupedMatmul(_Ring):
                 w_step = Int64(TILE_K * 2)
             acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
             acc.fill(0.0)
-            self.contract(acc, num_k // TILE_K, rows > (tid // 128) * 64, x_src, lines, rows, Int64(TILE_K * 2),
-                          w_src, w_line, Int32(ALWAYS), w_step, Int32(0), dst, False, False, Int32(1) - w_k_major)
+            self.contract(acc, num_k // TILE_K, rows > (tid // 128) * 64, x, x_src, lines, rows, Int64(TILE_K * 2),
+                          w, w_src, w_line, Int32(ALWAYS), w_step, Int32(0), dst, False, False, Int32(1) - w_k_major)
             self.store(acc, out, Int64(first), rows, num_n, n0)
 
 
@@ -355,8 +358,9 @@ class GroupedMatmulWgrad(_Ring):
             pair.append(Int32(line % 64))
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
         acc.fill(0.0)
-        self.contract(acc, (rows + TILE_K - 1) // TILE_K, rows > 0, x_src, pair, rows, Int64(TILE_K) * Int64(num_k) * 2,
-                      dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2, Int32(TILE_K), dst, True, True, Int32(1))
+        self.contract(acc, (rows + TILE_K - 1) // TILE_K, rows > 0, x, x_src, pair, rows,
+                      Int64(TILE_K) * Int64(num_k) * 2, dy, dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2,
+                      Int32(TILE_K), dst, True, True, Int32(1))
         self.store(acc, dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
 
 

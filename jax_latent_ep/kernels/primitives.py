@@ -667,13 +667,22 @@ def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
     _asm(None, [], f"wgmma.wait_group.sync.aligned {int(pending)};", "~{memory}", loc, ip)
 
 
+def descriptor_fields(leading_bytes: int, stride_bytes: int) -> int:
+    """The constant bits of a `wgmma` shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): the
+    leading and stride byte offsets in 16-byte units at bits 16-29 and 32-45, swizzle mode 1 (128 B) at bits
+    62-63; the start address (bits 0-13) is `smem_descriptor`'s."""
+    for name, value in (("leading_bytes", leading_bytes), ("stride_bytes", stride_bytes)):
+        if value % 16 or not 0 <= value >> 4 < 1 << 14:
+            raise ValueError(f"{name}={value} must be a multiple of 16 below 256 KB")
+    return (leading_bytes >> 4) << 16 | (stride_bytes >> 4) << 32 | 1 << 62
+
+
 def smem_descriptor(addr, leading_bytes: int, stride_bytes: int):
     """The 64-bit `wgmma` matrix descriptor of the 128-byte-swizzled operand tile at shared address `addr` (its
-    swizzle atoms 1024-byte aligned): start, leading and stride byte offsets in 16-byte units, swizzle mode 1
-    (128 B) in bits 62-63. K-major tiles: `stride_bytes` between 8-row groups, `leading_bytes` unused; MN-major:
-    `leading_bytes` between 64-element column blocks, `stride_bytes` between 8-row groups of the contraction."""
-    return ((Int64(addr) & 0x3FFFF) >> 4) | (Int64(leading_bytes >> 4) << 16) | (Int64(stride_bytes >> 4) << 32) \
-        | (Int64(1) << 62)
+    swizzle atoms 1024-byte aligned), `descriptor_fields` with the start address in 16-byte units. K-major tiles:
+    `stride_bytes` between 8-row groups, `leading_bytes` unused; MN-major: `leading_bytes` between 64-element
+    column blocks, `stride_bytes` between 8-row groups of the contraction."""
+    return ((Int64(addr) & 0x3FFFF) >> 4) | Int64(descriptor_fields(leading_bytes, stride_bytes))
 
 
 @dsl_user_op

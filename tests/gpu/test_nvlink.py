@@ -35,6 +35,25 @@ def _as_stacked(per_rank):
     normed = np.stack([per_rank[r][3] for r in range(n)])
     return recv1, routed, recv2, normed
 
+def _assert_two_layers_match(got, got_again, xla_backend, case, n):
+    """Two runs of `case` against the NumPy model (rows and routed bit-exact, normed within 1 ulp) and against
+    `xla_backend` on the same GPUs (rows and routed bit-exact; normed within 2 ulp: both may be 1 ulp off the exact
+    model, in opposite directions)."""
+    from jax_latent_ep.testing import check
+    from jax_latent_ep.testing.model import bf16_ulp_diff
+
+    xla = _as_stacked(check.run_case(xla_backend, case))
+    model = check.model_two_layers(case)
+    for r in range(n):
+        check.compare_rank(got[r], model, r)
+        check.compare_rank(got_again[r], model, r)
+        g_recv1, g_routed, g_recv2, g_normed = got[r]
+        check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
+        np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")
+        check.compare_received(g_recv2, xla[2], r, "layer 2 dispatch vs xla")
+        assert bf16_ulp_diff(g_normed, xla[3][r]).max() <= 2, "normed vs xla"
+
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, tokens, max_tokens, routing", [
@@ -46,12 +65,12 @@ def _as_stacked(per_rank):
     (2, 1, 1, "random_topk"),
 ])
 def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
+    """Two layers of dispatch / combine on the nvlink kernels against the NumPy model and the XLA backend."""
     if len(_gpus()) < n:
         pytest.skip(f"needs {n} GPUs, found {len(_gpus())}")
     from jax_latent_ep.backends.nvlink import NvlinkBackend
     from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing import check
-    from jax_latent_ep.testing.model import bf16_ulp_diff
 
     mesh = _mesh(n)
     case = check.make_case(100 * n + tokens, KIMI_K3, n, tokens, max_tokens, routing)
@@ -59,19 +78,7 @@ def test_two_layers_match_xla_and_model(n, tokens, max_tokens, routing):
         got = check.run_case(nv, case)
         got_again = check.run_case(nv, case)  # the buffers were re-armed: same results
         assert nv.status() == {(0, r): (0, 0, 0, 0) for r in range(n)}
-    xla = _as_stacked(check.run_case(XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case))
-    model = check.model_two_layers(case)
-    for r in range(n):
-        # The contract, against the NumPy model: rows and routed bit-exact, normed within 1 ulp.
-        check.compare_rank(got[r], model, r)
-        check.compare_rank(got_again[r], model, r)
-        # Against the XLA backend on the same GPUs: rows and routed bit-exact; normed within 2 ulp (both
-        # may be 1 ulp off the exact model, in opposite directions).
-        g_recv1, g_routed, g_recv2, g_normed = got[r]
-        check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
-        np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")
-        check.compare_received(g_recv2, xla[2], r, "layer 2 dispatch vs xla")
-        assert bf16_ulp_diff(g_normed, xla[3][r]).max() <= 2, "normed vs xla"
+    _assert_two_layers_match(got, got_again, XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case, n)
 
 
 @pytest.mark.gpu
@@ -92,7 +99,6 @@ def test_tokens_beyond_the_grid_match_xla_and_model(n, tokens, max_tokens, grid)
     from jax_latent_ep.backends.nvlink import NvlinkBackend
     from jax_latent_ep.backends.xla import XlaBackend
     from jax_latent_ep.testing import check
-    from jax_latent_ep.testing.model import bf16_ulp_diff
 
     mesh = _mesh(n)
     case = check.make_case(1000 * n + tokens, KIMI_K3, n, tokens, max_tokens)
@@ -106,16 +112,7 @@ def test_tokens_beyond_the_grid_match_xla_and_model(n, tokens, max_tokens, grid)
         got = check.run_case(nv, case)
         got_again = check.run_case(nv, case)
         assert nv.status() == {(0, r): (0, 0, 0, 0) for r in range(n)}
-    xla = _as_stacked(check.run_case(XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case))
-    model = check.model_two_layers(case)
-    for r in range(n):
-        check.compare_rank(got[r], model, r)
-        check.compare_rank(got_again[r], model, r)
-        g_recv1, g_routed, g_recv2, g_normed = got[r]
-        check.compare_received(g_recv1, xla[0], r, "layer 1 dispatch vs xla")
-        np.testing.assert_array_equal(g_routed.view(np.uint16), xla[1][r].view(np.uint16), err_msg="routed vs xla")
-        check.compare_received(g_recv2, xla[2], r, "layer 2 dispatch vs xla")
-        assert bf16_ulp_diff(g_normed, xla[3][r]).max() <= 2, "normed vs xla"
+    _assert_two_layers_match(got, got_again, XlaBackend(mesh, "ep", max_tokens, KIMI_K3), case, n)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,47 @@
+"""The grouped matmul kernels' build (CPU, no GPU): signatures are the ABI's, their PTX asks for the block and the
+CTAs an SM the manifest and the module record, issues the `wgmma` forms the module says (operand majors, four k16
+a stage) after the async-proxy fence, and uses no local memory; the descriptor's constant fields are PTX's."""
+
+import re
+
+import pytest
+
+from jax_latent_ep.kernels import abi, grouped_matmul
+from jax_latent_ep.kernels.common import check_abi, kernel_ptx
+from jax_latent_ep.kernels.primitives import descriptor_fields
+
+KERNELS = [(abi.GROUPED_MATMUL, grouped_matmul.GroupedMatmul), (abi.GROUPED_MATMUL_WGRAD,
+                                                                 grouped_matmul.GroupedMatmulWgrad)]
+WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, (\d), (\d);"
+
+
+@pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
+def test_signature_is_the_abi(op, cls):
+    check_abi(op, cls())  # raises on any difference
+
+
+@pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
+def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
+    ptx = kernel_ptx(op, cls())
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_matmul.THREADS, ptx), "block differs from THREADS"
+    assert re.search(r"\.minnctapersm\s+%d" % grouped_matmul.CTAS_PER_SM, ptx)
+    forms = sorted(re.findall(WGMMA, ptx))
+    k16 = grouped_matmul.TILE_K // 16
+    # The forward: K-major rows by a K-major (w_k_major) or an MN-major weight; the weights' gradient: both
+    # operands MN-major (x^T and dy).
+    want = [("0", "0")] * k16 + [("0", "1")] * k16 if op is abi.GROUPED_MATMUL else [("1", "1")] * k16
+    assert forms == sorted(want)
+    assert ptx.count("fence.proxy.async.shared::cta") == 1 and ptx.count("wgmma.commit_group.sync.aligned") >= 1
+    assert ptx.index("fence.proxy.async.shared::cta") < ptx.index("wgmma.mma_async")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_descriptor_fields_follow_ptx():
+    """Leading byte offset >> 4 at bits 16-29, stride >> 4 at 32-45, 128-byte swizzle (1) at 62-63."""
+    bits = descriptor_fields(8192, 1024)
+    assert (bits >> 16) & 0x3FFF == 8192 // 16 and (bits >> 32) & 0x3FFF == 1024 // 16 and bits >> 62 == 1
+    assert bits & 0xFFFF == 0 and (bits >> 46) & 0xFFFF == 0  # start address and base offset are the caller's
+    with pytest.raises(ValueError, match="leading_bytes=8 must be a multiple of 16"):
+        descriptor_fields(8, 1024)
+    with pytest.raises(ValueError, match=r"stride_bytes=262144 must be a multiple of 16 below 256 KB"):
+        descriptor_fields(16, 1 << 18)
