@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import pathlib
 
 import numpy as np
 
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.layout import TRACE, TRACE_LAYERS, EpLayout, stride
+from jax_latent_ep.runtime.artifacts import ENV_VAR
 from jax_latent_ep.shapes import SHAPES
 
-DEFAULT_ARTIFACTS = pathlib.Path(__file__).resolve().parents[2] / "jax_latent_ep" / "_artifacts"
+#: The cubins the harness loads: `JAX_LATENT_EP_ARTIFACTS` where set (as for the library, `runtime.artifacts`),
+#: else the source tree's build.
+DEFAULT_ARTIFACTS = pathlib.Path(os.environ.get(ENV_VAR) or
+                                 pathlib.Path(__file__).resolve().parents[2] / "jax_latent_ep" / "_artifacts")
 
 #: The kernels' parameters in launch order: the ABI's (`kernels/abi.py`), never listed here again.
 DISPATCH_PARAMS = abi.DISPATCH.names()
