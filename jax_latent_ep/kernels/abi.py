@@ -103,6 +103,8 @@ class Kernel:
     params: tuple[Param, ...]
     #: The op whose parameters (and C struct) these are, when they are another kernel's.
     params_of: str | None = None
+    #: The archs it is built for, when not every one (`wgmma` is sm_90a's); None: all.
+    archs: tuple[str, ...] | None = None
 
     def signature(self) -> tuple[tuple[str, str], ...]:
         """`((name, ctype), ...)` in order: what the manifest records and the FFI wrapper checks."""
@@ -269,7 +271,7 @@ GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_tiles", "i32", False, "tiles of the list"),
     Param("w_k_major", "i32", False, "1: `w` is [G, num_n, num_k] (out = x @ w[g].T), 0: [G, num_k, num_n]"),
-))
+), archs=("sm_90a",))
 
 #: The weights' gradient of the grouped matmul (`kernels/grouped_matmul.py`, sm_90a `wgmma`): for each group,
 #: `x_g^T @ dy_g` over its pairs (FP32 accumulation) rounded to BF16; 0 for an empty group.
@@ -281,7 +283,7 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("num_k", "i32", False, "rows of each group's gradient, a multiple of 128"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_groups", "i32", False, "groups"),
-))
+), archs=("sm_90a",))
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
                              GROUPED_MATMUL, GROUPED_MATMUL_WGRAD)}

@@ -43,8 +43,6 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
               "grouped_matmul_wgrad": "grouped_matmul"}
-#: Shape-free kernels built for some archs only (`wgmma` is sm_90a's).
-ONLY_ARCHS = {"grouped_matmul": ("sm_90a",), "grouped_matmul_wgrad": ("sm_90a",)}
 MANIFEST_VERSION = 1
 
 
@@ -60,7 +58,8 @@ def default_variants(archs=ARCHS):
         for shape, all_ranks in DEFAULT_RANKS.items()
         for ranks in all_ranks
         for kernel in KERNELS
-    ] + [(kernel, "any", 0, arch) for arch in archs for kernel in SHAPE_FREE if arch in ONLY_ARCHS.get(kernel, archs)]
+    ] + [(kernel, "any", 0, arch) for arch in archs for kernel in SHAPE_FREE
+         if arch in (abi.KERNELS[kernel].archs or archs)]
 
 
 def _parse_only(items):

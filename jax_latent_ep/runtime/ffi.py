@@ -400,8 +400,6 @@ GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
 EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
                   "grouped_matmul_wgrad")
-#: Expert kernels built for some archs only (`runtime.build.ONLY_ARCHS`): loaded where they exist.
-EXPERT_KERNEL_ARCHS = {"grouped_matmul": ("sm_90a",), "grouped_matmul_wgrad": ("sm_90a",)}
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
@@ -472,8 +470,8 @@ def load_expert_kernels(devices) -> None:
             ordinal = int(getattr(device, "local_hardware_id", device.id))
             arch = gpu_arch(device)
             for op in EXPERT_KERNELS:
-                if arch not in EXPERT_KERNEL_ARCHS.get(op, (arch,)):
-                    continue
+                if arch not in (abi.KERNELS[op].archs or (arch,)):
+                    continue  # built for other archs only (`abi.Kernel.archs`)
                 image = find_standalone_kernel(op, arch)
                 if lib.ep_register_kernel(op.encode(), ordinal, image.cubin, len(image.cubin), image.name.encode(),
                                           image.block, image.smem):

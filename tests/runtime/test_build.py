@@ -137,3 +137,13 @@ def test_check_installed_cli_imports_no_cutlass(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "manifest.json is missing" in result.stderr
     assert "cutlass imported" not in result.stderr
+
+
+def test_kernels_of_one_arch_are_built_for_it_only():
+    """A kernel whose ABI names its archs (`abi.Kernel.archs`: the wgmma grouped matmuls, sm_90a) is in the default
+    build for those archs only; the others for every arch."""
+    variants = build.default_variants(("sm_90a", "sm_100a"))
+    for kernel in build.SHAPE_FREE:
+        archs = {a for k, _, _, a in variants if k == kernel}
+        assert archs == set(abi.KERNELS[kernel].archs or ("sm_90a", "sm_100a")), kernel
+    assert {a for k, _, _, a in variants if k == "grouped_matmul"} == {"sm_90a"}
