@@ -25,8 +25,6 @@ columns with `wgmma.mma_async.m64n128k16` (four a stage) while the next stages' 
 
 from __future__ import annotations
 
-import warnings
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -187,8 +185,8 @@ class _Ring:
             else:
                 desc_b = smem_descriptor(b_tile + Uint32(k16 * 32), 16, 1024)
             new = wgmma_bf16_m64n128k16([acc[i] for i in range(ACC)], desc_a, desc_b, a_mn_major, b_mn_major)
-            for i in cutlass.range_constexpr(ACC):
-                acc[i] = new[i]
+            for i, value in enumerate(new):  # a Python loop over the 64 registers: unrolled as traced
+                acc[i] = value
 
     @cute.jit
     def load_stage(self, slot: Uint32, a_base: Int64, a_src, a_line, a_limit: Int32, a_offset: Int64, b_base: Int64,
@@ -372,19 +370,12 @@ GroupedMatmulWgrad.kernel.set_name_prefix(abi.GROUPED_MATMUL_WGRAD.symbol, remov
 # Compile
 
 
-def _compile(op: abi.Kernel, kernel, arch: str):
-    with warnings.catch_warnings():
-        # The 64 accumulators' copies are unrolled on purpose (registers, never a loop over them).
-        warnings.filterwarnings("ignore", message="This static loop has")
-        return compile_cubin(op, kernel, arch)
-
-
 def compile_grouped_matmul(arch: str = "sm_90a", **ring):
     """Compiles the grouped matmul for `arch` (sm_90a only: `wgmma`; `ring`: `_Ring`'s settings); returns
     `(symbol, cubin bytes)`."""
-    return _compile(abi.GROUPED_MATMUL, GroupedMatmul(**ring), arch)
+    return compile_cubin(abi.GROUPED_MATMUL, GroupedMatmul(**ring), arch)
 
 
 def compile_grouped_matmul_wgrad(arch: str = "sm_90a", **ring):
     """Compiles the weights' gradient kernel for `arch` (sm_90a only); returns `(symbol, cubin bytes)`."""
-    return _compile(abi.GROUPED_MATMUL_WGRAD, GroupedMatmulWgrad(**ring), arch)
+    return compile_cubin(abi.GROUPED_MATMUL_WGRAD, GroupedMatmulWgrad(**ring), arch)
