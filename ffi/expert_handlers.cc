@@ -420,7 +420,7 @@ struct GroupedMatmul {
         .template Ctx<ffi::DeviceOrdinal>()   // the device, key of the kernel registry
         .template Arg<ffi::AnyBuffer>()       // x: bf16 [P, K] the pairs' rows, sorted by group
         .template Arg<ffi::AnyBuffer>()       // w: bf16 [G, K, N], or [G, N, K] with w_k_major
-        .template Arg<ffi::AnyBuffer>()       // tiles: int32 [T, 4] (group, first pair, pairs <= 128, 0)
+        .template Arg<ffi::AnyBuffer>()       // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used tiles)
         .template Ret<ffi::AnyBuffer>()       // out: bf16 [P, N]; rows outside every tile untouched
         .template Attr<int64_t>("w_k_major");  // 1: w is [G, N, K] (out = x @ w[g].T)
   }

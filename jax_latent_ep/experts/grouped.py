@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.autodiff import _varying, varying_axes
+from jax_latent_ep.experts.planning import chunks
 from jax_latent_ep.experts.xla import _glu
 
 GMM_IMPLEMENTATIONS = ("xla", "mosaic", "wgmma")
@@ -155,20 +156,11 @@ def _mosaic_weights_grad(x, dy, group_sizes):
 
 
 def tiles(group_sizes, num_rows: int):
-    """int32 `[ceil(num_rows / TILE_M) + G - 1, 4]`: the project kernel's tile list, `(group, first row, rows, 0)`
-    for each run of at most `TILE_M` rows of one group in group order, then tiles of 0 rows (the static bound: each
-    non-empty group adds at most one partial tile)."""
-    from jax_latent_ep.kernels.abi import MATMUL_TILE_M as tm
+    """int32 `[W, 4]`: the wgmma kernel's tile list, `planning.chunks` of at most `MATMUL_TILE_M` rows of one group
+    (the grouped GEMM's work list in larger chunks)."""
+    from jax_latent_ep.kernels.abi import MATMUL_TILE_M
 
-    g = group_sizes.shape[0]
-    per = (group_sizes + tm - 1) // tm
-    tile_end = jnp.cumsum(per)
-    row_start = jnp.cumsum(group_sizes) - group_sizes
-    t = jnp.arange(-(-num_rows // tm) + g - 1, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1).astype(jnp.int32)
-    j = t - (tile_end - per)[group]
-    rows = jnp.where(t < tile_end[-1], jnp.minimum(tm, group_sizes[group] - j * tm), 0)
-    return jnp.stack([group, row_start[group] + j * tm, rows, jnp.zeros_like(t)], axis=1).astype(jnp.int32)
+    return chunks(group_sizes, num_rows, MATMUL_TILE_M)
 
 
 def _wgmma_forward(x, w, group_sizes, transpose_w):

@@ -188,21 +188,27 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
 
 
 def work_items(pl: Plan, block_m: int = abi.GEMM_BLOCK_M):
-    """int32 `[W, 4]` work list of the grouped GEMM kernel (and of the "scan" implementation): `(local expert, first pair, pairs <= block_m, items)` for
-    each `block_m`-chunk of each non-empty group in expert order, then `(., ., 0, items)` (nothing to do); `items`,
-    the same in every row, is the number of non-empty ones (the kernel's grid covers only those).
-    `W = min(J, C) + C // block_m`, a static bound: a group of `s > 0` pairs takes `ceil(s / block_m) <= 1 +
-    (s - 1) // block_m` items."""
-    gs = pl.group_sizes
-    j, cap = pl.num_local_experts, pl.capacity
-    num_work = min(j, cap) + cap // block_m
-    chunks = (gs + block_m - 1) // block_m
-    incl = jnp.cumsum(chunks)
+    """int32 `[W, 4]` work list of the grouped GEMM kernel (and of the "scan" implementation): `chunks` of the plan's
+    group sizes, `block_m` pairs at most, `W = min(J, C) + C // block_m`."""
+    return chunks(pl.group_sizes, pl.capacity, block_m)
+
+
+def chunks(group_sizes, num_rows: int, block_m: int):
+    """int32 `[W, 4]`: `(group, first row, rows <= block_m, items)` for each `block_m`-chunk of each non-empty group
+    of `group_sizes` (int32 `[G]`, rows sorted by group, `sum <= num_rows`) in group order, then `(., ., 0, items)`
+    (nothing to do); `items`, the same in every row, is the number of non-empty ones. `W = min(G, num_rows) +
+    num_rows // block_m`, a static bound: a group of `s > 0` rows takes `ceil(s / block_m) <= 1 + (s - 1) //
+    block_m` chunks. The work lists of the grouped GEMM (`work_items`) and of the wgmma grouped matmul."""
+    gs = group_sizes
+    j = gs.shape[0]
+    num_work = min(j, num_rows) + num_rows // block_m
+    per = (gs + block_m - 1) // block_m
+    incl = jnp.cumsum(per)
     offsets = jnp.cumsum(gs) - gs
     w = jnp.arange(num_work, dtype=jnp.int32)
     # compare_all: one fused comparison (the default method is a loop, a device-host round trip per step on GPUs)
     g = jnp.minimum(jnp.searchsorted(incl, w, side="right", method="compare_all"), j - 1).astype(jnp.int32)
-    m = w - (incl[g] - chunks[g])
+    m = w - (incl[g] - per[g])
     rows = jnp.where(w < incl[-1], jnp.clip(gs[g] - m * block_m, 0, block_m), 0)
     items = jnp.broadcast_to(incl[-1], g.shape)
     return jnp.stack([g, offsets[g] + m * block_m, rows, items], axis=1).astype(jnp.int32)

@@ -264,8 +264,8 @@ ROW_SUM = Kernel("row_sum", "ep_row_sum", (
 GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
     _address("x", "bf16 [P, num_k]: the pairs' rows, sorted by group"),
     _address("w", "bf16 [G, num_k, num_n] (`w_k_major` 0) or [G, num_n, num_k] (1): each group's weight"),
-    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= 128, 0) per tile, the used first; pairs 0: "
-             "none"),
+    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= 128, used tiles) per tile, the used "
+             "first; pairs 0: none"),
     _address("out", "bf16 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
