@@ -11,7 +11,9 @@ from N sources, each token's K ids uniform over the NJ experts, so about `T * K`
 `capacity_factor` 1.25 (overflow dropped). A program is `--layers` residual layers `x += stage(x)`, each with its
 own weights (one routing), and the loss `sum(y * dout)`; times are medians of `--repeats` runs, per layer. The
 plain reference (`plain`): a dense SwiGLU MLP, batched over the J experts with `ceil(pairs / J)` rows each (the same
-GEMM shapes, none ragged: cuBLAS's rate for them), in the same program shape.
+GEMM shapes, none ragged: cuBLAS's rate for them), in the same program shape, differentiated by XLA; `plain_bf16`
+the same with a backward of plain batched bf16 GEMMs (FP32 accumulation, bf16 out: cuBLAS's rate for the
+backward's shapes).
 
 With `--profile K` (a GPU), each forward + backward program's K kernels of the most GPU time are printed (where the
 backward's time goes; a diagnosis, no rows). With `--layer`, the whole `MoELayer` too (router, K3's latent
@@ -19,8 +21,10 @@ projections and norm or K2's shared expert, dispatch and combine on the xla back
 experts, rows `training/<model>/layer/<impl>`.
 
 Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
-(the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `fwd_of_plain`,
-`fwd_bwd_of_plain` (the rate over `plain`'s), `fwd_temp_GB`, `fwd_bwd_temp_GB` (the compiled programs'
+(the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `bwd_tflops` (twice the
+forward's FLOPs over `fwd_bwd_ms - fwd_ms`), `fwd_of_plain`, `fwd_bwd_of_plain` (the rate over `plain`'s),
+`bwd_of_plain_fwd`, `bwd_of_plain_bf16_bwd` (the backward's rate over `plain`'s forward rate, over `plain_bf16`'s
+backward rate), `fwd_temp_GB`, `fwd_bwd_temp_GB` (the compiled programs'
 temporaries, all layers), `pairs`. An implementation that fails is printed and has no rows.
 """
 
@@ -105,9 +109,33 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, prof
         h = (jax.nn.silu(mm(xe, w[0])) * mm(xe, w[1])).astype(jnp.bfloat16)
         return mm(h, w[2])
 
+    @jax.custom_vjp
+    def plain_bf16_stage(xe, w):
+        return plain_stage(xe, w)
+
+    def plain_bf16_fwd(xe, w):
+        mm = lambda a, b: jnp.einsum("jml,jli->jmi", a, b, preferred_element_type=jnp.float32)  # noqa: E731
+        g, u = mm(xe, w[0]).astype(jnp.bfloat16), mm(xe, w[1]).astype(jnp.bfloat16)
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u).astype(jnp.bfloat16)
+        return mm(h, w[2]), (xe, w, g, u, h)
+
+    def plain_bf16_bwd(res, dy):
+        # The backward's six GEMMs as plain batched bf16 GEMMs (FP32 accumulation, bf16 out): cuBLAS's rate for them.
+        xe, w, g, u, h = res
+        dy = dy.astype(jnp.bfloat16)
+        mm = lambda eq, a, b: jnp.einsum(eq, a, b, preferred_element_type=jnp.float32).astype(  # noqa: E731
+            jnp.bfloat16)
+        dh = mm("jmi,jli->jml", dy, w[2])
+        _, vjp = jax.vjp(lambda a, b: jax.nn.silu(a) * b, g.astype(jnp.float32), u.astype(jnp.float32))
+        dg, du = (d.astype(jnp.bfloat16) for d in vjp(dh.astype(jnp.float32)))
+        dx = (mm("jmi,jli->jml", dg, w[0]).astype(jnp.float32) + mm("jmi,jli->jml", du, w[1])).astype(jnp.bfloat16)
+        return dx, [mm("jml,jmi->jli", xe, dg), mm("jml,jmi->jli", xe, du), mm("jmi,jml->jil", h, dy)]
+
+    plain_bf16_stage.defvjp(plain_bf16_fwd, plain_bf16_bwd)
+
     rates = {}
     per_expert = -(-pairs // j)
-    cases = [("plain", None, {})] * plain + [(impl, impl, {}) for impl in impls] + [
+    cases = [("plain", None, {}), ("plain_bf16", None, {})] * plain + [(impl, impl, {}) for impl in impls] + [
         (f"mosaic-bm{bm}-bn{bn}-s{st}", "mosaic", dict(MOSAIC_BLOCK_M=bm, MOSAIC_BLOCK_N=bn, MOSAIC_STEPS=st))
         for bm, bn, st in tiles]
     for name, impl, consts in cases:
@@ -118,7 +146,8 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, prof
             if impl is None:  # every expert's rows in one batched dense MLP: `ceil(pairs / J)` rows an expert
                 case_flops = 2 * j * per_expert * lat * inter * 3
                 args = (jax.random.normal(keys[-2], (j, per_expert, lat), jnp.bfloat16), ws)
-                fwd, grad = program(plain_stage, jax.random.normal(keys[-1], (j, per_expert, lat), jnp.float32))
+                fwd, grad = program(plain_stage if name == "plain" else plain_bf16_stage,
+                                    jax.random.normal(keys[-1], (j, per_expert, lat), jnp.float32))
             else:
                 args = (x, ws)
                 fwd, grad = program(lambda x, w, impl=impl: experts.swiglu_rows(pl, x, *w, impl=impl), dout)
@@ -133,16 +162,21 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, prof
             for const, v in defaults.items():
                 setattr(experts.grouped, const, v)
         r_fwd, r_all = case_flops / t_fwd / 1e12, 3 * case_flops / t_all / 1e12
-        rates.setdefault(name, (r_fwd, r_all))
-        p_fwd, p_all = rates.get("plain", (float("nan"),) * 2)
+        r_bwd = 2 * case_flops / (t_all - t_fwd) / 1e12
+        rates.setdefault(name, (r_fwd, r_all, r_bwd))
+        p_fwd, p_all, _ = rates.get("plain", (float("nan"),) * 3)
+        p_bwd = rates.get("plain_bf16", (float("nan"),) * 3)[2]
         print(f"{model} T={t:5d} {name:10s}: fwd {t_fwd * 1e3:7.2f} ms {r_fwd:5.0f} TFLOPS ({r_fwd / p_fwd:4.2f} of "
-              f"plain), fwd+bwd {t_all * 1e3:7.2f} ms {r_all:5.0f} TFLOPS ({r_all / p_all:4.2f}), temporaries "
+              f"plain), fwd+bwd {t_all * 1e3:7.2f} ms {r_all:5.0f} TFLOPS ({r_all / p_all:4.2f}), bwd {r_bwd:5.0f} "
+              f"TFLOPS ({r_bwd / p_fwd:4.2f} of plain fwd, {r_bwd / p_bwd:4.2f} of plain_bf16 bwd), temporaries "
               f"{temps[0]:.1f} / {temps[1]:.1f} GB ({time.perf_counter() - start:.0f} s)", flush=True)
         b = f"training/{model}/{name}"
         rows += [(b, t, "fwd_ms", t_fwd * 1e3), (b, t, "fwd_bwd_ms", t_all * 1e3), (b, t, "fwd_tflops", r_fwd),
-                 (b, t, "fwd_bwd_tflops", r_all), (b, t, "fwd_temp_GB", temps[0]), (b, t, "fwd_bwd_temp_GB", temps[1])]
+                 (b, t, "fwd_bwd_tflops", r_all), (b, t, "bwd_tflops", r_bwd), (b, t, "fwd_temp_GB", temps[0]),
+                 (b, t, "fwd_bwd_temp_GB", temps[1])]
         if plain:
-            rows += [(b, t, "fwd_of_plain", r_fwd / p_fwd), (b, t, "fwd_bwd_of_plain", r_all / p_all)]
+            rows += [(b, t, "fwd_of_plain", r_fwd / p_fwd), (b, t, "fwd_bwd_of_plain", r_all / p_all),
+                     (b, t, "bwd_of_plain_fwd", r_bwd / p_fwd), (b, t, "bwd_of_plain_bf16_bwd", r_bwd / p_bwd)]
         if profile:
             print_profile(grad, args, layers, profile)
     return rows

@@ -470,7 +470,7 @@ static_assert(visited_count<ep_abi::GroupedMatmulParams>() == ep_abi::kGroupedMa
 
 // ---------------------------------------------------------------------------------------------------------
 // grouped_matmul_wgrad(x, dy, groups) -> dw: the weights' gradient of the grouped matmul (kernels/grouped_matmul.py,
-// sm_90a), a CTA per (group, 128 rows, 128 columns) of dw.
+// sm_90a), a CTA per (group, 128 rows of dw, tiles_per_cta of its 128-column blocks), about kMatmulWgradCtas CTAs.
 
 struct GroupedMatmulWgrad {
   static constexpr const char* kWhat = "grouped_matmul_wgrad";
@@ -509,7 +509,13 @@ struct GroupedMatmulWgrad {
         e.failure()) {
       return e;
     }
-    l.grid = static_cast<unsigned>(blocks);
+    // Column blocks a CTA computes in turn: as many as keep about kMatmulWgradCtas CTAs, spread evenly.
+    const int64_t column_tiles = N / ep_abi::kMatmulTileN;
+    int64_t per = blocks / ep_abi::kMatmulWgradCtas;
+    per = per < 1 ? 1 : (per > column_tiles ? column_tiles : per);
+    per = (column_tiles + (column_tiles + per - 1) / per - 1) / ((column_tiles + per - 1) / per);
+    const int64_t column_ctas = (column_tiles + per - 1) / per;  // the kernel's own split of a row of blocks
+    l.grid = static_cast<unsigned>(blocks / column_tiles * column_ctas);
     l.params = make_params(ep_abi::GroupedMatmulWgradParams{
         .x = address(x.untyped_data()),
         .dy = address(dy.untyped_data()),
@@ -518,6 +524,7 @@ struct GroupedMatmulWgrad {
         .num_k = static_cast<int32_t>(K),
         .num_n = static_cast<int32_t>(N),
         .num_groups = static_cast<int32_t>(G),
+        .tiles_per_cta = static_cast<int32_t>(per),
     });
     return ffi::Error::Success();
   }

@@ -29,10 +29,11 @@ def _gpu_count() -> int:
 
 def _artifacts_problem():
     try:
-        from jax_latent_ep.runtime import build
-    except ImportError as error:  # pragma: no cover
+        from jax_latent_ep.runtime import artifacts, build
+        out = artifacts.find(artifacts.MANIFEST).parent  # where the library and the harness read them
+    except (ImportError, FileNotFoundError) as error:  # pragma: no cover
         return str(error)
-    problems = build.check_installed(build.DEFAULT_OUT, archs=("sm_90a",), complete=False)
+    problems = build.check_installed(out, archs=("sm_90a",), complete=False)
     if problems:
         return problems[0]
     from tools.kernel_harness import Manifest

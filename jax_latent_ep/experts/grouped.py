@@ -191,3 +191,84 @@ def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
     mm = lambda a, w: gmm(a, w, gs, impl=impl).astype(jnp.float32)  # noqa: E731
     h = _glu(mm(xp, w_gate), None if w_up is None else mm(xp, w_up), w_down.shape[1])
     return mm(h, w_down)
+
+
+def swiglu_rows(pl, xb, w_gate, w_up, w_down, impl: str, out_dtype):
+    """`_row_sums(pl, swiglu_pairs(...), out_dtype)` with a VJP of its own: the same forward, and a backward of
+    gathers where autodiff's would scatter (each pair belongs to one row, each row names its pairs in
+    `pl.row_pairs`):
+
+    - the pairs' cotangent `dy[p] = bf16(weight[p] * dout[row[p]])`, the routing weight's `<y[p], dout[row[p]]>`;
+    - down's, SwiGLU's, gate's and up's gradients as in `gmm`'s VJP (`dh`, `d gate`, `d up` rounded to bf16 once);
+    - the rows' `dxb[r] = bf16(sum_m (dx_gate + dx_up)[row_pairs[r, m]])`, FP32 in slot order, rounded once.
+
+    Arguments as `swiglu_pairs`; `out_dtype` that of `experts.swiglu`."""
+    for w, a_cols in ((w_gate, xb.shape[1]), (w_up, xb.shape[1]), (w_down, w_down.shape[1])):
+        if w is not None:
+            check_gmm(jax.ShapeDtypeStruct((pl.capacity, a_cols), xb.dtype), w, pl.group_sizes, impl)
+    # Inside a shard_map every operand enters varying over the same axes (as `gmm`'s).
+    ops = (xb, w_gate, w_up, w_down, pl.weight, pl.row, pl.group_sizes, pl.count, pl.row_pairs)
+    axes = _axes(*(a for a in ops if a is not None))
+    ops = tuple(None if a is None else _vary(a, axes) for a in ops)
+    return _stage(impl, jnp.dtype(out_dtype), *ops)
+
+
+def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
+    """(per-pair bf16 down outputs, residuals) of `swiglu_rows`."""
+    xp = xb[row]
+    g = _FORWARD[impl](xp, w_gate, group_sizes, False)
+    u = None if w_up is None else _FORWARD[impl](xp, w_up, group_sizes, False)
+    h = _glu(g.astype(jnp.float32), None if u is None else u.astype(jnp.float32), w_down.shape[1])
+    return _FORWARD[impl](h, w_down, group_sizes, False), (g, u, h)
+
+
+def _pair_row_sums(y, weight, row_pairs, count, out_dtype):
+    """`[R, L]`: each row's FP32 sum of `weight[p] * y[p]` over the pairs it names, slot order (`_row_sums`)."""
+    valid = row_pairs < count
+    safe = jnp.minimum(row_pairs, y.shape[0] - 1)
+    coef = weight[safe] if weight is not None else jnp.ones(safe.shape, jnp.float32)
+    acc = jnp.zeros((row_pairs.shape[0], y.shape[1]), jnp.float32)
+    for m in range(row_pairs.shape[1]):  # ascending first slot: a fixed order
+        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]].astype(jnp.float32) * coef[:, m : m + 1], 0.0)
+    return acc.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _stage(impl, out_dtype, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
+    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs)
+    return _pair_row_sums(y, weight, row_pairs, count, out_dtype)
+
+
+def _stage_fwd(impl, out_dtype, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
+    y, (g, u, h) = _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs)
+    res = (xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs, y, g, u, h)
+    return _pair_row_sums(y, weight, row_pairs, count, out_dtype), res
+
+
+def _stage_bwd(impl, out_dtype, res, dout):
+    xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs, y, g, u, h = res
+    live = (jnp.arange(row.shape[0], dtype=jnp.int32) < count)[:, None]
+    d_rows = dout[row].astype(jnp.float32)  # [C, L]: each pair's row's cotangent (a gather, no scatter)
+    dy = jnp.where(live, weight[:, None] * d_rows, 0.0).astype(jnp.bfloat16)
+    dweight = jnp.where(live[:, 0], jnp.sum(y.astype(jnp.float32) * d_rows, axis=1), 0.0)
+    dh = _FORWARD[impl](dy, w_down, group_sizes, True)
+    dw_down = _WEIGHTS_GRAD[impl](h, dy, group_sizes).astype(w_down.dtype)
+    inter = w_down.shape[1]
+    gate, up = (g, u) if u is not None else (g[:, :inter], g[:, inter:])
+    _, glu_vjp = jax.vjp(lambda a, b: jax.nn.silu(a) * b, gate.astype(jnp.float32), up.astype(jnp.float32))
+    d_gate, d_up = (d.astype(jnp.bfloat16) for d in glu_vjp(dh.astype(jnp.float32)))
+    xp = xb[row]
+    if u is None:
+        d_g = jnp.concatenate([d_gate, d_up], axis=1)
+        dx = [_FORWARD[impl](d_g, w_gate, group_sizes, True)]
+        dw_gate, dw_up = _WEIGHTS_GRAD[impl](xp, d_g, group_sizes).astype(w_gate.dtype), None
+    else:
+        dx = [_FORWARD[impl](d_gate, w_gate, group_sizes, True), _FORWARD[impl](d_up, w_up, group_sizes, True)]
+        dw_gate = _WEIGHTS_GRAD[impl](xp, d_gate, group_sizes).astype(w_gate.dtype)
+        dw_up = _WEIGHTS_GRAD[impl](xp, d_up, group_sizes).astype(w_up.dtype)
+    dx_pairs = dx[0].astype(jnp.float32) if len(dx) == 1 else dx[0].astype(jnp.float32) + dx[1].astype(jnp.float32)
+    dxb = _pair_row_sums(dx_pairs, None, row_pairs, count, xb.dtype)
+    return dxb, dw_gate, dw_up, dw_down, dweight, None, None, None, None
+
+
+_stage.defvjp(_stage_fwd, _stage_bwd)

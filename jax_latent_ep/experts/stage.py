@@ -8,20 +8,22 @@ import jax
 import jax.numpy as jnp
 
 from jax_latent_ep.experts.formats import _BF16, _FORMATS, KERNEL_FORMATS, _check_weights, _format
+from jax_latent_ep.experts import grouped
 from jax_latent_ep.experts.grouped import swiglu_pairs
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
 from jax_latent_ep.experts.planning import Plan, plan, plan_kernel_fits
 from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, _scan, activations
 from jax_latent_ep.received import Received
 
+#: The implementations on `grouped.gmm`, and the `gmm` implementation each runs.
+GMM_STAGE = {"gmm": "xla", "mosaic": "mosaic", "wgmma": "wgmma"}
 #: name -> fn(plan, xb bf16 [R, L], w_gate, w_up or None, w_down, expected_pairs, mx) -> FP32 per-pair outputs [C, L]
 #: (`expected_pairs`: a hint for how the kernel splits its work; `mx`: the MXFP8 rows `xb` came from, or None, which
 #: the kernel takes with FP8 weights; the XLA implementations ignore both).
 IMPLEMENTATIONS: dict[str, Callable] = {
     "ragged_dot": _ragged_dot, "scan": _scan, "gather": _gather, "dense": _dense, "kernel": _kernel,
-    "gmm": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "xla"),
-    "mosaic": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "mosaic"),
-    "wgmma": lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None: swiglu_pairs(pl, xb, wg, wu, wd, "wgmma"),
+    **{name: lambda pl, xb, wg, wu, wd, expected_pairs=None, mx=None, impl=impl: swiglu_pairs(pl, xb, wg, wu, wd, impl)
+       for name, impl in GMM_STAGE.items()},
 }
 #: The implementations that run on NVIDIA GPUs only ("mosaic", "wgmma": Hopper).
 GPU_ONLY = frozenset({"kernel", "mosaic", "wgmma"})
@@ -45,6 +47,8 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
+    if impl in GMM_STAGE:  # the same forward, with a backward of gathers (`grouped.swiglu_rows`)
+        return grouped.swiglu_rows(pl, xb, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)
     return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx), out_dtype)
 
 

@@ -63,6 +63,9 @@ MATMUL_TILE_M = 128
 MATMUL_TILE_N = 128
 MATMUL_TILE_K = 64
 MATMUL_TILE_WORDS = 4
+#: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
+#: one, the ring running on across them): enough for every SM to take several in turn.
+MATMUL_WGRAD_CTAS = 1024
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -283,6 +286,7 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("num_k", "i32", False, "rows of each group's gradient, a multiple of 128"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_groups", "i32", False, "groups"),
+    Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
@@ -406,6 +410,7 @@ def header() -> str:
         f"constexpr int kMatmulTileN = {MATMUL_TILE_N};",
         f"constexpr int kMatmulTileK = {MATMUL_TILE_K};",
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
+        f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -12,9 +12,10 @@ pair, pairs)`, the used tiles first, then tiles of 0 pairs); CTA `c` computes ti
 read from HBM about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst
 case. Rows past the tile's pairs are zero-filled and never stored.
 
-`GroupedMatmulWgrad`: CTA `c` computes the `TILE_M x TILE_N` block `(c / (num_n / TILE_N)) % (num_k / TILE_M)`,
-`c % (num_n / TILE_N)` of group `c / (num_k num_n / TILE_M / TILE_N)`'s gradient, contracting over the group's pairs
-`TILE_K` at a time (rows past the group zero-filled); an empty group's block is 0.
+`GroupedMatmulWgrad`: with `C = ceil(num_n / TILE_N / tiles_per_cta)` CTAs a row of blocks, CTA `c` computes, in
+turn, the `TILE_M x TILE_N` blocks of rows `(c / C) % (num_k / TILE_M)` and columns `(c % C) tiles_per_cta ..` of
+group `c / (C num_k / TILE_M)`'s gradient, each contracting over the group's pairs `TILE_K` at a time (rows past the
+group zero-filled; the ring runs on from one block to the next); an empty group's blocks are 0.
 
 Both run the contraction through a `STAGES`-deep ring of `cp.async` copies into shared memory laid out as `wgmma`
 reads it with the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at chunk `c ^ (l % 8)`, 1024-byte
@@ -119,42 +120,52 @@ class _Ring:
                     min_blocks_per_mp=self.ctas_per_sm if self.ctas_per_sm > 1 else 0)
 
     @cute.jit
-    def contract(self, acc, steps: Int32, warpgroup_live, a_base: Int64, a_src, a_line, a_limit: Int32,
-                 a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64, limit_step: Int32, dst,
-                 a_mn_major: cutlass.Constexpr, b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32):
-        """Accumulates `steps` stages into `acc`. Chunk `i` of operand A copies `a_src[i] + s a_step` at stage `s`,
-        16 bytes if `a_line[i] < a_limit - s limit_step`, else 16 zeros (named by `a_base`, the operand's start,
-        never past it; B likewise); the warpgroup multiplies only if `warpgroup_live`. `b_mn_major_runtime` (with
-        `b_mn_major` False) picks the B layout at run time."""
+    def contract(self, acc, steps: Int32, blocks: Int32, warpgroup_live, a_base: Int64, a_src, a_line,
+                 a_limit: Int32, a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64,
+                 b_block_step: Int64, limit_step: Int32, dst, a_mn_major: cutlass.Constexpr,
+                 b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32, out: Int64, row0: Int64, rows: Int32,
+                 num_n: Int32, n0: Int32):
+        """Computes `blocks` output blocks in turn, each `steps` contraction stages into `acc` (zeroed first), and
+        stores block `b` (`store`: rows `row0 ..` of `out`, columns `n0 + b TILE_N ..`). Chunk `i` of operand A
+        copies `a_src[i] + s a_step` at stage `s` of every block, 16 bytes if `a_line[i] < a_limit - s limit_step`,
+        else 16 zeros (named by `a_base`, the operand's start, never past it); B likewise, block `b` `b b_block_step`
+        further. The ring runs on across blocks: the next block's first copies land while this one's last MMAs
+        run and its results are stored. The warpgroup multiplies only if `warpgroup_live`; `b_mn_major_runtime`
+        (with `b_mn_major` False) picks the B layout at run time. `steps` 0: every block stores zeros."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 1024)
         ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
         tid, _, _ = cute.arch.thread_idx()
         warpgroup = Int32(tid) // 128
+        acc.fill(0.0)
+        if steps == 0:
+            for b in range(blocks):
+                self.store(acc, out, row0, rows, num_n, n0 + b * TILE_N)
+        total = steps * blocks
 
         ahead_stages = self.stages - 1 - self.pending
         # ---- Prologue: stages 0 .. ahead_stages - 1 in flight (a group committed for each, empty past the last).
         for s in cutlass.range_constexpr(ahead_stages):
-            if s < steps:
-                self.load_stage(ring + Uint32(s * STAGE_BYTES), a_base, a_src, a_line, a_limit - s * limit_step,
-                                Int64(s) * a_step, b_base, b_src, b_line, b_limit - s * limit_step, Int64(s) * b_step,
-                                dst)
+            if s < total:
+                self.load_stage(ring + Uint32(s * STAGE_BYTES), s, steps, a_base, a_src, a_line, a_limit, a_step,
+                                b_base, b_src, b_line, b_limit, b_step, b_block_step, limit_step, dst)
             cp_async_commit()
 
-        # ---- Main loop. Invariant at the barrier of step kt: stage kt is in shared memory for both warpgroups,
-        # and every MMA of step kt - 1 - pending completed, so its slot takes step kt + ahead_stages.
-        for kt in range(steps):
+        # ---- Main loop. Invariant at the barrier of stage t: stage t is in shared memory for both warpgroups,
+        # and every MMA of stage t - 1 - pending completed, so its slot takes stage t + ahead_stages (of this
+        # block or the next).
+        for t in range(total):
             cp_async_wait(ahead_stages - 1)
             fence_proxy_async_shared()
             cute.arch.sync_threads()
-            ahead = kt + ahead_stages
-            if ahead < steps:
-                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), a_base, a_src, a_line,
-                                a_limit - ahead * limit_step, Int64(ahead) * a_step, b_base, b_src, b_line,
-                                b_limit - ahead * limit_step, Int64(ahead) * b_step, dst)
+            ahead = t + ahead_stages
+            if ahead < total:
+                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), ahead, steps, a_base, a_src,
+                                a_line, a_limit, a_step, b_base, b_src, b_line, b_limit, b_step, b_block_step,
+                                limit_step, dst)
             cp_async_commit()
             if warpgroup_live:
-                slot = ring + Uint32((kt % self.stages) * STAGE_BYTES)
+                slot = ring + Uint32((t % self.stages) * STAGE_BYTES)
                 wgmma_fence()
                 if cutlass.const_expr(b_mn_major):
                     self.multiply_stage(acc, slot, warpgroup, a_mn_major, True)
@@ -165,7 +176,10 @@ class _Ring:
                         self.multiply_stage(acc, slot, warpgroup, a_mn_major, False)
                 wgmma_commit()
                 wgmma_wait(self.pending)
-        wgmma_wait(0)
+            if (t + 1) % steps == 0:  # the block's last stage: its results out, the next block from 0
+                wgmma_wait(0)
+                self.store(acc, out, row0, rows, num_n, n0 + (t // steps) * TILE_N)
+                acc.fill(0.0)
 
     @cute.jit
     def multiply_stage(self, acc, slot: Uint32, warpgroup: Int32, a_mn_major: cutlass.Constexpr,
@@ -189,10 +203,17 @@ class _Ring:
                 acc[i] = value
 
     @cute.jit
-    def load_stage(self, slot: Uint32, a_base: Int64, a_src, a_line, a_limit: Int32, a_offset: Int64, b_base: Int64,
-                   b_src, b_line, b_limit: Int32, b_offset: Int64, dst):
-        """Issues this thread's copies of one stage into `slot`: chunk `i` of each operand 16 bytes from its source
-        `+ offset` if its line is below the operand's limit, else 16 zero bytes (naming the operand's base, unread)."""
+    def load_stage(self, slot: Uint32, stage: Int32, steps: Int32, a_base: Int64, a_src, a_line, a_limit: Int32,
+                   a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64, b_block_step: Int64,
+                   limit_step: Int32, dst):
+        """Issues this thread's copies of stage `stage` (block `stage / steps`, its stage `stage % steps`) into
+        `slot`: chunk `i` of each operand 16 bytes from its source at that stage if its line is below the operand's
+        limit there, else 16 zero bytes (naming the operand's base, unread); `contract` says where."""
+        k = stage % steps
+        a_offset = Int64(k) * a_step
+        b_offset = Int64(k) * b_step + Int64(stage // steps) * b_block_step
+        a_limit = a_limit - k * limit_step
+        b_limit = b_limit - k * limit_step
         for i in cutlass.range_constexpr(CHUNKS):
             src = a_base
             size = Uint32(0)
@@ -298,10 +319,9 @@ class GroupedMatmul(_Ring):
             if w_k_major != 0:
                 w_step = Int64(TILE_K * 2)
             acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
-            acc.fill(0.0)
-            self.contract(acc, num_k // TILE_K, rows > (tid // 128) * 64, x, x_src, lines, rows, Int64(TILE_K * 2),
-                          w, w_src, w_line, Int32(ALWAYS), w_step, Int32(0), dst, False, False, Int32(1) - w_k_major)
-            self.store(acc, out, Int64(first), rows, num_n, n0)
+            self.contract(acc, num_k // TILE_K, Int32(1), rows > (tid // 128) * 64, x, x_src, lines, rows,
+                          Int64(TILE_K * 2), w, w_src, w_line, Int32(ALWAYS), w_step, Int64(0), Int32(0), dst, False,
+                          False, Int32(1) - w_k_major, out, Int64(first), rows, num_n, n0)
 
 
 GroupedMatmul.kernel.set_name_prefix(abi.GROUPED_MATMUL.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
@@ -320,8 +340,10 @@ class GroupedMatmulWgrad(_Ring):
         num_k: Int32,
         num_n: Int32,
         num_groups: Int32,
+        tiles_per_cta: Int32,
     ):
-        self.kernel(x, dy, groups, dw, num_k, num_n, num_groups).launch(**self.launch_options([num_groups, 1, 1]))
+        self.kernel(x, dy, groups, dw, num_k, num_n, num_groups, tiles_per_cta).launch(
+            **self.launch_options([num_groups, 1, 1]))
 
     @cute.kernel
     def kernel(
@@ -333,16 +355,21 @@ class GroupedMatmulWgrad(_Ring):
         num_k: Int32,
         num_n: Int32,
         num_groups: Int32,
+        tiles_per_cta: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         cta = Int32(cta)
         column_tiles = num_n // TILE_N
+        column_ctas = (column_tiles + tiles_per_cta - 1) // tiles_per_cta
         row_tiles = num_k // TILE_M
-        n0 = (cta % column_tiles) * TILE_N
-        m0 = ((cta // column_tiles) % row_tiles) * TILE_M
-        group = cta // (column_tiles * row_tiles)
+        n0 = (cta % column_ctas) * tiles_per_cta * TILE_N
+        blocks = column_tiles - (cta % column_ctas) * tiles_per_cta
+        if blocks > tiles_per_cta:
+            blocks = tiles_per_cta
+        m0 = ((cta // column_ctas) % row_tiles) * TILE_M
+        group = cta // (column_ctas * row_tiles)
         griddepcontrol_wait()  # the groups, `x` and `dy` come from the previous kernels
         first = Int32(load_b32(groups + Int64(group) * 8))
         rows = Int32(load_b32(groups + Int64(group) * 8 + 4))
@@ -355,11 +382,10 @@ class GroupedMatmulWgrad(_Ring):
             dy_src.append(dy + (p * Int64(num_n) + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2)
             pair.append(Int32(line % 64))
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
-        acc.fill(0.0)
-        self.contract(acc, (rows + TILE_K - 1) // TILE_K, rows > 0, x, x_src, pair, rows,
+        self.contract(acc, (rows + TILE_K - 1) // TILE_K, blocks, rows > 0, x, x_src, pair, rows,
                       Int64(TILE_K) * Int64(num_k) * 2, dy, dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2,
-                      Int32(TILE_K), dst, True, True, Int32(1))
-        self.store(acc, dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
+                      Int64(TILE_N * 2), Int32(TILE_K), dst, True, True, Int32(1),
+                      dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
 
 
 GroupedMatmulWgrad.kernel.set_name_prefix(abi.GROUPED_MATMUL_WGRAD.symbol, remove_cutlass_symbol=True,
