@@ -22,7 +22,7 @@ experts, rows `training/<model>/layer/<impl>`.
 
 Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
 (the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `bwd_tflops` (twice the
-forward's FLOPs over `fwd_bwd_ms - fwd_ms`), `fwd_of_plain`, `fwd_bwd_of_plain` (the rate over `plain`'s),
+forward's FLOPs over `fwd_bwd_ms - fwd_ms`), `fwd_of_plain`, `fwd_bwd_of_plain` (the rate over `plain`'s, else `plain_bf16`'s),
 `bwd_of_plain_fwd`, `bwd_of_plain_bf16_bwd` (the backward's rate over `plain`'s forward rate, over `plain_bf16`'s
 backward rate), `fwd_temp_GB`, `fwd_bwd_temp_GB` (the compiled programs'
 temporaries, all layers), `pairs`. An implementation that fails is printed and has no rows.
@@ -66,8 +66,9 @@ def _routing(rng, t, j, k, ranks):
                     jnp.asarray(weights), jnp.asarray(src))
 
 
-def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, profile=0):
-    """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and "plain") at `model`, T = `t`,
+def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_bf16"), seed=0, profile=0):
+    """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and the references `plain`) at
+    `model`, T = `t`,
     and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`. With `profile` (a GPU), each forward +
     backward program's `profile` kernels of the most GPU time are printed (a diagnosis, no rows)."""
     import jax
@@ -135,7 +136,7 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, prof
 
     rates = {}
     per_expert = -(-pairs // j)
-    cases = [("plain", None, {}), ("plain_bf16", None, {})] * plain + [(impl, impl, {}) for impl in impls] + [
+    cases = [(ref, None, {}) for ref in plain] + [(impl, impl, {}) for impl in impls] + [
         (f"mosaic-bm{bm}-bn{bn}-s{st}", "mosaic", dict(MOSAIC_BLOCK_M=bm, MOSAIC_BLOCK_N=bn, MOSAIC_STEPS=st))
         for bm, bn, st in tiles]
     for name, impl, consts in cases:
@@ -164,8 +165,12 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=True, seed=0, prof
         r_fwd, r_all = case_flops / t_fwd / 1e12, 3 * case_flops / t_all / 1e12
         r_bwd = 2 * case_flops / (t_all - t_fwd) / 1e12
         rates.setdefault(name, (r_fwd, r_all, r_bwd))
-        p_fwd, p_all, _ = rates.get("plain", (float("nan"),) * 3)
-        p_bwd = rates.get("plain_bf16", (float("nan"),) * 3)[2]
+        # The plain forward rate: either reference's (the same forward); the whole step's: "plain"'s, else
+        # "plain_bf16"'s.
+        nan = (float("nan"),) * 3
+        p_fwd = max((rates[r][0] for r in ("plain", "plain_bf16") if r in rates), default=float("nan"))
+        p_all = rates.get("plain", rates.get("plain_bf16", nan))[1]
+        p_bwd = rates.get("plain_bf16", nan)[2]
         print(f"{model} T={t:5d} {name:10s}: fwd {t_fwd * 1e3:7.2f} ms {r_fwd:5.0f} TFLOPS ({r_fwd / p_fwd:4.2f} of "
               f"plain), fwd+bwd {t_all * 1e3:7.2f} ms {r_all:5.0f} TFLOPS ({r_all / p_all:4.2f}), bwd {r_bwd:5.0f} "
               f"TFLOPS ({r_bwd / p_fwd:4.2f} of plain fwd, {r_bwd / p_bwd:4.2f} of plain_bf16 bwd), temporaries "
@@ -262,7 +267,8 @@ def main(argv=None):
     p.add_argument("--mosaic-tiles", nargs="*", default=[], help="BM,BN,STEPS: 'mosaic' with these tiles too")
     p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
                    "jax_ragged_dot_use_gpu_pallas_triton_lowering=true), recorded in the backend name")
-    p.add_argument("--no-plain", dest="plain", action="store_false", help="leave the plain reference out")
+    p.add_argument("--plain", choices=("both", "xla", "bf16", "none"), default="both",
+                   help="the references: 'plain' (xla), 'plain_bf16' (bf16), both, or none")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="print each forward + backward program's K kernels of the most GPU time (a GPU only)")
     p.add_argument("--layer", action="store_true", help="the whole MoELayer too (N = 1, a rank's share of experts)")
@@ -279,13 +285,14 @@ def main(argv=None):
         name, value = item.split("=")
         jax.config.update(name, value.lower() == "true")
     device = jax.devices()[0].device_kind
+    refs = {"both": ("plain", "plain_bf16"), "xla": ("plain",), "bf16": ("plain_bf16",), "none": ()}[args.plain]
     rows = []
     for model in args.models:
         for t in args.tokens:
             tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
             tag = "".join(f"+{item}" for item in args.jax_config)
             rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
-                model, t, args.impls, args.layers, args.repeats, tiles, args.plain, profile=args.profile)]
+                model, t, args.impls, args.layers, args.repeats, tiles, refs, profile=args.profile)]
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, args.layers,
                                                                               args.repeats)]

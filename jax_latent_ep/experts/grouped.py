@@ -116,7 +116,7 @@ def _zero_tail(y, group_sizes):
     return jnp.where(live, y, jnp.zeros((), y.dtype))
 
 
-def _xla_forward(x, w, group_sizes, transpose_w):
+def _xla_forward(x, w, group_sizes, transpose_w, tail=True):
     dims = (([1], [2]), ([], [])) if transpose_w else (([1], [1]), ([], []))
     nums = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=dims, lhs_ragged_dimensions=[0],
                                          rhs_group_dimensions=[0])
@@ -136,14 +136,14 @@ def _padded_rows(a):
     return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def _mosaic_forward(x, w, group_sizes, transpose_w):
+def _mosaic_forward(x, w, group_sizes, transpose_w, tail=True):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # Hopper only: imported where it runs
 
     y = ragged_dot_mgpu.ragged_dot(_padded_rows(x), w, group_sizes=group_sizes, block_m=MOSAIC_BLOCK_M,
                                    block_n=MOSAIC_BLOCK_N, block_k=MOSAIC_BLOCK_K, max_concurrent_steps=MOSAIC_STEPS,
                                    grid_block_n=1, transpose_rhs=transpose_w)
-    y = _vary(y, _axes(x, w))  # a kernel's result carries no shard_map type: its operands'
-    return _zero_tail(y[: x.shape[0]], group_sizes)  # the kernel leaves rows past the groups unwritten
+    y = _vary(y, _axes(x, w))[: x.shape[0]]  # a kernel's result carries no shard_map type: its operands'
+    return _zero_tail(y, group_sizes) if tail else y  # the kernel leaves rows past the groups unwritten
 
 
 def _mosaic_weights_grad(x, dy, group_sizes):
@@ -163,13 +163,13 @@ def tiles(group_sizes, num_rows: int):
     return chunks(group_sizes, num_rows, MATMUL_TILE_M)
 
 
-def _wgmma_forward(x, w, group_sizes, transpose_w):
+def _wgmma_forward(x, w, group_sizes, transpose_w, tail=True):
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
     y = ffi.grouped_matmul_call(x, w, tiles(group_sizes, x.shape[0]), w_k_major=transpose_w)
     y = _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
-    return _zero_tail(y, group_sizes)  # the kernel writes the tiles' rows only
+    return _zero_tail(y, group_sizes) if tail else y  # the kernel writes the tiles' rows only
 
 
 def _wgmma_weights_grad(x, dy, group_sizes):
@@ -179,6 +179,8 @@ def _wgmma_weights_grad(x, dy, group_sizes):
     return _vary(ffi.grouped_matmul_wgrad_call(x, dy, groups), _axes(x, dy))
 
 
+#: name -> fn(x, w, group_sizes, transpose_w, tail=True): `gmm`'s product; `tail` False leaves the rows past the
+#: groups unspecified (one pass less, for consumers that never read them).
 _FORWARD = {"xla": _xla_forward, "mosaic": _mosaic_forward, "wgmma": _wgmma_forward}
 _WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad, "wgmma": _wgmma_weights_grad}
 
@@ -215,11 +217,19 @@ def swiglu_rows(pl, xb, w_gate, w_up, w_down, impl: str, out_dtype):
 
 def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
     """(per-pair bf16 down outputs, residuals) of `swiglu_rows`."""
+    # The products' rows past the pairs are left unspecified (no zeroing pass): the row sums never read them,
+    # and what the weights' gradients multiply is 0 there (`h` here, the cotangents in `_stage_bwd`).
     xp = xb[row]
-    g = _FORWARD[impl](xp, w_gate, group_sizes, False)
-    u = None if w_up is None else _FORWARD[impl](xp, w_up, group_sizes, False)
+    g = _FORWARD[impl](xp, w_gate, group_sizes, False, False)
+    u = None if w_up is None else _FORWARD[impl](xp, w_up, group_sizes, False, False)
     h = _glu(g.astype(jnp.float32), None if u is None else u.astype(jnp.float32), w_down.shape[1])
-    return _FORWARD[impl](h, w_down, group_sizes, False), (g, u, h)
+    h = jnp.where(_live(row, count), h, jnp.zeros((), h.dtype))
+    return _FORWARD[impl](h, w_down, group_sizes, False, False), (g, u, h)
+
+
+def _live(row, count):
+    """bool `[C, 1]`: the used pairs."""
+    return (jnp.arange(row.shape[0], dtype=jnp.int32) < count)[:, None]
 
 
 def _pair_row_sums(y, weight, row_pairs, count, out_dtype):
@@ -247,23 +257,23 @@ def _stage_fwd(impl, out_dtype, xb, w_gate, w_up, w_down, weight, row, group_siz
 
 def _stage_bwd(impl, out_dtype, res, dout):
     xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs, y, g, u, h = res
-    live = (jnp.arange(row.shape[0], dtype=jnp.int32) < count)[:, None]
+    live = _live(row, count)
     d_rows = dout[row].astype(jnp.float32)  # [C, L]: each pair's row's cotangent (a gather, no scatter)
     dy = jnp.where(live, weight[:, None] * d_rows, 0.0).astype(jnp.bfloat16)
     dweight = jnp.where(live[:, 0], jnp.sum(y.astype(jnp.float32) * d_rows, axis=1), 0.0)
-    dh = _FORWARD[impl](dy, w_down, group_sizes, True)
+    dh = _FORWARD[impl](dy, w_down, group_sizes, True, False)
     dw_down = _WEIGHTS_GRAD[impl](h, dy, group_sizes).astype(w_down.dtype)
     inter = w_down.shape[1]
     gate, up = (g, u) if u is not None else (g[:, :inter], g[:, inter:])
     _, glu_vjp = jax.vjp(lambda a, b: jax.nn.silu(a) * b, gate.astype(jnp.float32), up.astype(jnp.float32))
-    d_gate, d_up = (d.astype(jnp.bfloat16) for d in glu_vjp(dh.astype(jnp.float32)))
+    d_gate, d_up = (jnp.where(live, d, 0.0).astype(jnp.bfloat16) for d in glu_vjp(dh.astype(jnp.float32)))
     xp = xb[row]
     if u is None:
         d_g = jnp.concatenate([d_gate, d_up], axis=1)
-        dx = [_FORWARD[impl](d_g, w_gate, group_sizes, True)]
+        dx = [_FORWARD[impl](d_g, w_gate, group_sizes, True, False)]
         dw_gate, dw_up = _WEIGHTS_GRAD[impl](xp, d_g, group_sizes).astype(w_gate.dtype), None
     else:
-        dx = [_FORWARD[impl](d_gate, w_gate, group_sizes, True), _FORWARD[impl](d_up, w_up, group_sizes, True)]
+        dx = [_FORWARD[impl](d, w, group_sizes, True, False) for d, w in ((d_gate, w_gate), (d_up, w_up))]
         dw_gate = _WEIGHTS_GRAD[impl](xp, d_gate, group_sizes).astype(w_gate.dtype)
         dw_up = _WEIGHTS_GRAD[impl](xp, d_up, group_sizes).astype(w_up.dtype)
     dx_pairs = dx[0].astype(jnp.float32) if len(dx) == 1 else dx[0].astype(jnp.float32) + dx[1].astype(jnp.float32)
