@@ -15,8 +15,8 @@ GEMM shapes, none ragged: cuBLAS's rate for them), in the same program shape, di
 the same with a backward of plain batched bf16 GEMMs (FP32 accumulation, bf16 out: cuBLAS's rate for the
 backward's shapes).
 
-With `--profile K` (a GPU), each forward + backward program's K kernels of the most GPU time are printed (where the
-backward's time goes; a diagnosis, no rows). With `--layer`, the whole `MoELayer` too (router, K3's latent
+With `--profile K` (a GPU), each forward and forward + backward program's K kernels of the most GPU time are printed
+(where the time goes; a diagnosis, no rows). With `--layer`, the whole `MoELayer` too (router, K3's latent
 projections and norm or K2's shared expert, dispatch and combine on the xla backend, the stage) at N = 1 with the J
 experts, rows `training/<model>/layer/<impl>`.
 
@@ -69,8 +69,8 @@ def _routing(rng, t, j, k, ranks):
 def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_bf16"), seed=0, profile=0):
     """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and the references `plain`) at
     `model`, T = `t`,
-    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`. With `profile` (a GPU), each forward +
-    backward program's `profile` kernels of the most GPU time are printed (a diagnosis, no rows)."""
+    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`. With `profile` (a GPU), each forward and
+    forward + backward program's `profile` kernels of the most GPU time are printed (a diagnosis, no rows)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -183,7 +183,9 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_b
             rows += [(b, t, "fwd_of_plain", r_fwd / p_fwd), (b, t, "fwd_bwd_of_plain", r_all / p_all),
                      (b, t, "bwd_of_plain_fwd", r_bwd / p_fwd), (b, t, "bwd_of_plain_bf16_bwd", r_bwd / p_bwd)]
         if profile:
-            print_profile(grad, args, layers, profile)
+            for what, fn in (("forward", fwd), ("forward + backward", grad)):
+                print(f"  {what}:", flush=True)
+                print_profile(fn, args, layers, profile)
     return rows
 
 
