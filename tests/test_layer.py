@@ -210,8 +210,8 @@ def _jax_reference(x, p, ids, w, *, latent, norm, eps):
 @pytest.mark.parametrize("mesh_shape,layout", [((4,), "replicated"), ((2, 2, 2), "sharded")],
                          ids=["ep-replicated", "dp-ep-tp-sharded"])
 def test_training_is_the_same_call(mesh_shape, layout, impl):
-    """`jax.grad` through the layer (the router's choice held fixed: ids and weights given) against `jax.grad` of
-    the plain-JAX layer: relative L2 within 2e-2 per gradient (the layer rounds each rank's partial and the
+    """`jax.grad` through the layer (the router's choice held fixed: ids and weights given; the weights'
+    gradient too) against `jax.grad` of the plain-JAX layer: relative L2 within 2e-2 per gradient (the layer rounds each rank's partial and the
     routed sum to bf16 where the reference sums in FP32; "gmm" rounds its grouped matmuls' outputs too)."""
     names = {1: ("ep",), 3: ("dp", "ep", "tp")}[len(mesh_shape)]
     mesh = _mesh(mesh_shape, names)
@@ -226,10 +226,11 @@ def test_training_is_the_same_call(mesh_shape, layout, impl):
     target = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
     loss = lambda y: jnp.sum((y.astype(jnp.float32) - target) ** 2)  # noqa: E731
     keys = ("w_gate", "w_down", "latent_down", "latent_up", "norm", "shared_up")
-    got = jax.jit(jax.grad(lambda x, p: loss(layer(x, p, ids, w)), argnums=(0, 1)))(x, p)
-    ref = jax.jit(jax.grad(lambda x, p: loss(_jax_reference(x, p, ids, w, latent=True, norm=True, eps=layer.eps)),
-                           argnums=(0, 1)))(x, p)
-    for name, g, r in [("x", got[0], ref[0])] + [(k, got[1][k], ref[1][k]) for k in keys]:
+    got = jax.jit(jax.grad(lambda x, p, w: loss(layer(x, p, ids, w)), argnums=(0, 1, 2)))(x, p, w)
+    ref = jax.jit(jax.grad(lambda x, p, w: loss(_jax_reference(x, p, ids, w, latent=True, norm=True,
+                                                               eps=layer.eps)), argnums=(0, 1, 2)))(x, p, w)
+    for name, g, r in [("x", got[0], ref[0]), ("routing weights", got[2], ref[2])] + [(k, got[1][k], ref[1][k])
+                                                                                     for k in keys]:
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.any(r != 0), name
         rel = np.linalg.norm(g - r) / np.linalg.norm(r)
