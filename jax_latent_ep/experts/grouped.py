@@ -22,7 +22,7 @@ from jax import lax
 
 from jax_latent_ep.autodiff import _varying, varying_axes
 from jax_latent_ep.experts.planning import chunks
-from jax_latent_ep.experts.xla import _glu
+from jax_latent_ep.experts.xla import _glu, _pair_row_sums
 
 GMM_IMPLEMENTATIONS = ("xla", "mosaic", "wgmma")
 #: Implementations that run on Hopper GPUs only.
@@ -230,17 +230,6 @@ def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, cou
 def _live(row, count):
     """bool `[C, 1]`: the used pairs."""
     return (jnp.arange(row.shape[0], dtype=jnp.int32) < count)[:, None]
-
-
-def _pair_row_sums(y, weight, row_pairs, count, out_dtype):
-    """`[R, L]`: each row's FP32 sum of `weight[p] * y[p]` over the pairs it names, slot order (`_row_sums`)."""
-    valid = row_pairs < count
-    safe = jnp.minimum(row_pairs, y.shape[0] - 1)
-    coef = weight[safe] if weight is not None else jnp.ones(safe.shape, jnp.float32)
-    acc = jnp.zeros((row_pairs.shape[0], y.shape[1]), jnp.float32)
-    for m in range(row_pairs.shape[1]):  # ascending first slot: a fixed order
-        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]].astype(jnp.float32) * coef[:, m : m + 1], 0.0)
-    return acc.astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -134,13 +134,19 @@ def _dense(pl: Plan, xb, w_gate, w_up, w_down, expected_pairs=None, mx=None):
 
 
 def _row_sums(pl: Plan, y, out_dtype=jnp.bfloat16):
-    """`[R, L]` in `out_dtype` (one rounding of the FP32 sum): each row's weighted sum of its pairs' FP32 outputs
-    `y` `[C, L]` (unused pairs: garbage)."""
+    """`[R, L]` in `out_dtype` (one rounding of the FP32 sum): each row's weighted sum of its pairs' outputs `y`
+    `[C, L]` (FP32, or bf16 widened; unused pairs: garbage)."""
+    return _pair_row_sums(y, pl.weight, pl.row_pairs, pl.count, out_dtype)
+
+
+def _pair_row_sums(y, weight, row_pairs, count, out_dtype):
+    """`_row_sums` on the plan's arrays: `[R, L]`, each row's FP32 sum of `weight[p] * y[p]` (`weight` None: 1) over
+    the pairs `row_pairs` names below `count`, in slot order, rounded once to `out_dtype`."""
     # One fused gather-sum: only the pairs a row names are read (never an unused pair's row).
-    valid = pl.row_pairs < pl.count  # [R, M]; C (no pair) and unused pairs fail
-    safe = jnp.minimum(pl.row_pairs, pl.capacity - 1)
-    coef = pl.weight[safe]
-    acc = jnp.zeros((pl.row_pairs.shape[0], y.shape[1]), jnp.float32)
-    for m in range(pl.row_pairs.shape[1]):  # ascending first slot: a fixed order
-        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]] * coef[:, m : m + 1], 0.0)
+    valid = row_pairs < count  # [R, M]; C (no pair) and unused pairs fail
+    safe = jnp.minimum(row_pairs, y.shape[0] - 1)
+    coef = weight[safe] if weight is not None else jnp.ones(safe.shape, jnp.float32)
+    acc = jnp.zeros((row_pairs.shape[0], y.shape[1]), jnp.float32)
+    for m in range(row_pairs.shape[1]):  # ascending first slot: a fixed order
+        acc = acc + jnp.where(valid[:, m : m + 1], y[safe[:, m]].astype(jnp.float32) * coef[:, m : m + 1], 0.0)
     return acc.astype(out_dtype)
