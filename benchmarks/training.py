@@ -112,7 +112,7 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_b
 
     @jax.custom_vjp
     def plain_bf16_stage(xe, w):
-        return plain_stage(xe, w)
+        return plain_bf16_fwd(xe, w)[0]
 
     def plain_bf16_fwd(xe, w):
         mm = lambda a, b: jnp.einsum("jml,jli->jmi", a, b, preferred_element_type=jnp.float32)  # noqa: E731

@@ -186,17 +186,16 @@ _WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad, "wgmm
 
 
 def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
-    """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm` (the "gmm", "mosaic" and "wgmma" implementations
-    of `experts.IMPLEMENTATIONS`): bf16 `gate`, `up` (one product when fused), `h = bf16(silu(gate) * up)`, and each
-    pair's down product rounded to bf16; 0 in unused pairs."""
-    gs, xp = pl.group_sizes, xb[pl.row]
-    mm = lambda a, w: gmm(a, w, gs, impl=impl).astype(jnp.float32)  # noqa: E731
-    h = _glu(mm(xp, w_gate), None if w_up is None else mm(xp, w_up), w_down.shape[1])
-    return mm(h, w_down)
+    """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm`'s implementation `impl` (the "gmm", "mosaic" and
+    "wgmma" entries of `experts.IMPLEMENTATIONS`): `swiglu_rows`' forward before its row sums, the unused pairs'
+    rows unspecified."""
+    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, pl.weight, pl.row, pl.group_sizes, pl.count, pl.row_pairs)
+    return y.astype(jnp.float32)
 
 
 def swiglu_rows(pl, xb, w_gate, w_up, w_down, impl: str, out_dtype):
-    """`_row_sums(pl, swiglu_pairs(...), out_dtype)` with a VJP of its own: the same forward, and a backward of
+    """`_row_sums(pl, swiglu_pairs(...), out_dtype)` with a VJP of its own: bf16 `gate`, `up` (one product when
+    fused), `h = bf16(silu(gate) * up)`, each pair's down product rounded to bf16; and a backward of
     gathers where autodiff's would scatter (each pair belongs to one row, each row names its pairs in
     `pl.row_pairs`):
 
