@@ -90,6 +90,9 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmul(XLA_FFI_CallFrame* call_fram
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulWgrad(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_wgrad_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_fp8_targets().traced);
+}
 
 #if JAX_LATENT_EP_RECORD
 namespace {

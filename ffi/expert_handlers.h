@@ -12,5 +12,6 @@ Targets expert_stage_targets();
 Targets row_sum_targets();
 Targets grouped_matmul_targets();
 Targets grouped_matmul_wgrad_targets();
+Targets grouped_matmul_fp8_targets();
 
 }  // namespace jax_latent_ep

@@ -103,6 +103,55 @@ def test_wgmma_weights_gradient_of_several_blocks_a_cta():
     assert np.all(np.asarray(dw, np.float32)[sizes == 0] == 0), "an empty group's gradient is not 0"
 
 
+def _fp8_case(rng, g=6, m=200, k=256, n=256):
+    """MXFP8 rows (some 32-blocks all zero: scale code 0) sorted into random groups (some empty, some of several
+    32-pair tiles), FP8 block-scaled weights `[G, N, K]`, and the float64 model of `gmm_fp8`."""
+    from jax_latent_ep.numerics import mxfp8_quantize
+    from jax_latent_ep.testing.experts import random_fp8_weights
+
+    sizes = _groups(rng, g, m)
+    rows = rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1)))
+    rows.reshape(m, k // 32, 32)[rng.random((m, k // 32)) < 0.1] = 0.0
+    q, sf = mxfp8_quantize(jnp.asarray(rows, jnp.bfloat16))
+    bs = random_fp8_weights(rng, g, k, n)
+    w, ws = jnp.swapaxes(jnp.asarray(bs.values), 1, 2), jnp.swapaxes(jnp.asarray(bs.scale), 1, 2)
+    xf = np.asarray(q, np.float64).reshape(m, k // 32, 32)
+    xs = np.exp2(np.asarray(sf, np.float64) - 127) * (np.asarray(sf) > 0)
+    wf = np.asarray(w, np.float64).reshape(g, n, k // 32, 32)
+    wsf = np.repeat(np.repeat(np.asarray(ws, np.float64), 128, 1), 4, 2)  # [G, N, K / 32]
+    want, ends = np.zeros((m, n)), np.cumsum(sizes)
+    for e in range(g):
+        for p in range(ends[e] - sizes[e], ends[e]):
+            want[p] = np.sum(np.einsum("bk,nbk->nb", xf[p], wf[e]) * xs[p] * wsf[e], axis=1)
+    return (q, sf, w, ws, jnp.asarray(sizes)), want
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
+                                  for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
+def test_gmm_fp8_against_numpy(impl):
+    """`gmm_fp8` against the float64 model: within 2^-20 of the row's largest |value| on "xla" (FP32 sums of exact
+    block products), 2^-12 on "wgmma" (the FP8 tensor cores' internal sum of a block's 32 products is coarser than
+    FP32); "xla"'s rows past the groups exactly 0."""
+    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}"))
+    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_fp8(*a, impl=impl))(*args), np.float64)
+    used = int(np.sum(args[-1]))
+    tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True)
+    bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
+    assert bad.size == 0, f"{impl}: {len(bad)} off, first {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+    if impl == "xla":
+        assert np.all(got[used:] == 0)
+
+
+def test_gmm_fp8_refuses_bad_arguments():
+    (q, sf, w, ws, gs), _ = _fp8_case(_rng("gmm-fp8-bad"), m=40, k=128, n=128)
+    with pytest.raises(ValueError, match=r"x_scale must be uint8\[40, 4\]"):
+        experts.grouped.gmm_fp8(q, sf[:, :2], w, ws, gs)
+    with pytest.raises(ValueError, match=r"w float8_e4m3fn\[G, N, K\]"):
+        experts.grouped.gmm_fp8(q, sf, w.astype(jnp.bfloat16), ws, gs)
+    with pytest.raises(ValueError, match=r"impl='wgmma'\) runs on Hopper GPUs"):
+        experts.grouped.gmm_fp8(q, sf, w, ws, gs, impl="wgmma")
+
+
 def test_gmm_refuses_bad_arguments():
     x, w, gs = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((2, 64, 32), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="impl='cutlass' must be one of"):

@@ -185,6 +185,89 @@ _FORWARD = {"xla": _xla_forward, "mosaic": _mosaic_forward, "wgmma": _wgmma_forw
 _WEIGHTS_GRAD = {"xla": _xla_weights_grad, "mosaic": _mosaic_weights_grad, "wgmma": _wgmma_weights_grad}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# FP8: MXFP8 rows times FP8 block-scaled weights stored `[out, in]`, each 32-deep block promoted with its scales.
+
+#: `gmm_fp8`'s implementations: "xla" (any device, the reference), "wgmma" (`kernels/grouped_matmul_fp8.py`,
+#: Hopper: the weights the 64-row side of `wgmma` e4m3, a tile of at most 32 pairs the narrow one).
+GMM_FP8_IMPLEMENTATIONS = ("xla", "wgmma")
+
+
+def check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl: str):
+    """Raises ValueError naming the bad value unless `x` is float8_e4m3fn `[M, K]`, `x_scale` uint8 `[M, K / 32]`,
+    `w` float8_e4m3fn `[G, N, K]`, `w_scale` float32 `[G, N / 128, K / 128]`, `group_sizes` int32 `[G]`, `K` and
+    `N` multiples of 128, `impl` one of `GMM_FP8_IMPLEMENTATIONS` ("wgmma": a process of Hopper GPUs)."""
+    if impl not in GMM_FP8_IMPLEMENTATIONS:
+        raise ValueError(f"gmm_fp8: impl={impl!r} must be one of {GMM_FP8_IMPLEMENTATIONS}")
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    if x.dtype != e4m3 or w.dtype != e4m3 or x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"gmm_fp8: x must be float8_e4m3fn[M, K] and w float8_e4m3fn[G, N, K], got "
+                         f"{jnp.dtype(x.dtype).name}{list(x.shape)} and {jnp.dtype(w.dtype).name}{list(w.shape)}")
+    (m, k), (g, n, wk) = x.shape, w.shape
+    if wk != k or k % 128 or n % 128:
+        raise ValueError(f"gmm_fp8: x [M, K={k}] and w [G, N={n}, K={wk}] need the same K, K and N multiples of 128")
+    for name, a, dtype, shape in (("x_scale", x_scale, jnp.uint8, (m, k // 32)),
+                                  ("w_scale", w_scale, jnp.float32, (g, n // 128, k // 128)),
+                                  ("group_sizes", group_sizes, jnp.int32, (g,))):
+        if a.dtype != jnp.dtype(dtype) or tuple(a.shape) != shape:
+            raise ValueError(f"gmm_fp8: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
+                             f"{jnp.dtype(a.dtype).name}{list(a.shape)}")
+    if impl == "wgmma":
+        kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
+        if not kinds or any(not str(c).startswith("9.") for c in kinds):
+            raise ValueError(f"gmm_fp8(impl='wgmma') runs on Hopper GPUs (compute capability 9.x); this process has "
+                             f"{sorted(map(str, kinds))}: use impl='xla'")
+
+
+def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
+    """FP8 grouped matmul: FP32 `[M, N]`, `y[p] = sum over the 32-deep blocks b of (x[p, b] . w[g(p), :, b]) *
+    2^(x_scale[p, b] - 127) * w_scale[g(p), :, b / 4]` (`x_scale` 0: the block adds 0), the blocks in ascending
+    order, each added once; 0 in rows past `sum(group_sizes)` ("xla"; "wgmma" leaves them unspecified). The
+    numerics of `docs/experts.md`'s FP8 weights: each block's products exact, summed in FP32.
+
+    Args:
+      x: float8_e4m3fn `[M, K]`, MXFP8 elements of rows sorted by group (`numerics.mxfp8_quantize`).
+      x_scale: uint8 `[M, K / 32]`, their E8M0 scales.
+      w: float8_e4m3fn `[G, N, K]`, each group's weight `[out, in]` as checkpoints store it (`BlockScaled`'s
+        values transposed).
+      w_scale: float32 `[G, N / 128, K / 128]`, a scale per 128 x 128 block.
+      group_sizes: int32 `[G]`, rows of each group, `sum <= M`.
+      impl: one of `GMM_FP8_IMPLEMENTATIONS`.
+    """
+    check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl)
+    if impl == "wgmma":
+        from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
+        from jax_latent_ep.runtime import ffi
+
+        ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+        tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
+        return ffi.grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles)
+    return _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes)
+
+
+def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
+    """`gmm_fp8` in XLA: a loop over the 32-deep blocks, each a `ragged_dot` of exact FP32 operands (HIGHEST: no
+    TF32 on GPUs) times its pairs' scales, added to the FP32 sum."""
+    m, k = x.shape
+    n = w.shape[1]
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right",
+                                         method="compare_all"), group_sizes.shape[0] - 1)
+    xf, wf = x.astype(jnp.float32), w.astype(jnp.float32)
+    nums = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                         rhs_group_dimensions=[0])
+    x_pow = lax.bitcast_convert_type(x_scale.astype(jnp.uint32) << 23, jnp.float32)  # 2^(s - 127); 0 for s = 0
+
+    def block(b, acc):
+        part = lax.ragged_dot_general(lax.dynamic_slice_in_dim(xf, b * 32, 32, 1),
+                                      lax.dynamic_slice_in_dim(wf, b * 32, 32, 2), group_sizes, nums,
+                                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        ws = jnp.repeat(lax.dynamic_index_in_dim(w_scale, b // 4, 2, keepdims=False)[group], 128, axis=1)  # [M, N]
+        return acc + part * (lax.dynamic_index_in_dim(x_pow, b, 1) * ws)
+
+    acc = lax.fori_loop(0, k // 32, block, jnp.zeros((m, n), jnp.float32))
+    return jnp.where(jnp.arange(m)[:, None] < jnp.sum(group_sizes), acc, 0.0)
+
+
 def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
     """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm`'s implementation `impl` (the "gmm", "mosaic" and
     "wgmma" entries of `experts.IMPLEMENTATIONS`): `swiglu_rows`' forward before its row sums, the unused pairs'

@@ -66,6 +66,8 @@ MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
 #: one, the ring running on across them): enough for every SM to take several in turn.
 MATMUL_WGRAD_CTAS = 1024
+#: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n).
+MATMUL_FP8_TILE_PAIRS = 32
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -289,8 +291,23 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
+#: The FP8 grouped matmul of decode sizes (`kernels/grouped_matmul_fp8.py`, sm_90a `wgmma` e4m3): the weights the
+#: 64-row side, a tile's pairs the narrow one; each 32-deep block's product promoted into FP32 with its two scales.
+GROUPED_MATMUL_FP8 = Kernel("grouped_matmul_fp8", "ep_grouped_matmul_fp8", (
+    _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
+    _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
+    _address("w", "float8_e4m3fn [G, num_n, num_k]: each group's weight, `[out, in]` (K-major)"),
+    _address("w_scale", "f32 [G, num_n / 128, num_k / 128]: a scale per 128 x 128 block of `w`"),
+    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) per "
+             "tile, the used first; pairs 0: none"),
+    _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+    Param("num_k", "i32", False, "contraction length, a multiple of 128"),
+    Param("num_n", "i32", False, "columns, a multiple of 128"),
+    Param("num_tiles", "i32", False, "tiles of the list"),
+), archs=("sm_90a",))
+
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
-                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD)}
+                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8)}
 
 
 def c_name(op: str) -> str:
@@ -411,6 +428,7 @@ def header() -> str:
         f"constexpr int kMatmulTileK = {MATMUL_TILE_K};",
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",
+        f"constexpr int kMatmulFp8TilePairs = {MATMUL_FP8_TILE_PAIRS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -700,3 +700,39 @@ def wgmma_bf16_m64n128k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: boo
     operands = [_f32(a, loc, ip) for a in acc] + [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip), _u32(1, loc, ip)]
     struct = _asm(llvm.StructType.get_literal([T.f32()] * n), operands, code, constraints, loc, ip)
     return [Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def wgmma_e4m3_m64n32k32(desc_a, desc_b, *, loc=None, ip=None):
+    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3` with `scale-d` 0: A (64 x 32 e4m3,
+    `desc_a`) x B (32 x 32, `desc_b`), both K-major (FP8 operands have no other form), into 16 fresh FP32 of this
+    thread: the exact products' sum in the tensor core, one 32-deep block. Thread t holds rows 16 (t / 32) +
+    (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at `[4 j + 2 i + e]` (row + 8 i, column + e), as
+    `wgmma_bf16_m64n128k16`. Asynchronous: read the results after `wgmma_wait`."""
+    n = 16
+    outs = ", ".join(f"${i}" for i in range(n))
+    code = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+            "{%s}, $%d, $%d, p, 1, 1; }" % (n + 2, outs, n, n + 1))
+    constraints = ",".join(["=f"] * n + ["l", "l", "r"])
+    operands = [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip), _u32(0, loc, ip)]
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * n), operands, code, constraints, loc, ip)
+    return [Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
+    """`fma.rn.f32`: `a * b + c` rounded once (subnormals kept)."""
+    return Float32(_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip)], "fma.rn.f32 $0, $1, $2, $3;",
+                        "=f,f,f,f", loc, ip))
+
+
+@dsl_user_op
+def store_f32(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one weak 4-byte `st.global.f32`."""
+    _asm(None, [_i64(addr, loc, ip), _f32(value, loc, ip)], "st.global.f32 [$0], $1;", "l,f", loc, ip)
+
+
+@dsl_user_op
+def load_shared_f32(smem, *, loc=None, ip=None) -> Float32:
+    """Always issues one `ld.shared.f32` at shared address `smem`."""
+    return Float32(_asm(T.f32(), [_u32(smem, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip))

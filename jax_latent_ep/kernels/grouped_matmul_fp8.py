@@ -1,0 +1,271 @@
+"""EpGroupedMatmulFp8: the grouped matmul of decode sizes on Hopper's FP8 tensor cores: MXFP8 rows times FP8
+block-scaled weights, `out[p] = x[p] @ w[group of p]^T` in FP32, neither operand converted.
+
+Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
+
+Parameters: `kernels.abi.GROUPED_MATMUL_FP8`.
+
+The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
+`wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
+(`m64n32k32`). CTA `c` computes tile `c / (num_n / 128)` (`(group, first pair, pairs)`, the caller's list, as
+`GroupedMatmul`'s) times the 128 output columns `c % (num_n / 128)`: it streams those columns' weights once for all
+the tile's pairs. A CTA of an empty tile returns at once; pairs past the tile's are zero-filled and never stored.
+
+Numerics (`docs/experts.md`, FP8 weights): each 32-deep block of the contraction is one MMA (the exact products'
+sum in the tensor core), added to the FP32 accumulator times `2^(s - 127) * scale` (the pair's E8M0 scale of that
+block, 0 for `s = 0`, and the weight block's FP32 scale, multiplied once) in one FMA, the blocks in ascending k.
+
+A stage is 128 contraction elements, one 128-byte line a row: the weights' 128 lines, the pairs' `TILE_PAIRS`
+lines (both K-major in the 128-byte swizzle, as `grouped_matmul`'s), the pairs' 4 scale bytes each and the weight
+block's scale, copied by `cp.async` through a `STAGES`-deep ring.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.primitives import (
+    cp_async_4,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    f32_from_bits,
+    fence_proxy_async_shared,
+    fma_rn,
+    griddepcontrol_wait,
+    load_b32,
+    load_shared_b32,
+    load_shared_f32,
+    mul_rn,
+    smem_descriptor,
+    store_f32,
+    wgmma_commit,
+    wgmma_e4m3_m64n32k32,
+    wgmma_fence,
+    wgmma_wait,
+)
+
+# ---------------------------------------------------------------------------------------------------------
+# Settings
+
+#: Output columns of one CTA (two warpgroups of 64 weight rows; one weight scale block).
+TILE_N = 128
+#: Pairs of one tile: the MMA's n.
+TILE_PAIRS = abi.MATMUL_FP8_TILE_PAIRS
+#: Contraction elements of one stage: a 128-byte line of e4m3, four 32-deep blocks.
+TILE_K = 128
+BLOCK_K = 32
+THREADS = 256
+#: Stages of the ring (one CTA an SM: `STAGES - 1` stages of weights, 16 KB each, in flight).
+STAGES = 8
+CTAS_PER_SM = 1
+LINE_BYTES = 128
+A_BYTES = TILE_N * LINE_BYTES
+B_BYTES = TILE_PAIRS * LINE_BYTES
+#: The stage's scales after its operands: the pairs' 4 E8M0 bytes each, then the weight block's FP32 scale.
+X_SCALE_OFFSET = A_BYTES + B_BYTES
+W_SCALE_OFFSET = X_SCALE_OFFSET + 4 * TILE_PAIRS
+#: A stage, rounded up to the 1024-byte swizzle atoms.
+STAGE_BYTES = (W_SCALE_OFFSET + 4 + 1023) // 1024 * 1024
+SMEM_BYTES = STAGES * STAGE_BYTES + 1024
+#: 16-byte chunks of the weights' stage each thread copies.
+A_CHUNKS = A_BYTES // 16 // THREADS
+#: `m64n32` accumulators of one thread.
+ACC = 64 * TILE_PAIRS // 128
+TILE_WORDS = abi.MATMUL_TILE_WORDS
+
+
+def smem_bytes() -> int:
+    """Dynamic shared memory bytes the launcher must pass."""
+    return SMEM_BYTES
+
+
+def launch_shape(kernel: str = "grouped_matmul_fp8") -> tuple[int, int]:
+    """(threads per CTA, dynamic shared bytes)."""
+    return THREADS, SMEM_BYTES
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch / host signature (`abi.GROUPED_MATMUL_FP8`): this host function exists only to compile the kernel; the C++
+# FFI launches the cubin with its own grid.
+
+
+class GroupedMatmulFp8:
+    """The FP8 grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul_fp8` builds it."""
+
+    @cute.jit
+    def launch(
+        self,
+        x: Int64,
+        x_scale: Int64,
+        w: Int64,
+        w_scale: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+    ):
+        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
+            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Device code
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: Int64,
+        x_scale: Int64,
+        w: Int64,
+        w_scale: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        column_tiles = num_n // TILE_N
+        n0 = (cta % column_tiles) * TILE_N
+        griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
+        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
+        group = Int32(load_b32(entry))
+        first = Int32(load_b32(entry + 4))
+        rows = Int32(load_b32(entry + 8))
+        if rows > 0:
+            self.run(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+
+    @cute.jit
+    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
+            n0: Int32, group: Int32, first: Int32, rows: Int32):
+        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 1024)
+        ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        warpgroup = tid // 128
+        lane = tid % 32
+        steps = num_k // TILE_K
+
+        # This thread's copies of a stage: weight lines `tid / 8 + 32 i`, the pair line `tid / 8`, chunk `tid % 8`
+        # (16-byte chunk c of line l at c ^ (l % 8)); the first TILE_PAIRS threads a pair's scale word, the next
+        # one the weight block's scale.
+        chunk = tid % 8
+        a_src, a_dst = [], []
+        for i in cutlass.range_constexpr(A_CHUNKS):
+            line = tid // 8 + (THREADS // 8) * i
+            a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 16))
+            a_dst.append(Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)))
+        pair = tid // 8
+        b_live = pair < rows
+        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
+        b_dst = Uint32(A_BYTES + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
+        s_live = tid < rows
+        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(steps)) * 4
+
+        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        acc.fill(0.0)
+        ahead = STAGES - 1
+        for s in cutlass.range_constexpr(ahead):
+            if s < steps:
+                self.load_stage(ring + Uint32(s * STAGE_BYTES), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
+                                s_live, s_src, ws_src, x, x_scale)
+            cp_async_commit()
+
+        # Invariant at the barrier of step kt: stage kt is in shared memory, and every MMA of step kt - 1 completed
+        # (each warpgroup waits for its own before its promotion), so its slot takes step kt + ahead.
+        for kt in range(steps):
+            cp_async_wait(ahead - 1)
+            fence_proxy_async_shared()
+            cute.arch.sync_threads()
+            if kt + ahead < steps:
+                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * STAGE_BYTES), kt + ahead, tid, a_src, a_dst,
+                                b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
+            cp_async_commit()
+            slot = ring + Uint32((kt % STAGES) * STAGE_BYTES)
+            wgmma_fence()
+            parts = []
+            for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
+                desc_a = smem_descriptor(slot + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
+                desc_b = smem_descriptor(slot + Uint32(A_BYTES + kb * BLOCK_K), 16, 1024)
+                parts.append(wgmma_e4m3_m64n32k32(desc_a, desc_b))
+            wgmma_commit()
+            wgmma_wait(0)
+            self.promote(acc, parts, slot, lane)
+
+        # Pair column 8 j + 2 (lane % 4) + e, output column n0 + 64 warpgroup + 16 (warp % 4) + lane / 4 + 8 i.
+        column = n0 + warpgroup * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for e in cutlass.range_constexpr(2):
+                p = 8 * j + 2 * (lane % 4) + e
+                if p < rows:
+                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
+                    for i in cutlass.range_constexpr(2):
+                        store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
+
+    @cute.jit
+    def promote(self, acc, parts, slot: Uint32, lane: Int32):
+        """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times its pairs' scales: one FMA a
+        value, the scale `2^(s - 127) * w_scale` one FP32 product (s = 0 gives 0)."""
+        ws = load_shared_f32(slot + Uint32(W_SCALE_OFFSET))
+        words = []
+        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for e in cutlass.range_constexpr(2):
+                words.append(load_shared_b32(slot + Uint32(X_SCALE_OFFSET) + Uint32(4 * (8 * j + e))
+                                             + Uint32(8) * Uint32(lane % 4)))
+        for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
+            part = parts[kb]
+            for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+                for e in cutlass.range_constexpr(2):
+                    s = (words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)
+                    scale = mul_rn(f32_from_bits(s << Uint32(23)), ws)
+                    for i in cutlass.range_constexpr(2):
+                        k = 4 * j + 2 * i + e
+                        acc[k] = fma_rn(part[k], scale, acc[k])
+
+    @cute.jit
+    def load_stage(self, slot: Uint32, stage: Int32, tid: Int32, a_src, a_dst, b_live, b_src: Int64, b_dst: Uint32,
+                   s_live, s_src: Int64, ws_src: Int64, x_base: Int64, s_base: Int64):
+        """Issues this thread's copies of stage `stage` into `slot`: its weight chunks, its pair chunk (16 zero
+        bytes, naming `x_base`, past the tile's pairs), its pair's scale word (zeros past them) and the weight
+        block's scale."""
+        for i in cutlass.range_constexpr(A_CHUNKS):
+            cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * TILE_K, Uint32(16))
+        src = x_base
+        size = Uint32(0)
+        if b_live:
+            src = b_src + Int64(stage) * TILE_K
+            size = Uint32(16)
+        cp_async_16(slot + b_dst, src, size)
+        if tid < TILE_PAIRS:
+            src = s_base
+            size = Uint32(0)
+            if s_live:
+                src = s_src + Int64(stage) * 4
+                size = Uint32(4)
+            cp_async_4(slot + Uint32(X_SCALE_OFFSET) + Uint32(4) * Uint32(tid), src, size)
+        if tid == TILE_PAIRS:
+            cp_async_4(slot + Uint32(W_SCALE_OFFSET), ws_src + Int64(stage) * 4, Uint32(4))
+
+
+GroupedMatmulFp8.kernel.set_name_prefix(abi.GROUPED_MATMUL_FP8.symbol, remove_cutlass_symbol=True,
+                                        keep_mangled_name=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile
+
+
+def compile_grouped_matmul_fp8(arch: str = "sm_90a"):
+    """Compiles the FP8 grouped matmul for `arch` (sm_90a only: `wgmma` e4m3); returns `(symbol, cubin bytes)`."""
+    return compile_cubin(abi.GROUPED_MATMUL_FP8, GroupedMatmulFp8(), arch)
