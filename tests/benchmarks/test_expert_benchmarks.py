@@ -13,6 +13,7 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
 
 @pytest.mark.parametrize("script,must", [
     ("expert_stage.py", {"us_per_layer", "ratio", "active_experts", "us", "GBps"}),
+    ("fp8_matmul.py", {"wall_us", "pipelined_us", "floor_us", "floor_spec_us", "active_experts", "best_GBps"}),
     ("k3_layer.py", {"layer_us", "experts_us", "comm_us", "rest_us"}),
     ("layer_buckets.py", {"us_per_layer", "us_per_layer_b2b", "ratio", "ratio_b2b"}),
     ("mxfp8_error.py", {"rel_l2_layer_vs_bf16", "rel_l2_model_mxfp8_vs_bf16"}),
