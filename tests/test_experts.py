@@ -245,6 +245,27 @@ def test_fp8_fused_gate_up(impl):
     _assert_close(got, reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32), impl)
 
 
+@pytest.mark.parametrize("impl", ["gmm", pytest.param("wgmma", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", FP8_CASES, ids=[f"N{c[0]}" for c in FP8_CASES])
+def test_fp8_out_in_weights_against_numpy(impl, fused, case):
+    """`[out, in]` FP8 weights (`BlockScaledOutIn`, the same random weights as `BlockScaled`) on the FP8 grouped
+    matmul ("gmm": its XLA form; "wgmma": the kernel) against the NumPy model, as the other FP8 paths."""
+    n, rank, tokens, mt = case[:4]
+    recv, weights = _fp8_case(f"fp8-out-in/{impl}/{case}", *case, fused=fused)
+    got = _run(recv, [None if w is None else experts.fp8_out_in(w) for w in weights], rank, mt, n, impl)
+    want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
+    assert np.any(want != 0)
+    assert np.all(got[np.asarray(recv.src) == -1] == 0), "an empty row is not exactly 0"
+    _assert_close(got, want, f"{impl}, [out, in] FP8 weights")
+
+
+def test_fp8_out_in_refused_where_not_multiplied():
+    recv, weights = _fp8_case("fp8-out-in-refused", *FP8_CASES[0])
+    with pytest.raises(ValueError, match=r"BlockScaledOutIn FP8 weights are multiplied by \['gmm', 'wgmma'\] only"):
+        _run(recv, [experts.fp8_out_in(w) for w in weights], 0, 5, 1, "ragged_dot")
+
+
 def test_quantize_fp8():
     """`quantize_fp8`: each block's largest magnitude becomes 448 exactly, every value within half an e4m3 step."""
     rng = np.random.default_rng(11)

@@ -29,8 +29,9 @@ GPU kernels), `stage`
 of one's own).
 """
 
-from jax_latent_ep.experts.formats import (FP8_BLOCK, FP8_MAX, MX_BLOCK, MXFP4, BlockScaled, Int8PerChannel,
-                                          dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4)
+from jax_latent_ep.experts.formats import (FP8_BLOCK, FP8_MAX, MX_BLOCK, MXFP4, BlockScaled, BlockScaledOutIn,
+                                          Int8PerChannel, dequantize_fp8, dequantize_mxfp4, fp8_in_out, fp8_out_in,
+                                          quantize_fp8, quantize_mxfp4)
 from jax_latent_ep.experts.planning import (NO_EXPERT, OVERFLOW_POLICIES, PLAN_IMPLEMENTATIONS, CapacityError, Plan,
                                            capacity, plan)
 from jax_latent_ep.experts.grouped import GMM_IMPLEMENTATIONS, gmm
@@ -52,6 +53,7 @@ __all__ = [
     "PLAN_IMPLEMENTATIONS",
     "READS_RECEIVED",
     "BlockScaled",
+    "BlockScaledOutIn",
     "CapacityError",
     "Int8PerChannel",
     "Plan",
@@ -59,6 +61,8 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_mxfp4",
     "expert_stage",
+    "fp8_in_out",
+    "fp8_out_in",
     "gmm",
     "plan",
     "quantize_fp8",

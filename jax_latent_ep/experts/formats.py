@@ -56,6 +56,36 @@ def dequantize_fp8(w: BlockScaled):
     return (blocks * w.scale[:, :, None, :, None]).reshape(j, k, n)
 
 
+class BlockScaledOutIn(NamedTuple):
+    """`BlockScaled` FP8 weights as checkpoints store them, `[out, in]` (K-major: what the FP8 tensor cores'
+    `wgmma` takes): the weight `[j, k, n]` (the stage's `[J, in, out]`) is `values[j, n, k] * scale[j, n // 128,
+    k // 128]`. `fp8_out_in` / `fp8_in_out` convert from / to `BlockScaled` (a transpose, no rounding).
+
+    Attributes:
+      values: float8_e4m3fn `[J, N, K]` (finite).
+      scale: float32 `[J, N / 128, K / 128]`.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's `[J, K, N]`."""
+        j, n, k = self.values.shape
+        return (j, k, n)
+
+
+def fp8_out_in(w: BlockScaled) -> BlockScaledOutIn:
+    """`w` in the `[out, in]` layout (`BlockScaledOutIn`): the same weights."""
+    return BlockScaledOutIn(jnp.swapaxes(w.values, 1, 2), jnp.swapaxes(w.scale, 1, 2))
+
+
+def fp8_in_out(w: BlockScaledOutIn) -> BlockScaled:
+    """`w` in the `[in, out]` layout (`BlockScaled`): the same weights."""
+    return BlockScaled(jnp.swapaxes(w.values, 1, 2), jnp.swapaxes(w.scale, 1, 2))
+
+
 #: Inputs of one MXFP4 scale (OCP MX block).
 MX_BLOCK = 32
 #: The e2m1 value of each of the 16 codes (bit 3 the sign; no NaN, no infinity).
@@ -179,6 +209,18 @@ def _check_block_scales(name, a, shape, j):
                          f"{FP8_BLOCK} block), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
 
 
+def _check_out_in_scales(name, a, shape, j):
+    """The checks of `BlockScaledOutIn` weight `a` beyond its values (checked as the weight's `[J, K, N]`): `L` and
+    `I` multiples of `FP8_BLOCK`, and a float32 scale `[J, N / 128, K / 128]`."""
+    if shape[1] % FP8_BLOCK or shape[2] % FP8_BLOCK:
+        raise ValueError(f"experts.swiglu: FP8 weights need L and I multiples of {FP8_BLOCK} (the block), "
+                         f"got {name} {list(shape)}")
+    want = (j, shape[2] // FP8_BLOCK, shape[1] // FP8_BLOCK)
+    if tuple(a.scale.shape) != want or a.scale.dtype != jnp.float32:
+        raise ValueError(f"experts.swiglu: {name} scale must be float32{list(want)} (one per {FP8_BLOCK} x "
+                         f"{FP8_BLOCK} block, [out, in]), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
+
+
 def _check_mx_scales(name, a, shape, j):
     """The checks of `MXFP4` weight `a`: K a multiple of `MX_BLOCK`, uint8 codes `[J, N, K / 2]` (checked as the
     weight's `[J, K, N]` before this) and a uint8 scale `[J, N, K / 32]`."""
@@ -202,8 +244,13 @@ _FP8 = _Format(BlockScaled, "BlockScaled FP8", jnp.float8_e4m3fn, lambda w: w.va
 _INT8 = _Format(Int8PerChannel, "Int8PerChannel", jnp.int8, lambda w: w.values, _check_channel_scales)
 # MXFP4's codes are checked as the `[J, K, N]` weight they pack (`MXFP4.shape`).
 _MXFP4 = _Format(MXFP4, "MXFP4", jnp.uint8, lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_mx_scales)
+# `[out, in]` FP8 is checked as the `[J, K, N]` weight it holds (`BlockScaledOutIn.shape`).
+_FP8_OUT_IN = _Format(BlockScaledOutIn, "BlockScaledOutIn FP8", jnp.float8_e4m3fn,
+                      lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_out_in_scales)
 #: The weight formats, a plain bf16 array first (a weight of no other format's class); a call's weights share one.
-_FORMATS = (_BF16, _FP8, _MXFP4, _INT8)
+_FORMATS = (_BF16, _FP8, _MXFP4, _INT8, _FP8_OUT_IN)
+#: The formats XLA's implementations multiply (`[out, in]` FP8: the `gmm` and `wgmma` implementations).
+XLA_FORMATS = (_BF16, _FP8, _MXFP4, _INT8)
 #: The formats the "kernel" implementation multiplies (the others: XLA implementations only).
 KERNEL_FORMATS = (_BF16, _FP8)
 

@@ -241,7 +241,8 @@ def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
 
         ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
         tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
-        return ffi.grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles)
+        y = ffi.grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles)
+        return _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
     return _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes)
 
 
@@ -266,6 +267,23 @@ def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
 
     acc = lax.fori_loop(0, k // 32, block, jnp.zeros((m, n), jnp.float32))
     return jnp.where(jnp.arange(m)[:, None] < jnp.sum(group_sizes), acc, 0.0)
+
+
+def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
+    """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8` ("xla" or "wgmma"): gate
+    and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes (quantized from `xb` when None: the same
+    rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each row's FP32 sum of its pairs (`_row_sums`);
+    the numerics of `docs/experts.md`'s FP8 weights. No VJP."""
+    from jax_latent_ep.experts.xla import _row_sums
+    from jax_latent_ep.numerics import mxfp8_quantize
+
+    x, sf = mxfp8_quantize(xb) if mx is None else mx
+    gs = pl.group_sizes
+    fp8 = lambda q, s, w: gmm_fp8(q, s, w.values, w.scale, gs, impl=impl)  # noqa: E731
+    xq, xs = x[pl.row], sf[pl.row]
+    gate = fp8(xq, xs, w_gate)
+    h = _glu(gate, None if w_up is None else fp8(xq, xs, w_up), w_down.shape[1])
+    return _row_sums(pl, fp8(*mxfp8_quantize(h), w_down), out_dtype)
 
 
 def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):

@@ -7,7 +7,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_latent_ep.experts.formats import _BF16, _FORMATS, KERNEL_FORMATS, _check_weights, _format
+from jax_latent_ep.experts.formats import (_BF16, _FORMATS, _FP8_OUT_IN, KERNEL_FORMATS, XLA_FORMATS, BlockScaledOutIn,
+                                          _check_weights, _format)
 from jax_latent_ep.experts import grouped
 from jax_latent_ep.experts.grouped import swiglu_pairs
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
@@ -29,10 +30,10 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 GPU_ONLY = frozenset({"kernel", "mosaic", "wgmma"})
 #: The implementations that read the received MXFP8 rows themselves and have no VJP (the rest differentiate).
 READS_RECEIVED = frozenset({"kernel"})
-#: The weight formats each implementation multiplies (the rest: all of them). "gmm", "mosaic" and "wgmma" are the
-#: training path, on bf16 weights.
-IMPL_FORMATS = {impl: _FORMATS for impl in IMPLEMENTATIONS} | {"kernel": KERNEL_FORMATS, "gmm": (_BF16,),
-                                                              "mosaic": (_BF16,), "wgmma": (_BF16,)}
+#: The weight formats each implementation multiplies (the XLA ones: all but `[out, in]` FP8). "gmm", "mosaic" and
+#: "wgmma" are the training path, on bf16 weights; "gmm" and "wgmma" multiply `[out, in]` FP8 too (`gmm_fp8`).
+IMPL_FORMATS = {impl: XLA_FORMATS for impl in IMPLEMENTATIONS} | {
+    "kernel": KERNEL_FORMATS, "gmm": (_BF16, _FP8_OUT_IN), "mosaic": (_BF16,), "wgmma": (_BF16, _FP8_OUT_IN)}
 
 
 def takes(impl: str, w) -> bool:
@@ -47,6 +48,8 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
+    if isinstance(w_down, BlockScaledOutIn):  # FP8 on the FP8 tensor cores (`grouped.gmm_fp8`), no VJP
+        return grouped.swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)
     if impl in GMM_STAGE:  # the same forward, with a backward of gathers (`grouped.swiglu_rows`)
         return grouped.swiglu_rows(pl, xb, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)
     return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx), out_dtype)
