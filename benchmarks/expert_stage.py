@@ -14,7 +14,8 @@ every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel
 (the plan kernel and the project's grouped GEMM, `kernels/grouped_gemm.py`), `kernel-xla-plan` (the grouped GEMM
 on the XLA plan),
 `kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
-`floor-fp8/..`, counts 1 byte a weight and the scales), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
+`floor-fp8/..`, counts 1 byte a weight and the scales), `wgmma-fp8` (the same weights `[out, in]`,
+`experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
 gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
@@ -44,7 +45,7 @@ GROUPS = {
     "pallas": ({}, {"jax_ragged_dot_use_gpu_pallas_triton_lowering": True}),
 }
 PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
-         "kernel-fp8": ("default", "kernel-fp8"),
+         "kernel-fp8": ("default", "kernel-fp8"), "wgmma-fp8": ("default", "wgmma-fp8"),
          "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
@@ -53,7 +54,9 @@ RATIOS = {"us_per_layer": "ratio", "pipelined_us_per_layer": "pipelined_ratio", 
           "span_us_per_layer": "span_ratio"}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 #: Paths on FP8 weights (their floor is `floor-fp8/..`).
-FP8_PATHS = ("kernel-fp8", "floor-fp8")
+FP8_PATHS = ("kernel-fp8", "wgmma-fp8", "floor-fp8")
+#: path -> its weights' format (the rest: bf16): `BlockScaled`, or `[out, in]` `BlockScaledOutIn`.
+PATH_FORMATS = {"kernel-fp8": "fp8", "wgmma-fp8": "fp8-out-in"}
 
 
 def _weight_bytes(backend: str) -> float:
@@ -221,29 +224,33 @@ def child(args):
                 routings[t] = [jax.tree.map(jnp.asarray, r) for r in recvs]
                 if args.group == "default":
                     out(backend=f"floor/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
-                    if "kernel-fp8" in paths:
+                    if any(p in FP8_PATHS for p in paths):
                         out(backend=f"floor-fp8/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
-            # One weight format resident at a time: the bf16 paths' weights, then the FP8 path's.
-            for fp8 in (False, True):
-                fmt_paths = [p for p in paths if (p == "kernel-fp8") == fp8]
+            # One weight format resident at a time: the bf16 paths' weights, then each FP8 layout's.
+            for fmt in ("bf16", "fp8", "fp8-out-in"):
+                fmt_paths = [p for p in paths if PATH_FORMATS.get(p, "bf16") == fmt]
                 if not fmt_paths:
                     continue
-                ws = [_layer_weights(jax.random.fold_in(key, li), j, lat, inter, fp8) for li in range(layers)]
+                ws = [_layer_weights(jax.random.fold_in(key, li), j, lat, inter, fmt) for li in range(layers)]
                 for t in args.tokens:
                     _measure(args, out, dev, fmt_paths, routings[t], ws, name, n, t, j, layers)
                 del ws
 
 
-def _layer_weights(key, j, lat, inter, fp8):
-    """One layer's (w_gate, w_up, w_down), made on the device ~ N(0, 1 / d^2): bf16, or FP8 (`fp8_normal`)."""
+def _layer_weights(key, j, lat, inter, fmt):
+    """One layer's (w_gate, w_up, w_down), made on the device ~ N(0, 1 / d^2): `fmt` "bf16", "fp8" (`fp8_normal`) or
+    "fp8-out-in" (the same, `[out, in]`)."""
     import jax
     import jax.numpy as jnp
 
     kg, ku, kd = jax.random.split(key, 3)
     shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
-    if not fp8:
+    if fmt == "bf16":
         return tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16) for kk, sh, d in shapes)
-    return tuple(fp8_normal(kk, sh, 1 / d) for kk, sh, d in shapes)
+    from jax_latent_ep import experts
+
+    convert = experts.fp8_out_in if fmt == "fp8-out-in" else (lambda w: w)
+    return tuple(convert(fp8_normal(kk, sh, 1 / d)) for kk, sh, d in shapes)
 
 
 def fp8_normal(key, shape, std):
@@ -280,8 +287,8 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
             continue
 
         def program(recvs, ws, impl=impl, t=t, n=n, j=j):
-            if impl == "kernel-fp8":
-                return [experts.expert_stage(r, 0, *w, impl="kernel", max_tokens=t, ranks=n)
+            if impl in ("kernel-fp8", "wgmma-fp8"):
+                return [experts.expert_stage(r, 0, *w, impl=impl.split("-")[0], max_tokens=t, ranks=n)
                         for r, w in zip(recvs, ws)]
             if impl == "plan":
                 return [work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]
