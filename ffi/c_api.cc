@@ -93,6 +93,9 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulWgrad(XLA_FFI_CallFrame* call
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_fp8_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_mxfp4_targets().traced);
+}
 
 #if JAX_LATENT_EP_RECORD
 namespace {

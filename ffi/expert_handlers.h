@@ -13,5 +13,6 @@ Targets row_sum_targets();
 Targets grouped_matmul_targets();
 Targets grouped_matmul_wgrad_targets();
 Targets grouped_matmul_fp8_targets();
+Targets grouped_matmul_mxfp4_targets();
 
 }  // namespace jax_latent_ep

@@ -304,3 +304,36 @@ def test_wgmma_tiles_follow_the_groups():
         assert got.shape == (min(g, m) + m // 128, 4) and got.dtype == np.int32
         assert [tuple(int(v) for v in r[:3]) for r in got[: len(want)]] == want, sizes
         assert np.all(got[len(want):, 2] == 0) and np.all(got[:, 3] == len(want))
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
+                                  for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
+def test_gmm_mxfp4_against_numpy(impl):
+    """`gmm_mxfp4` against the float64 model on ml_dtypes' decoding of the codes (every code, both zeros, scales
+    over several octaves, zero scale codes): within 2^-20 of the row's largest |value| on "xla", 2^-12 on "wgmma"
+    (as `test_gmm_fp8_against_numpy`)."""
+    import ml_dtypes as mld
+
+    rng = _rng(f"gmm-mxfp4/{impl}")
+    (q, sf, _, _, gs), _ = _fp8_case(rng)
+    g, n, k = gs.shape[0], 256, q.shape[1]
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scale = rng.integers(120, 130, (g, n, k // 32)).astype(np.uint8)
+    scale[rng.random(scale.shape) < 0.05] = 0
+    low = (codes & 15).view(np.uint8)
+    values = np.stack([low, codes >> 4], axis=-1).reshape(g, n, k)
+    e2m1 = np.asarray([float(v) for v in np.arange(16, dtype=np.uint8).view(mld.float4_e2m1fn)])
+    wf = (e2m1[values] * np.repeat(np.exp2(scale.astype(np.float64) - 127) * (scale > 0), 32, axis=2))
+    xf = np.asarray(q, np.float64) * np.repeat(np.exp2(np.asarray(sf, np.float64) - 127) * (np.asarray(sf) > 0), 32,
+                                               axis=1)
+    sizes, ends = np.asarray(gs), np.cumsum(np.asarray(gs))
+    want = np.zeros((q.shape[0], n))
+    for e in range(g):
+        s = slice(ends[e] - sizes[e], ends[e])
+        want[s] = xf[s] @ wf[e].T
+    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_mxfp4(*a, impl=impl))(
+        q, sf, jnp.asarray(codes), jnp.asarray(scale), gs), np.float64)
+    used = int(sizes.sum())
+    tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True) + 1e-30
+    bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
+    assert bad.size == 0, f"{impl}: {len(bad)} off, first {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.autodiff import _varying, varying_axes
+from jax_latent_ep.experts.formats import BlockScaledOutIn
 from jax_latent_ep.experts.planning import chunks
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums
 
@@ -269,8 +270,50 @@ def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
     return jnp.where(jnp.arange(m)[:, None] < jnp.sum(group_sizes), acc, 0.0)
 
 
+def check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl: str):
+    """Raises ValueError naming the bad value unless `x`, `x_scale`, `group_sizes` and `impl` are as `check_gmm_fp8`
+    asks and `w` is uint8 `[G, N, K / 2]` (e2m1 codes, `experts.MXFP4.values`), `w_scale` uint8 `[G, N, K / 32]`."""
+    if tuple(w.shape[:1]) != tuple(group_sizes.shape) or w.dtype != jnp.uint8 or w.ndim != 3:
+        raise ValueError(f"gmm_mxfp4: w must be uint8[G, N, K / 2] (G={group_sizes.shape[0]}), got "
+                         f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+    g, n, half = w.shape
+    stand_in = jax.ShapeDtypeStruct((g, n, 2 * half), jnp.float8_e4m3fn)
+    check_gmm_fp8(x, x_scale, stand_in, jax.ShapeDtypeStruct((g, n // 128, 2 * half // 128), jnp.float32),
+                  group_sizes, impl)
+    if w_scale.dtype != jnp.uint8 or tuple(w_scale.shape) != (g, n, 2 * half // 32):
+        raise ValueError(f"gmm_mxfp4: w_scale must be uint8{[g, n, 2 * half // 32]}, got "
+                         f"{jnp.dtype(w_scale.dtype).name}{list(w_scale.shape)}")
+
+
+def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
+    """`gmm_fp8` on MXFP4 weights (`experts.MXFP4`'s `values`, `scale`: `[out, in]` e2m1 codes two a byte, the even
+    input in the low nibble, an E8M0 scale per 32 inputs): FP32 `[M, N]`, `y[p] = sum over the 32-deep blocks b of
+    (x[p, b] . e2m1(w[g(p), :, b])) * 2^(x_scale[p, b] - 127) * 2^(w_scale[g(p), :, b] - 127)`, the blocks ascending,
+    each added once (either scale code 0: the block adds 0). "wgmma" widens the codes to e4m3 (exact) and multiplies
+    on the FP8 tensor cores (`kernels/grouped_matmul_fp8.py`)."""
+    check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl)
+    if impl == "wgmma":
+        from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
+        from jax_latent_ep.runtime import ffi
+
+        ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+        tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
+        y = ffi.grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles)
+        return _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
+    from jax_latent_ep.experts.formats import E2M1_VALUES
+
+    table = jnp.asarray(E2M1_VALUES, jnp.float32)
+    values = jnp.stack([table[w & 15], table[w >> 4]], axis=-1).reshape(*w.shape[:2], -1)  # [G, N, K]
+    # The E8M0 scale folded in per 32-block: exact (a power of two times a value of 2 significant bits).
+    w_pow = lax.bitcast_convert_type(w_scale.astype(jnp.uint32) << 23, jnp.float32)
+    blocks = values.reshape(*w.shape[:2], -1, 32) * w_pow[..., None]
+    ones = jnp.ones((w.shape[0], w.shape[1] // 128, 2 * w.shape[2] // 128), jnp.float32)
+    return _xla_gmm_fp8(x, x_scale, blocks.reshape(values.shape), ones, group_sizes)
+
+
 def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
-    """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8` ("xla" or "wgmma"): gate
+    """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8`, or on MXFP4 weights with
+    `gmm_mxfp4` ("xla" or "wgmma"): gate
     and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes (quantized from `xb` when None: the same
     rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each row's FP32 sum of its pairs (`_row_sums`);
     the numerics of `docs/experts.md`'s FP8 weights. No VJP."""
@@ -279,7 +322,10 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
 
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
-    fp8 = lambda q, s, w: gmm_fp8(q, s, w.values, w.scale, gs, impl=impl)  # noqa: E731
+    def fp8(q, s, w):
+        mm = gmm_fp8 if isinstance(w, BlockScaledOutIn) else gmm_mxfp4
+        return mm(q, s, w.values, w.scale, gs, impl=impl)
+
     xq, xs = x[pl.row], sf[pl.row]
     gate = fp8(xq, xs, w_gate)
     h = _glu(gate, None if w_up is None else fp8(xq, xs, w_up), w_down.shape[1])

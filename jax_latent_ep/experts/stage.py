@@ -7,8 +7,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_latent_ep.experts.formats import (_BF16, _FORMATS, _FP8_OUT_IN, KERNEL_FORMATS, XLA_FORMATS, BlockScaledOutIn,
-                                          _check_weights, _format)
+from jax_latent_ep.experts.formats import (_BF16, _FORMATS, _FP8_OUT_IN, _MXFP4, KERNEL_FORMATS, MXFP4, XLA_FORMATS,
+                                          BlockScaledOutIn, _check_weights, _format)
 from jax_latent_ep.experts import grouped
 from jax_latent_ep.experts.grouped import swiglu_pairs
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
@@ -31,9 +31,11 @@ GPU_ONLY = frozenset({"kernel", "mosaic", "wgmma"})
 #: The implementations that read the received MXFP8 rows themselves and have no VJP (the rest differentiate).
 READS_RECEIVED = frozenset({"kernel"})
 #: The weight formats each implementation multiplies (the XLA ones: all but `[out, in]` FP8). "gmm", "mosaic" and
-#: "wgmma" are the training path, on bf16 weights; "gmm" and "wgmma" multiply `[out, in]` FP8 too (`gmm_fp8`).
+#: "wgmma" are the training path, on bf16 weights; "gmm" and "wgmma" multiply `[out, in]` FP8 and MXFP4 too, on
+#: the FP8 tensor cores' numerics (`gmm_fp8`, `gmm_mxfp4`).
 IMPL_FORMATS = {impl: XLA_FORMATS for impl in IMPLEMENTATIONS} | {
-    "kernel": KERNEL_FORMATS, "gmm": (_BF16, _FP8_OUT_IN), "mosaic": (_BF16,), "wgmma": (_BF16, _FP8_OUT_IN)}
+    "kernel": KERNEL_FORMATS, "gmm": (_BF16, _FP8_OUT_IN, _MXFP4), "mosaic": (_BF16,),
+    "wgmma": (_BF16, _FP8_OUT_IN, _MXFP4)}
 
 
 def takes(impl: str, w) -> bool:
@@ -48,7 +50,7 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     """The grouped SwiGLU on bf16 activations `xb` `[R, L]` (see `swiglu`); `mx`, the MXFP8 rows `(x, sf)` that `xb`
     dequantizes, if there are such (the kernel's FP8 path reads them; without, it quantizes `xb` to MXFP8)."""
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
-    if isinstance(w_down, BlockScaledOutIn):  # FP8 on the FP8 tensor cores (`grouped.gmm_fp8`), no VJP
+    if isinstance(w_down, (BlockScaledOutIn, MXFP4)) and impl in GMM_STAGE:  # the FP8 tensor cores, no VJP
         return grouped.swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)
     if impl in GMM_STAGE:  # the same forward, with a backward of gathers (`grouped.swiglu_rows`)
         return grouped.swiglu_rows(pl, xb, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)

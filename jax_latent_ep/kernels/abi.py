@@ -306,8 +306,23 @@ GROUPED_MATMUL_FP8 = Kernel("grouped_matmul_fp8", "ep_grouped_matmul_fp8", (
     Param("num_tiles", "i32", False, "tiles of the list"),
 ), archs=("sm_90a",))
 
+#: The same on MXFP4 weights (`experts.MXFP4`), widened to e4m3 in shared memory; each 32-deep block promoted with
+#: the weight row's and the pair's E8M0 scales.
+GROUPED_MATMUL_MXFP4 = Kernel("grouped_matmul_mxfp4", "ep_grouped_matmul_mxfp4", (
+    _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
+    _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
+    _address("w", "uint8 [G, num_n, num_k / 2]: each group's e2m1 codes, `[out, in]`, the even input low"),
+    _address("w_scale", "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output"),
+    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) per "
+             "tile, the used first; pairs 0: none"),
+    _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+    Param("num_k", "i32", False, "contraction length, a multiple of 128"),
+    Param("num_n", "i32", False, "columns, a multiple of 128"),
+    Param("num_tiles", "i32", False, "tiles of the list"),
+), archs=("sm_90a",))
+
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
-                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8)}
+                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4)}
 
 
 def c_name(op: str) -> str:

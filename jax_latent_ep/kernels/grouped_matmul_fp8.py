@@ -33,6 +33,7 @@ from jax_latent_ep.kernels.primitives import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
+    e2m1x4_to_e4m3x4,
     f32_from_bits,
     fence_proxy_async_shared,
     fma_rn,
@@ -40,9 +41,11 @@ from jax_latent_ep.kernels.primitives import (
     load_b32,
     load_shared_b32,
     load_shared_f32,
+    load_shared_v4,
     mul_rn,
     smem_descriptor,
     store_f32,
+    store_shared_v4,
     wgmma_commit,
     wgmma_e4m3_m64n32k32,
     wgmma_fence,
@@ -85,8 +88,8 @@ def smem_bytes() -> int:
 
 
 def launch_shape(kernel: str = "grouped_matmul_fp8") -> tuple[int, int]:
-    """(threads per CTA, dynamic shared bytes)."""
-    return THREADS, SMEM_BYTES
+    """(threads per CTA, dynamic shared bytes) of `kernel` (either of this module's)."""
+    return THREADS, MX_SMEM_BYTES if kernel == "grouped_matmul_mxfp4" else SMEM_BYTES
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,7 +266,230 @@ GroupedMatmulFp8.kernel.set_name_prefix(abi.GROUPED_MATMUL_FP8.symbol, remove_cu
 
 
 # ---------------------------------------------------------------------------------------------------------
+# MXFP4 weights: e2m1 codes two a byte and an E8M0 scale per 32 inputs, `[out, in]` (`experts.MXFP4`), widened to
+# e4m3 in shared memory (every e2m1 value is exact in e4m3) and multiplied on the same tensor cores, each 32-deep
+# block promoted with `2^(s_w - 127) * 2^(s_x - 127)` (one FP32 product).
+
+#: A ring stage of the MXFP4 kernel: the pairs' lines (swizzled), the weights' packed codes (64 bytes a row,
+#: linear), the pairs' scale words, the weight rows' scale words; the widened weights go to one of two tiles after
+#: the ring.
+MX_B_OFFSET = 0
+MX_PACKED_OFFSET = B_BYTES
+MX_PACKED_BYTES = TILE_N * TILE_K // 2
+MX_X_SCALE_OFFSET = MX_PACKED_OFFSET + MX_PACKED_BYTES
+MX_W_SCALE_OFFSET = MX_X_SCALE_OFFSET + 4 * TILE_PAIRS
+MX_STAGE_BYTES = (MX_W_SCALE_OFFSET + 4 * TILE_N + 1023) // 1024 * 1024
+MX_TILES_OFFSET = STAGES * MX_STAGE_BYTES
+MX_SMEM_BYTES = MX_TILES_OFFSET + 2 * A_BYTES + 1024
+#: 16-byte chunks of packed codes (32 inputs of one row) each thread copies and widens a stage.
+MX_CHUNKS = MX_PACKED_BYTES // 16 // THREADS
+
+
+class GroupedMatmulMxfp4(GroupedMatmulFp8):
+    """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
+    it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
+    e4m3 (`e2m1x4_to_e4m3x4`) into a tile of its own while the previous stage's MMAs run."""
+
+    @cute.jit
+    def launch(
+        self,
+        x: Int64,
+        x_scale: Int64,
+        w: Int64,
+        w_scale: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+    ):
+        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
+            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=MX_SMEM_BYTES, preferred_smem_carveout=-1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: Int64,
+        x_scale: Int64,
+        w: Int64,
+        w_scale: Int64,
+        tiles: Int64,
+        out: Int64,
+        num_k: Int32,
+        num_n: Int32,
+        num_tiles: Int32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tid = Int32(tid)
+        cta = Int32(cta)
+        column_tiles = num_n // TILE_N
+        n0 = (cta % column_tiles) * TILE_N
+        griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
+        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
+        group = Int32(load_b32(entry))
+        first = Int32(load_b32(entry + 4))
+        rows = Int32(load_b32(entry + 8))
+        if rows > 0:
+            self.run_mx(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+
+    @cute.jit
+    def run_mx(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
+               n0: Int32, group: Int32, first: Int32, rows: Int32):
+        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(MX_SMEM_BYTES), 1024)
+        ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        warpgroup = tid // 128
+        lane = tid % 32
+        steps = num_k // TILE_K
+
+        # This thread's copies of a stage: packed chunks `tid + 256 i` (row / 4, 32 inputs % 4), the pair line
+        # `tid / 8` (chunk `tid % 8`, swizzled), the first TILE_PAIRS threads a pair's scale word, the last 128 a
+        # weight row's.
+        a_src, a_dst = [], []
+        for i in cutlass.range_constexpr(MX_CHUNKS):
+            idx = tid + THREADS * i
+            a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
+                         + Int64((idx % 4) * 16))
+            a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
+        chunk = tid % 8
+        pair = tid // 8
+        b_live = pair < rows
+        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
+        b_dst = Uint32(MX_B_OFFSET + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
+        s_live = tid < rows
+        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K)
+
+        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        acc.fill(0.0)
+        ahead = STAGES - 1
+        for s in cutlass.range_constexpr(ahead):
+            if s < steps:
+                self.load_mx(ring + Uint32(s * MX_STAGE_BYTES), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
+                             s_live, s_src, ws_src, x, x_scale)
+            cp_async_commit()
+        cp_async_wait(ahead - 1)
+        cute.arch.sync_threads()
+        self.widen(ring, ring + Uint32(MX_TILES_OFFSET), tid)
+
+        # Invariant at the barrier of step kt: stages kt and kt + 1 are in the ring, stage kt widened into tile
+        # kt % 2 (fenced for the async proxy), every MMA of step kt - 1 completed: tile (kt + 1) % 2 takes stage
+        # kt + 1 while stage kt's MMAs run, and ring slot kt - 1 takes step kt + ahead.
+        for kt in range(steps):
+            cp_async_wait(ahead - 2)
+            fence_proxy_async_shared()
+            cute.arch.sync_threads()
+            if kt + ahead < steps:
+                self.load_mx(ring + Uint32(((kt + ahead) % STAGES) * MX_STAGE_BYTES), kt + ahead, tid, a_src, a_dst,
+                             b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
+            cp_async_commit()
+            slot = ring + Uint32((kt % STAGES) * MX_STAGE_BYTES)
+            tile = ring + Uint32(MX_TILES_OFFSET) + Uint32((kt % 2) * A_BYTES)
+            wgmma_fence()
+            parts = []
+            for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
+                desc_a = smem_descriptor(tile + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
+                desc_b = smem_descriptor(slot + Uint32(MX_B_OFFSET + kb * BLOCK_K), 16, 1024)
+                parts.append(wgmma_e4m3_m64n32k32(desc_a, desc_b))
+            wgmma_commit()
+            if kt + 1 < steps:
+                self.widen(ring + Uint32(((kt + 1) % STAGES) * MX_STAGE_BYTES),
+                           ring + Uint32(MX_TILES_OFFSET) + Uint32(((kt + 1) % 2) * A_BYTES), tid)
+            wgmma_wait(0)
+            self.promote_mx(acc, parts, slot, tid, lane)
+
+        column = n0 + warpgroup * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for e in cutlass.range_constexpr(2):
+                p = 8 * j + 2 * (lane % 4) + e
+                if p < rows:
+                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
+                    for i in cutlass.range_constexpr(2):
+                        store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
+
+    @cute.jit
+    def widen(self, slot: Uint32, tile: Uint32, tid: Int32):
+        """This thread's packed chunks of the stage in `slot` (32 inputs of a row each) as e4m3 into `tile`: the
+        row's line, 16-byte chunks `2 c` and `2 c + 1` at their swizzled places."""
+        for i in cutlass.range_constexpr(MX_CHUNKS):
+            idx = tid + THREADS * i
+            row = idx // 4
+            c = idx % 4
+            words = load_shared_v4(slot + Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
+            wide = []
+            for word in words:
+                wide.append(e2m1x4_to_e4m3x4(word & Uint32(0xFFFF)))
+                wide.append(e2m1x4_to_e4m3x4(word >> Uint32(16)))
+            line = tile + Uint32(row * LINE_BYTES)
+            store_shared_v4(line + Uint32(((2 * c) ^ (row % 8)) * 16), wide[:4])
+            store_shared_v4(line + Uint32(((2 * c + 1) ^ (row % 8)) * 16), wide[4:])
+
+    @cute.jit
+    def promote_mx(self, acc, parts, slot: Uint32, tid: Int32, lane: Int32):
+        """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times `2^(s_w - 127) * 2^(s_x - 127)`
+        of its weight row and pair (one FP32 product; 0 where either code is 0): one FMA a value."""
+        row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        row_words = []
+        for i in cutlass.range_constexpr(2):
+            row_words.append(load_shared_b32(slot + Uint32(MX_W_SCALE_OFFSET) + Uint32(4) * Uint32(row + 8 * i)))
+        words = []
+        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for e in cutlass.range_constexpr(2):
+                words.append(load_shared_b32(slot + Uint32(MX_X_SCALE_OFFSET) + Uint32(4 * (8 * j + e))
+                                             + Uint32(8) * Uint32(lane % 4)))
+        for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
+            part = parts[kb]
+            w_pow = []
+            for i in cutlass.range_constexpr(2):
+                w_pow.append(f32_from_bits(((row_words[i] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23)))
+            for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+                for e in cutlass.range_constexpr(2):
+                    x_pow = f32_from_bits(((words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23))
+                    for i in cutlass.range_constexpr(2):
+                        k = 4 * j + 2 * i + e
+                        acc[k] = fma_rn(part[k], mul_rn(w_pow[i], x_pow), acc[k])
+
+    @cute.jit
+    def load_mx(self, slot: Uint32, stage: Int32, tid: Int32, a_src, a_dst, b_live, b_src: Int64, b_dst: Uint32,
+                s_live, s_src: Int64, ws_src: Int64, x_base: Int64, s_base: Int64):
+        """Issues this thread's copies of stage `stage` into `slot`: its packed chunks, its pair chunk (16 zero
+        bytes, naming `x_base`, past the tile's pairs), its pair's scale word (zeros past them), its weight row's
+        scale word."""
+        for i in cutlass.range_constexpr(MX_CHUNKS):
+            cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * (TILE_K // 2), Uint32(16))
+        src = x_base
+        size = Uint32(0)
+        if b_live:
+            src = b_src + Int64(stage) * TILE_K
+            size = Uint32(16)
+        cp_async_16(slot + b_dst, src, size)
+        if tid < TILE_PAIRS:
+            src = s_base
+            size = Uint32(0)
+            if s_live:
+                src = s_src + Int64(stage) * 4
+                size = Uint32(4)
+            cp_async_4(slot + Uint32(MX_X_SCALE_OFFSET) + Uint32(4) * Uint32(tid), src, size)
+        if tid >= THREADS - TILE_N:
+            cp_async_4(slot + Uint32(MX_W_SCALE_OFFSET) + Uint32(4) * Uint32(tid - (THREADS - TILE_N)),
+                       ws_src + Int64(stage) * 4, Uint32(4))
+
+
+GroupedMatmulMxfp4.kernel.set_name_prefix(abi.GROUPED_MATMUL_MXFP4.symbol, remove_cutlass_symbol=True,
+                                          keep_mangled_name=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Compile
+
+
+def compile_grouped_matmul_mxfp4(arch: str = "sm_90a"):
+    """Compiles the MXFP4 grouped matmul for `arch` (sm_90a only); returns `(symbol, cubin bytes)`."""
+    return compile_cubin(abi.GROUPED_MATMUL_MXFP4, GroupedMatmulMxfp4(), arch)
 
 
 def compile_grouped_matmul_fp8(arch: str = "sm_90a"):

@@ -736,3 +736,28 @@ def store_f32(addr, value, *, loc=None, ip=None) -> None:
 def load_shared_f32(smem, *, loc=None, ip=None) -> Float32:
     """Always issues one `ld.shared.f32` at shared address `smem`."""
     return Float32(_asm(T.f32(), [_u32(smem, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip))
+
+
+@dsl_user_op
+def load_shared_v4(smem, *, loc=None, ip=None):
+    """Always issues one `ld.shared.v4.b32` at shared address `smem` (16-byte aligned); returns 4 words."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(smem, loc, ip)],
+                  "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+#: e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7), four a word, code 0 lowest.
+E2M1_AS_E4M3 = (0x3C383000, 0x4C484440)
+
+
+@dsl_user_op
+def e2m1x4_to_e4m3x4(codes, *, loc=None, ip=None) -> Uint32:
+    """The four e2m1 codes in the low 16 bits of `codes` (code `i` in bits `4 i .. 4 i + 3`, bit 3 its sign) as four
+    e4m3 bytes, code `i` in byte `i`: exact (every e2m1 value is an e4m3 value), -0 kept. The magnitudes by one
+    `prmt` from `E2M1_AS_E4M3`, each sign moved from bit 3 of its nibble to bit 7 of its byte."""
+    code = ("{ .reg .b32 lo, hi, sel, mag, t, u; mov.b32 lo, %d; mov.b32 hi, %d; and.b32 sel, $1, 0x7777; "
+            "prmt.b32 mag, lo, hi, sel; "
+            "and.b32 t, $1, 0xFF; and.b32 u, $1, 0xFF00; shl.b32 u, u, 8; or.b32 t, t, u; shl.b32 u, t, 4; "
+            "or.b32 t, t, u; and.b32 t, t, 0x08080808; shl.b32 t, t, 4; or.b32 $0, mag, t; }"
+            % E2M1_AS_E4M3)
+    return Uint32(_asm(T.i32(), [_u32(codes, loc, ip)], code, "=r,r", loc, ip))

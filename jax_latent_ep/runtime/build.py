@@ -42,7 +42,8 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 #: kernel -> its module in `jax_latent_ep.kernels`.
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
-              "grouped_matmul_wgrad": "grouped_matmul", "grouped_matmul_fp8": "grouped_matmul_fp8"}
+              "grouped_matmul_wgrad": "grouped_matmul", "grouped_matmul_fp8": "grouped_matmul_fp8",
+              "grouped_matmul_mxfp4": "grouped_matmul_fp8"}
 MANIFEST_VERSION = 1
 
 

@@ -396,11 +396,12 @@ EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"
                   "row_sum": ("jax_latent_ep_row_sum", "EpRowSum"),
                   "grouped_matmul": ("jax_latent_ep_grouped_matmul", "EpGroupedMatmul"),
                   "grouped_matmul_wgrad": ("jax_latent_ep_grouped_matmul_wgrad", "EpGroupedMatmulWgrad"),
-                  "grouped_matmul_fp8": ("jax_latent_ep_grouped_matmul_fp8", "EpGroupedMatmulFp8")}
+                  "grouped_matmul_fp8": ("jax_latent_ep_grouped_matmul_fp8", "EpGroupedMatmulFp8"),
+                  "grouped_matmul_mxfp4": ("jax_latent_ep_grouped_matmul_mxfp4", "EpGroupedMatmulMxfp4")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
 EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
-                  "grouped_matmul_wgrad", "grouped_matmul_fp8")
+                  "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
@@ -511,6 +512,14 @@ def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles):
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul_fp8"][0], out, has_side_effect=False)(x, x_scale, w,
                                                                                                  w_scale, tiles)
+
+
+def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles):
+    """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): FP32 `[P, N]`, as
+    `grouped_matmul_fp8_call`."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul_mxfp4"][0], out, has_side_effect=False)(x, x_scale, w,
+                                                                                                   w_scale, tiles)
 
 
 def grouped_matmul_wgrad_call(x, dy, groups):

@@ -25,3 +25,20 @@ def test_ptx_wgmma_promotion_and_no_local_memory():
     assert ptx.count("fma.rn.f32") == grouped_matmul_fp8.ACC * blocks
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert grouped_matmul_fp8.STAGE_BYTES % 1024 == 0 and grouped_matmul_fp8.SMEM_BYTES <= 227 * 1024
+
+
+def test_mxfp4_signature_is_the_abi():
+    check_abi(abi.GROUPED_MATMUL_MXFP4, grouped_matmul_fp8.GroupedMatmulMxfp4())
+
+
+def test_mxfp4_ptx_widens_then_multiplies_without_local_memory():
+    ptx = kernel_ptx(abi.GROUPED_MATMUL_MXFP4, grouped_matmul_fp8.GroupedMatmulMxfp4())
+    blocks = grouped_matmul_fp8.TILE_K // grouped_matmul_fp8.BLOCK_K
+    assert len(re.findall(WGMMA, ptx)) == blocks
+    # A widened chunk: eight e2m1x4 conversions (one prmt each) and two 16-byte shared stores, per thread chunk,
+    # in the prologue and the loop.
+    chunks = grouped_matmul_fp8.MX_CHUNKS
+    assert ptx.count("prmt.b32") == 2 * 8 * chunks and ptx.count("st.shared.v4.b32") == 2 * 2 * chunks
+    assert ptx.count("fma.rn.f32") == grouped_matmul_fp8.ACC * blocks
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert grouped_matmul_fp8.MX_STAGE_BYTES % 1024 == 0 and grouped_matmul_fp8.MX_SMEM_BYTES <= 227 * 1024
