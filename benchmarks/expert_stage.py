@@ -15,7 +15,8 @@ every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel
 on the XLA plan),
 `kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
 `floor-fp8/..`, counts 1 byte a weight and the scales), `wgmma-fp8` (the same weights `[out, in]`,
-`experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
+`experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`), `wgmma-mxfp4` (MXFP4 weights
+on `gmm_mxfp4`; floor `floor-mxfp4/..`, half a byte a weight and a byte per 32), `ragged_dot-default` (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair
 gathers its expert's weights; skipped where its `[C, L, I]` temporaries pass `--gather-gb`), `dense` (every
@@ -46,6 +47,7 @@ GROUPS = {
 }
 PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
          "kernel-fp8": ("default", "kernel-fp8"), "wgmma-fp8": ("default", "wgmma-fp8"),
+         "wgmma-mxfp4": ("default", "wgmma-mxfp4"),
          "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
@@ -55,13 +57,17 @@ RATIOS = {"us_per_layer": "ratio", "pipelined_us_per_layer": "pipelined_ratio", 
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 #: Paths on FP8 weights (their floor is `floor-fp8/..`).
 FP8_PATHS = ("kernel-fp8", "wgmma-fp8", "floor-fp8")
-#: path -> its weights' format (the rest: bf16): `BlockScaled`, or `[out, in]` `BlockScaledOutIn`.
-PATH_FORMATS = {"kernel-fp8": "fp8", "wgmma-fp8": "fp8-out-in"}
+#: Paths on MXFP4 weights (their floor is `floor-mxfp4/..`: half a byte a weight and a byte per 32).
+MXFP4_PATHS = ("wgmma-mxfp4", "floor-mxfp4")
+FLOORS = ("floor", "floor-fp8", "floor-mxfp4")
+#: path -> its weights' format (the rest: bf16): `BlockScaled`, `[out, in]` `BlockScaledOutIn`, or `MXFP4`.
+PATH_FORMATS = {"kernel-fp8": "fp8", "wgmma-fp8": "fp8-out-in", "wgmma-mxfp4": "mxfp4"}
 
 
 def _weight_bytes(backend: str) -> float:
     """Bytes of one weight on a row's path: 2 (bf16), or 1 and its share of a 4-byte scale per 128 x 128 (FP8)."""
-    return 1 + 4 / 128**2 if backend.split("/")[0] in FP8_PATHS else 2
+    path = backend.split("/")[0]
+    return 1 + 4 / 128**2 if path in FP8_PATHS else 0.5 + 1 / 32 if path in MXFP4_PATHS else 2
 
 
 def _commit():
@@ -226,8 +232,10 @@ def child(args):
                     out(backend=f"floor/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
                     if any(p in FP8_PATHS for p in paths):
                         out(backend=f"floor-fp8/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
+                    if any(p in MXFP4_PATHS for p in paths):
+                        out(backend=f"floor-mxfp4/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
             # One weight format resident at a time: the bf16 paths' weights, then each FP8 layout's.
-            for fmt in ("bf16", "fp8", "fp8-out-in"):
+            for fmt in ("bf16", "fp8", "fp8-out-in", "mxfp4"):
                 fmt_paths = [p for p in paths if PATH_FORMATS.get(p, "bf16") == fmt]
                 if not fmt_paths:
                     continue
@@ -249,6 +257,9 @@ def _layer_weights(key, j, lat, inter, fmt):
         return tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16) for kk, sh, d in shapes)
     from jax_latent_ep import experts
 
+    if fmt == "mxfp4":  # random codes, the scale of each 32 inputs 2^-6 (weights ~ 1.7 / 64)
+        return tuple(experts.MXFP4(jax.random.bits(kk, (sh[0], sh[2], sh[1] // 2), jnp.uint8),
+                                   jnp.full((sh[0], sh[2], sh[1] // 32), 121, jnp.uint8)) for kk, sh, _ in shapes)
     convert = experts.fp8_out_in if fmt == "fp8-out-in" else (lambda w: w)
     return tuple(convert(fp8_normal(kk, sh, 1 / d)) for kk, sh, d in shapes)
 
@@ -287,7 +298,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
             continue
 
         def program(recvs, ws, impl=impl, t=t, n=n, j=j):
-            if impl in ("kernel-fp8", "wgmma-fp8"):
+            if impl in ("kernel-fp8", "wgmma-fp8", "wgmma-mxfp4"):
                 return [experts.expert_stage(r, 0, *w, impl=impl.split("-")[0], max_tokens=t, ranks=n)
                         for r, w in zip(recvs, ws)]
             if impl == "plan":
@@ -363,7 +374,7 @@ def _derived(args, rows):
     lat = args.latent
     # ("J448/I512", T, bytes a weight): a path's point and its floor's
     point = lambda r: (r["backend"].split("/", 1)[1], r["tokens"], _weight_bytes(r["backend"]))  # noqa: E731
-    floor_rows = [r for r in rows if r["backend"].split("/")[0] in ("floor", "floor-fp8")]
+    floor_rows = [r for r in rows if r["backend"].split("/")[0] in FLOORS]
     weight_bytes = {point(r): r["value"] * 3 * lat * int(r["backend"].split("/I")[1]) * point(r)[2]
                     for r in floor_rows if r["metric"] == "active_experts"}
     stream = max((weight_bytes[point(r)] / (r["value"] * 1e-6) / 1e9 for r in rows
@@ -375,7 +386,7 @@ def _derived(args, rows):
     for r in list(rows):
         if r["metric"] == "active_experts" and hbm:
             rows.append(dict(r, metric="us", value=weight_bytes[point(r)] / (hbm * 1e9) * 1e6))
-    floors = {point(r): r["value"] for r in rows if r["backend"].split("/")[0] in ("floor", "floor-fp8")
+    floors = {point(r): r["value"] for r in rows if r["backend"].split("/")[0] in FLOORS
               and r["metric"] == "us"}
     for r in list(rows):
         if r["metric"] in RATIOS:
@@ -420,7 +431,8 @@ def report(args, rows, device, notes):
             print(f"  {'path':30s}" + "".join(f"{'T=' + str(t):>18s}" for t in args.tokens))
             act = {r["tokens"]: r["value"] for r in rows if r["backend"] == f"floor/{name}" and r["metric"] == "active_experts"}
             print(f"  {'active experts':30s}" + "".join(f"{act.get(t, float('nan')):18.1f}" for t in args.tokens))
-            for label, b in (("floor", 2), ("floor (FP8 weights)", _weight_bytes("floor-fp8"))):
+            for label, b in (("floor", 2), ("floor (FP8 weights)", _weight_bytes("floor-fp8")),
+                             ("floor (MXFP4 weights)", _weight_bytes("floor-mxfp4"))):
                 if any((name, t, b) in floors for t in args.tokens):
                     print(f"  {label:30s}" + "".join(f"{floors.get((name, t, b), float('nan')):18.1f}"
                                                      for t in args.tokens))
