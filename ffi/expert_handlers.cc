@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "checks.h"
@@ -533,11 +534,13 @@ static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGrou
               "ep_abi.h: visit_params(GroupedMatmulWgradParams) must pass every parameter once");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_matmul_fp8(x, x_scale, w, w_scale, tiles) -> out: the FP8 grouped matmul of decode sizes
-// (kernels/grouped_matmul_fp8.py, sm_90a), a CTA per (tile, 128 output columns).
+// grouped_matmul_fp8 / grouped_matmul_mxfp4(x, x_scale, w, w_scale, tiles) -> out: the grouped matmul of decode
+// sizes on FP8 or MXFP4 weights (kernels/grouped_matmul_fp8.py, sm_90a), a CTA per (tile, 128 output columns).
 
-struct GroupedMatmulFp8 {
-  static constexpr const char* kWhat = "grouped_matmul_fp8";
+template <bool kMxfp4>
+struct GroupedMatmulNarrow {
+  static constexpr const char* kWhat = kMxfp4 ? "grouped_matmul_mxfp4" : "grouped_matmul_fp8";
+  using Params = std::conditional_t<kMxfp4, ep_abi::GroupedMatmulMxfp4Params, ep_abi::GroupedMatmulFp8Params>;
 
   template <typename Binding>
   static auto bind(Binding binding) {
@@ -545,8 +548,8 @@ struct GroupedMatmulFp8 {
         .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
         .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [P, K] the pairs' MXFP8 elements, sorted by group
         .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [P, K / 32] their E8M0 scales
-        .template Arg<ffi::AnyBuffer>()      // w: float8_e4m3fn [G, N, K] each group's weight, [out, in]
-        .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, N / 128, K / 128] a scale per 128 x 128 block
+        .template Arg<ffi::AnyBuffer>()      // w: [out, in]: float8_e4m3fn [G, N, K] (FP8), uint8 [G, N, K / 2] (MXFP4)
+        .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, N / 128, K / 128] (FP8), uint8 [G, N, K / 32] (MXFP4)
         .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 32, used tiles)
         .template Ret<ffi::AnyBuffer>();     // out: f32 [P, N]; rows outside every tile untouched
   }
@@ -556,29 +559,32 @@ struct GroupedMatmulFp8 {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions();
     if (xd.size() != 2 || wd.size() != 3 || td.size() != 2) {
-      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul_fp8: expected x [P, K], w [G, N, K], "
-                                         "tiles [T, 4]");
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": expected x [P, K], w [G, N, " +
+                                         (kMxfp4 ? "K / 2" : "K") + "], tiles [T, 4]");
     }
     const int64_t P = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0];
     const int64_t column_tiles = N / 128;
     if (P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || P * K > (int64_t{1} << 40) ||
         G * N * K > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1) {
-      return ffi::Error::InvalidArgument(
-          "jax_latent_ep grouped_matmul_fp8: K=" + std::to_string(K) + " and N=" + std::to_string(N) +
-          " must be positive multiples of 128, P=" + std::to_string(P) + ", G=" + std::to_string(G) + " and T=" +
-          std::to_string(T) + " >= 1");
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": K=" + std::to_string(K) +
+                                         " and N=" + std::to_string(N) + " must be positive multiples of 128, P=" +
+                                         std::to_string(P) + ", G=" + std::to_string(G) + " and T=" +
+                                         std::to_string(T) + " >= 1");
     }
+    const ffi::Error w_ok = kMxfp4 ? expect(kWhat, "w", w, ffi::DataType::U8, {G, N, K / 2})
+                                   : expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K});
+    const ffi::Error w_scale_ok = kMxfp4 ? expect(kWhat, "w_scale", w_scale, ffi::DataType::U8, {G, N, K / 32})
+                                         : expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, N / 128, K / 128});
     if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {P, K}),
-                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {P, K / 32}),
-                                    expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K}),
-                                    expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, N / 128, K / 128}),
+                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {P, K / 32}), w_ok,
+                                    w_scale_ok,
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
                                     expect(kWhat, "out", *out, ffi::DataType::F32, {P, N})});
         e.failure()) {
       return e;
     }
     l.grid = static_cast<unsigned>(T * column_tiles);
-    l.params = make_params(ep_abi::GroupedMatmulFp8Params{
+    l.params = make_params(Params{
         .x = address(x.untyped_data()),
         .x_scale = address(x_scale.untyped_data()),
         .w = address(w.untyped_data()),
@@ -592,67 +598,10 @@ struct GroupedMatmulFp8 {
     return ffi::Error::Success();
   }
 };
+using GroupedMatmulFp8 = GroupedMatmulNarrow<false>;
+using GroupedMatmulMxfp4 = GroupedMatmulNarrow<true>;
 static_assert(visited_count<ep_abi::GroupedMatmulFp8Params>() == ep_abi::kGroupedMatmulFp8ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulFp8Params) must pass every parameter once");
-
-// grouped_matmul_mxfp4(x, x_scale, w, w_scale, tiles) -> out: the same on MXFP4 weights.
-
-struct GroupedMatmulMxfp4 {
-  static constexpr const char* kWhat = "grouped_matmul_mxfp4";
-
-  template <typename Binding>
-  static auto bind(Binding binding) {
-    return std::move(binding)
-        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
-        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [P, K] the pairs' MXFP8 elements, sorted by group
-        .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [P, K / 32] their E8M0 scales
-        .template Arg<ffi::AnyBuffer>()      // w: uint8 [G, N, K / 2] e2m1 codes, [out, in]
-        .template Arg<ffi::AnyBuffer>()      // w_scale: uint8 [G, N, K / 32] E8M0
-        .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 32, used tiles)
-        .template Ret<ffi::AnyBuffer>();     // out: f32 [P, N]; rows outside every tile untouched
-  }
-
-  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
-                            ffi::AnyBuffer w_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out) {
-    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
-    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions();
-    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2) {
-      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul_mxfp4: expected x [P, K], w [G, N, K / 2], "
-                                         "tiles [T, 4]");
-    }
-    const int64_t P = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0];  // w holds K / 2 bytes a row
-    const int64_t column_tiles = N / 128;
-    if (P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || P * K > (int64_t{1} << 40) ||
-        G * N * K > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1) {
-      return ffi::Error::InvalidArgument(
-          "jax_latent_ep grouped_matmul_mxfp4: K=" + std::to_string(K) + " and N=" + std::to_string(N) +
-          " must be positive multiples of 128, P=" + std::to_string(P) + ", G=" + std::to_string(G) + " and T=" +
-          std::to_string(T) + " >= 1");
-    }
-    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {P, K}),
-                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {P, K / 32}),
-                                    expect(kWhat, "w", w, ffi::DataType::U8, {G, N, K / 2}),
-                                    expect(kWhat, "w_scale", w_scale, ffi::DataType::U8, {G, N, K / 32}),
-                                    expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
-                                    expect(kWhat, "out", *out, ffi::DataType::F32, {P, N})});
-        e.failure()) {
-      return e;
-    }
-    l.grid = static_cast<unsigned>(T * column_tiles);
-    l.params = make_params(ep_abi::GroupedMatmulMxfp4Params{
-        .x = address(x.untyped_data()),
-        .x_scale = address(x_scale.untyped_data()),
-        .w = address(w.untyped_data()),
-        .w_scale = address(w_scale.untyped_data()),
-        .tiles = address(tiles.untyped_data()),
-        .out = address(out->untyped_data()),
-        .num_k = static_cast<int32_t>(K),
-        .num_n = static_cast<int32_t>(N),
-        .num_tiles = static_cast<int32_t>(T),
-    });
-    return ffi::Error::Success();
-  }
-};
 static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGroupedMatmulMxfp4ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulMxfp4Params) must pass every parameter once");
 

@@ -237,14 +237,20 @@ def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
     """
     check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl)
     if impl == "wgmma":
-        from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
-        from jax_latent_ep.runtime import ffi
-
-        ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
-        tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
-        y = ffi.grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles)
-        return _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
+        return _wgmma_narrow("fp8", x, x_scale, w, w_scale, group_sizes)
     return _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes)
+
+
+def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes):
+    """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
+    `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified)."""
+    from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
+    from jax_latent_ep.runtime import ffi
+
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
+    call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
+    return _vary(call(x, x_scale, w, w_scale, tiles), _axes(x, w))  # a custom call's result: its operands' type
 
 
 def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
@@ -293,13 +299,7 @@ def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
     on the FP8 tensor cores (`kernels/grouped_matmul_fp8.py`)."""
     check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl)
     if impl == "wgmma":
-        from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
-        from jax_latent_ep.runtime import ffi
-
-        ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
-        tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
-        y = ffi.grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles)
-        return _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
+        return _wgmma_narrow("mxfp4", x, x_scale, w, w_scale, group_sizes)
     from jax_latent_ep.experts.formats import E2M1_VALUES
 
     table = jnp.asarray(E2M1_VALUES, jnp.float32)

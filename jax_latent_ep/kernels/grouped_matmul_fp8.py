@@ -100,6 +100,9 @@ def launch_shape(kernel: str = "grouped_matmul_fp8") -> tuple[int, int]:
 class GroupedMatmulFp8:
     """The FP8 grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul_fp8` builds it."""
 
+    #: Dynamic shared bytes of a CTA.
+    smem = SMEM_BYTES
+
     @cute.jit
     def launch(
         self,
@@ -114,7 +117,7 @@ class GroupedMatmulFp8:
         num_tiles: Int32,
     ):
         self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
-            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, preferred_smem_carveout=-1)
+            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -132,9 +135,13 @@ class GroupedMatmulFp8:
         num_n: Int32,
         num_tiles: Int32,
     ):
-        tid, _, _ = cute.arch.thread_idx()
+        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
+
+    @cute.jit
+    def run_tile(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
+                 num_n: Int32):
+        """CTA `c`'s tile of the list and output columns (module docstring): `run` unless the tile is empty."""
         cta, _, _ = cute.arch.block_idx()
-        tid = Int32(tid)
         cta = Int32(cta)
         column_tiles = num_n // TILE_N
         n0 = (cta % column_tiles) * TILE_N
@@ -145,6 +152,22 @@ class GroupedMatmulFp8:
         rows = Int32(load_b32(entry + 8))
         if rows > 0:
             self.run(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+
+    @cute.jit
+    def store(self, acc, out: Int64, first: Int32, rows: Int32, num_n: Int32, n0: Int32):
+        """Writes this thread's FP32 accumulators: pair `8 j + 2 (lane % 4) + e` of the tile (below `rows`), output
+        column `n0 + 64 warpgroup + 16 (warp % 4) + lane / 4 + 8 i`."""
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        lane = tid % 32
+        column = n0 + (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for e in cutlass.range_constexpr(2):
+                p = 8 * j + 2 * (lane % 4) + e
+                if p < rows:
+                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
+                    for i in cutlass.range_constexpr(2):
+                        store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
 
     @cute.jit
     def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
@@ -206,15 +229,7 @@ class GroupedMatmulFp8:
             wgmma_wait(0)
             self.promote(acc, parts, slot, lane)
 
-        # Pair column 8 j + 2 (lane % 4) + e, output column n0 + 64 warpgroup + 16 (warp % 4) + lane / 4 + 8 i.
-        column = n0 + warpgroup * 64 + ((tid % 128) // 32) * 16 + lane // 4
-        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
-            for e in cutlass.range_constexpr(2):
-                p = 8 * j + 2 * (lane % 4) + e
-                if p < rows:
-                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
-                    for i in cutlass.range_constexpr(2):
-                        store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
+        self.store(acc, out, first, rows, num_n, n0)
 
     @cute.jit
     def promote(self, acc, parts, slot: Uint32, lane: Int32):
@@ -290,21 +305,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
     e4m3 (`e2m1x4_to_e4m3x4`) into a tile of its own while the previous stage's MMAs run."""
 
-    @cute.jit
-    def launch(
-        self,
-        x: Int64,
-        x_scale: Int64,
-        w: Int64,
-        w_scale: Int64,
-        tiles: Int64,
-        out: Int64,
-        num_k: Int32,
-        num_n: Int32,
-        num_tiles: Int32,
-    ):
-        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
-            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=MX_SMEM_BYTES, preferred_smem_carveout=-1)
+    smem = MX_SMEM_BYTES
 
     @cute.kernel
     def kernel(
@@ -319,22 +320,10 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         num_n: Int32,
         num_tiles: Int32,
     ):
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        tid = Int32(tid)
-        cta = Int32(cta)
-        column_tiles = num_n // TILE_N
-        n0 = (cta % column_tiles) * TILE_N
-        griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
-        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
-        group = Int32(load_b32(entry))
-        first = Int32(load_b32(entry + 4))
-        rows = Int32(load_b32(entry + 8))
-        if rows > 0:
-            self.run_mx(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
 
     @cute.jit
-    def run_mx(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
+    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
                n0: Int32, group: Int32, first: Int32, rows: Int32):
         """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
         smem = cutlass.memory.SmemAllocator()
@@ -402,14 +391,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             wgmma_wait(0)
             self.promote_mx(acc, parts, slot, tid, lane)
 
-        column = n0 + warpgroup * 64 + ((tid % 128) // 32) * 16 + lane // 4
-        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
-            for e in cutlass.range_constexpr(2):
-                p = 8 * j + 2 * (lane % 4) + e
-                if p < rows:
-                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
-                    for i in cutlass.range_constexpr(2):
-                        store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
+        self.store(acc, out, first, rows, num_n, n0)
 
     @cute.jit
     def widen(self, slot: Uint32, tile: Uint32, tid: Int32):
