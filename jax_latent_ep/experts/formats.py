@@ -3,6 +3,8 @@ checks."""
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -197,28 +199,19 @@ class _Format(NamedTuple):
     check: Callable  # (name, weight, values' shape, J) -> None: the format's own checks (ValueError)
 
 
-def _check_block_scales(name, a, shape, j):
-    """The checks of `BlockScaled` weight `a` beyond its values (`shape`): `L` and `I` multiples of `FP8_BLOCK`, and a
-    float32 scale per block."""
+def _check_block_scales(name, a, shape, j, out_in=False):
+    """The checks of `BlockScaled` weight `a` beyond its values (`shape`, the weight's `[J, K, N]`): `L` and `I`
+    multiples of `FP8_BLOCK`, and a float32 scale per block, `[J, K / 128, N / 128]` (`out_in`: `[J, N / 128, K /
+    128]`, `BlockScaledOutIn`'s)."""
     if shape[1] % FP8_BLOCK or shape[2] % FP8_BLOCK:
         raise ValueError(f"experts.swiglu: FP8 weights need L and I multiples of {FP8_BLOCK} (the block), "
                          f"got {name} {list(shape)}")
-    want = (j, shape[1] // FP8_BLOCK, shape[2] // FP8_BLOCK)
+    blocks = (shape[1] // FP8_BLOCK, shape[2] // FP8_BLOCK)
+    want = (j, *(blocks[::-1] if out_in else blocks))
     if tuple(a.scale.shape) != want or a.scale.dtype != jnp.float32:
         raise ValueError(f"experts.swiglu: {name} scale must be float32{list(want)} (one per {FP8_BLOCK} x "
-                         f"{FP8_BLOCK} block), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
-
-
-def _check_out_in_scales(name, a, shape, j):
-    """The checks of `BlockScaledOutIn` weight `a` beyond its values (checked as the weight's `[J, K, N]`): `L` and
-    `I` multiples of `FP8_BLOCK`, and a float32 scale `[J, N / 128, K / 128]`."""
-    if shape[1] % FP8_BLOCK or shape[2] % FP8_BLOCK:
-        raise ValueError(f"experts.swiglu: FP8 weights need L and I multiples of {FP8_BLOCK} (the block), "
-                         f"got {name} {list(shape)}")
-    want = (j, shape[2] // FP8_BLOCK, shape[1] // FP8_BLOCK)
-    if tuple(a.scale.shape) != want or a.scale.dtype != jnp.float32:
-        raise ValueError(f"experts.swiglu: {name} scale must be float32{list(want)} (one per {FP8_BLOCK} x "
-                         f"{FP8_BLOCK} block, [out, in]), got {jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
+                         f"{FP8_BLOCK} block{', [out, in]' if out_in else ''}), got "
+                         f"{jnp.dtype(a.scale.dtype).name}{list(a.scale.shape)}")
 
 
 def _check_mx_scales(name, a, shape, j):
@@ -246,7 +239,7 @@ _INT8 = _Format(Int8PerChannel, "Int8PerChannel", jnp.int8, lambda w: w.values, 
 _MXFP4 = _Format(MXFP4, "MXFP4", jnp.uint8, lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_mx_scales)
 # `[out, in]` FP8 is checked as the `[J, K, N]` weight it holds (`BlockScaledOutIn.shape`).
 _FP8_OUT_IN = _Format(BlockScaledOutIn, "BlockScaledOutIn FP8", jnp.float8_e4m3fn,
-                      lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_out_in_scales)
+                      lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), functools.partial(_check_block_scales, out_in=True))
 #: The weight formats, a plain bf16 array first (a weight of no other format's class); a call's weights share one.
 _FORMATS = (_BF16, _FP8, _MXFP4, _INT8, _FP8_OUT_IN)
 #: The formats XLA's implementations multiply (`[out, in]` FP8: the `gmm` and `wgmma` implementations).

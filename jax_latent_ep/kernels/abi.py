@@ -291,35 +291,32 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
-#: The FP8 grouped matmul of decode sizes (`kernels/grouped_matmul_fp8.py`, sm_90a `wgmma` e4m3): the weights the
-#: 64-row side, a tile's pairs the narrow one; each 32-deep block's product promoted into FP32 with its two scales.
-GROUPED_MATMUL_FP8 = Kernel("grouped_matmul_fp8", "ep_grouped_matmul_fp8", (
-    _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
-    _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
-    _address("w", "float8_e4m3fn [G, num_n, num_k]: each group's weight, `[out, in]` (K-major)"),
-    _address("w_scale", "f32 [G, num_n / 128, num_k / 128]: a scale per 128 x 128 block of `w`"),
-    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) per "
-             "tile, the used first; pairs 0: none"),
-    _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
-    Param("num_k", "i32", False, "contraction length, a multiple of 128"),
-    Param("num_n", "i32", False, "columns, a multiple of 128"),
-    Param("num_tiles", "i32", False, "tiles of the list"),
-), archs=("sm_90a",))
+def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
+    """The grouped matmul of decode sizes on FP8 tensor cores (`kernels/grouped_matmul_fp8.py`, sm_90a `wgmma`
+    e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's pairs the narrow
+    one; each 32-deep block's product promoted into FP32 with its two scales."""
+    return Kernel(op, "ep_" + op, (
+        _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
+        _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
+        _address("w", w),
+        _address("w_scale", w_scale),
+        _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) "
+                 "per tile, the used first; pairs 0: none"),
+        _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+        Param("num_k", "i32", False, "contraction length, a multiple of 128"),
+        Param("num_n", "i32", False, "columns, a multiple of 128"),
+        Param("num_tiles", "i32", False, "tiles of the list"),
+    ), archs=("sm_90a",))
 
-#: The same on MXFP4 weights (`experts.MXFP4`), widened to e4m3 in shared memory; each 32-deep block promoted with
-#: the weight row's and the pair's E8M0 scales.
-GROUPED_MATMUL_MXFP4 = Kernel("grouped_matmul_mxfp4", "ep_grouped_matmul_mxfp4", (
-    _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
-    _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
-    _address("w", "uint8 [G, num_n, num_k / 2]: each group's e2m1 codes, `[out, in]`, the even input low"),
-    _address("w_scale", "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output"),
-    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) per "
-             "tile, the used first; pairs 0: none"),
-    _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
-    Param("num_k", "i32", False, "contraction length, a multiple of 128"),
-    Param("num_n", "i32", False, "columns, a multiple of 128"),
-    Param("num_tiles", "i32", False, "tiles of the list"),
-), archs=("sm_90a",))
+
+#: FP8 block-scaled weights (`experts.BlockScaledOutIn`).
+GROUPED_MATMUL_FP8 = _narrow_matmul(
+    "grouped_matmul_fp8", "float8_e4m3fn [G, num_n, num_k]: each group's weight, `[out, in]` (K-major)",
+    "f32 [G, num_n / 128, num_k / 128]: a scale per 128 x 128 block of `w`")
+#: MXFP4 weights (`experts.MXFP4`), widened to e4m3 in shared memory; the promotion takes the weight row's E8M0 scale.
+GROUPED_MATMUL_MXFP4 = _narrow_matmul(
+    "grouped_matmul_mxfp4", "uint8 [G, num_n, num_k / 2]: each group's e2m1 codes, `[out, in]`, the even input low",
+    "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output")
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
                              GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4)}

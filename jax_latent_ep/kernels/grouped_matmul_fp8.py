@@ -173,30 +173,22 @@ class GroupedMatmulFp8:
     def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
             n0: Int32, group: Int32, first: Int32, rows: Int32):
         """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        smem = cutlass.memory.SmemAllocator()
-        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(SMEM_BYTES), 1024)
-        ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+        ring = self.ring(SMEM_BYTES)
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
         lane = tid % 32
         steps = num_k // TILE_K
 
-        # This thread's copies of a stage: weight lines `tid / 8 + 32 i`, the pair line `tid / 8`, chunk `tid % 8`
-        # (16-byte chunk c of line l at c ^ (l % 8)); the first TILE_PAIRS threads a pair's scale word, the next
-        # one the weight block's scale.
+        # This thread's copies of a stage: weight lines `tid / 8 + 32 i`, chunk `tid % 8` (16-byte chunk c of line
+        # l at c ^ (l % 8)), its pair's (`pair_copies`), and thread TILE_PAIRS the weight block's scale.
         chunk = tid % 8
         a_src, a_dst = [], []
         for i in cutlass.range_constexpr(A_CHUNKS):
             line = tid // 8 + (THREADS // 8) * i
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 16))
             a_dst.append(Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)))
-        pair = tid // 8
-        b_live = pair < rows
-        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
-        b_dst = Uint32(A_BYTES + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
-        s_live = tid < rows
-        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, A_BYTES)
         ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(steps)) * 4
 
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
@@ -232,6 +224,45 @@ class GroupedMatmulFp8:
         self.store(acc, out, first, rows, num_n, n0)
 
     @cute.jit
+    def ring(self, smem_bytes: int):
+        """The shared address of the CTA's `smem_bytes`, rounded up to the 1024-byte swizzle atom."""
+        smem = cutlass.memory.SmemAllocator()
+        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(smem_bytes), 1024)
+        return (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+
+    @cute.jit
+    def pair_copies(self, x: Int64, x_scale: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32,
+                    b_offset: int):
+        """This thread's share of the pairs' part of every stage: chunk `tid % 8` of pair line `tid / 8` (swizzled,
+        at `b_offset` in the stage) and, for the first TILE_PAIRS threads, pair `tid`'s scale word; returns
+        `(line live, its source, its place, scale live, its source)`, sources of stage 0."""
+        chunk = tid % 8
+        pair = tid // 8
+        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
+        b_dst = Uint32(b_offset + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
+        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        return pair < rows, b_src, b_dst, tid < rows, s_src
+
+    @cute.jit
+    def load_pairs(self, slot: Uint32, stage: Int32, tid: Int32, b_live, b_src: Int64, b_dst: Uint32, s_live,
+                   s_src: Int64, x_base: Int64, s_base: Int64, x_scale_offset: int):
+        """Issues this thread's pair copies of stage `stage` (`pair_copies`): 16 zero bytes naming `x_base` past the
+        tile's pairs, a zero scale word naming `s_base` past them."""
+        src = x_base
+        size = Uint32(0)
+        if b_live:
+            src = b_src + Int64(stage) * TILE_K
+            size = Uint32(16)
+        cp_async_16(slot + b_dst, src, size)
+        if tid < TILE_PAIRS:
+            src = s_base
+            size = Uint32(0)
+            if s_live:
+                src = s_src + Int64(stage) * 4
+                size = Uint32(4)
+            cp_async_4(slot + Uint32(x_scale_offset) + Uint32(4) * Uint32(tid), src, size)
+
+    @cute.jit
     def promote(self, acc, parts, slot: Uint32, lane: Int32):
         """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times its pairs' scales: one FMA a
         value, the scale `2^(s - 127) * w_scale` one FP32 product (s = 0 gives 0)."""
@@ -259,19 +290,7 @@ class GroupedMatmulFp8:
         block's scale."""
         for i in cutlass.range_constexpr(A_CHUNKS):
             cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * TILE_K, Uint32(16))
-        src = x_base
-        size = Uint32(0)
-        if b_live:
-            src = b_src + Int64(stage) * TILE_K
-            size = Uint32(16)
-        cp_async_16(slot + b_dst, src, size)
-        if tid < TILE_PAIRS:
-            src = s_base
-            size = Uint32(0)
-            if s_live:
-                src = s_src + Int64(stage) * 4
-                size = Uint32(4)
-            cp_async_4(slot + Uint32(X_SCALE_OFFSET) + Uint32(4) * Uint32(tid), src, size)
+        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base, X_SCALE_OFFSET)
         if tid == TILE_PAIRS:
             cp_async_4(slot + Uint32(W_SCALE_OFFSET), ws_src + Int64(stage) * 4, Uint32(4))
 
@@ -326,31 +345,22 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
                n0: Int32, group: Int32, first: Int32, rows: Int32):
         """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        smem = cutlass.memory.SmemAllocator()
-        raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(MX_SMEM_BYTES), 1024)
-        ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
+        ring = self.ring(MX_SMEM_BYTES)
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
         lane = tid % 32
         steps = num_k // TILE_K
 
-        # This thread's copies of a stage: packed chunks `tid + 256 i` (row / 4, 32 inputs % 4), the pair line
-        # `tid / 8` (chunk `tid % 8`, swizzled), the first TILE_PAIRS threads a pair's scale word, the last 128 a
-        # weight row's.
+        # This thread's copies of a stage: packed chunks `tid + 256 i` (row / 4, 32 inputs % 4), its pair's
+        # (`pair_copies`), and the last 128 threads a weight row's scale word.
         a_src, a_dst = [], []
         for i in cutlass.range_constexpr(MX_CHUNKS):
             idx = tid + THREADS * i
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
                          + Int64((idx % 4) * 16))
             a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
-        chunk = tid % 8
-        pair = tid // 8
-        b_live = pair < rows
-        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
-        b_dst = Uint32(MX_B_OFFSET + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
-        s_live = tid < rows
-        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, MX_B_OFFSET)
         ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K)
 
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
@@ -443,19 +453,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         scale word."""
         for i in cutlass.range_constexpr(MX_CHUNKS):
             cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * (TILE_K // 2), Uint32(16))
-        src = x_base
-        size = Uint32(0)
-        if b_live:
-            src = b_src + Int64(stage) * TILE_K
-            size = Uint32(16)
-        cp_async_16(slot + b_dst, src, size)
-        if tid < TILE_PAIRS:
-            src = s_base
-            size = Uint32(0)
-            if s_live:
-                src = s_src + Int64(stage) * 4
-                size = Uint32(4)
-            cp_async_4(slot + Uint32(MX_X_SCALE_OFFSET) + Uint32(4) * Uint32(tid), src, size)
+        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base, MX_X_SCALE_OFFSET)
         if tid >= THREADS - TILE_N:
             cp_async_4(slot + Uint32(MX_W_SCALE_OFFSET) + Uint32(4) * Uint32(tid - (THREADS - TILE_N)),
                        ws_src + Int64(stage) * 4, Uint32(4))

@@ -6,14 +6,13 @@ import hashlib
 import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent
-#: Files whose content decides the cubins: their sha256 is recorded as `source_sha256`.
-SOURCES = ("kernels/__init__.py", "kernels/abi.py", "kernels/common.py", "kernels/primitives.py", "kernels/dispatch.py",
-           "kernels/combine.py", "kernels/grouped_gemm.py", "kernels/expert_plan.py", "kernels/row_sum.py",
-           "layout.py", "shapes.py")
+#: Files whose content decides the cubins (every kernel module, the ABI, the layouts and shapes they build on): their
+#: sha256 is recorded as `source_sha256`.
+SOURCES = tuple(sorted(f"kernels/{p.name}" for p in (PACKAGE_DIR / "kernels").glob("*.py"))) + ("layout.py", "shapes.py")
 
 
 def source_sha256() -> str:
-    """sha256 over the kernel sources (kernels/*.py, layout.py, shapes.py: name and bytes, in order)."""
+    """sha256 over `SOURCES` (name and bytes, in order)."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode() + b"\0")
