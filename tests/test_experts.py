@@ -63,11 +63,18 @@ def _run(recv, weights, rank, mt, n, impl):
     return np.asarray(fn(jax.tree.map(jnp.asarray, recv), *weights), np.float32)
 
 
-def _assert_close(got, want, what):
-    """Within 1 bf16 ulp of `want` plus 1% of the row's largest |want|: the GEMMs' FP32 accumulation order is
-    the implementation's, which may move the bf16 rounding of `h` (each flip changes `y` by ~2^-9 of one term)."""
+#: `_assert_close`'s share of the row's largest |value| where the gate / up sums come from the FP8 tensor cores
+#: (`wgmma` on FP8 or MXFP4 weights): their block sums are within ~2^-14 of FP32's, and `h`'s MXFP8 rounding (an
+#: e4m3 step, up to 1/8 of a value) follows them: a 2^-14 change of `h` moves these small cases' rows by up to 3 %
+#: in a NumPy emulation. A wrong pair, scale or tile moves its row by the pair's whole share.
+FP8_CORE_REL = 5e-2
+
+
+def _assert_close(got, want, what, rel=1e-2):
+    """Within 1 bf16 ulp of `want` plus `rel` (1%) of the row's largest |want|: the GEMMs' FP32 accumulation order
+    is the implementation's, which may move the bf16 rounding of `h` (each flip changes `y` by ~2^-9 of one term)."""
     ulp = np.abs(want) * 2.0**-7
-    tol = ulp + 1e-2 * np.max(np.abs(want), axis=1, keepdims=True)
+    tol = ulp + rel * np.max(np.abs(want), axis=1, keepdims=True)
     bad = np.argwhere(np.abs(got - want) > tol)
     assert bad.size == 0, f"{what}: {len(bad)} values off, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
 
@@ -257,7 +264,7 @@ def test_fp8_out_in_weights_against_numpy(impl, fused, case):
     want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
     assert np.any(want != 0)
     assert np.all(got[np.asarray(recv.src) == -1] == 0), "an empty row is not exactly 0"
-    _assert_close(got, want, f"{impl}, [out, in] FP8 weights")
+    _assert_close(got, want, f"{impl}, [out, in] FP8 weights", FP8_CORE_REL if impl == "wgmma" else 1e-2)
 
 
 def test_fp8_out_in_refused_where_not_multiplied():
@@ -297,7 +304,7 @@ def test_mxfp4_weights_against_numpy(impl, fused):
     got = _run(recv, weights, rank, mt, n, impl)
     want = reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32)
     assert np.any(want != 0)
-    _assert_close(got, want, f"{impl}, MXFP4 weights")
+    _assert_close(got, want, f"{impl}, MXFP4 weights", FP8_CORE_REL if impl == "wgmma" else 1e-2)
 
 
 def test_quantize_mxfp4():

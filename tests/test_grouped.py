@@ -148,6 +148,11 @@ def test_gmm_fp8_refuses_bad_arguments():
         experts.grouped.gmm_fp8(q, sf[:, :2], w, ws, gs)
     with pytest.raises(ValueError, match=r"w float8_e4m3fn\[G, N, K\]"):
         experts.grouped.gmm_fp8(q, sf, w.astype(jnp.bfloat16), ws, gs)
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="a CPU-only process's refusal")
+def test_gmm_fp8_needs_a_hopper_gpu():
+    (q, sf, w, ws, gs), _ = _fp8_case(_rng("gmm-fp8-bad"), m=40, k=128, n=128)
     with pytest.raises(ValueError, match=r"impl='wgmma'\) runs on Hopper GPUs"):
         experts.grouped.gmm_fp8(q, sf, w, ws, gs, impl="wgmma")
 
