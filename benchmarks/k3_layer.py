@@ -1,28 +1,32 @@
-"""A Kimi K3 decode layer end to end on one GPU, with its breakdown (communication, experts, the rest).
+"""A Kimi K3 decode layer end to end on one GPU, in each expert weight format, against the bytes of all its weights.
 
-    python benchmarks/k3_layer.py [--out k3_layer.csv] [--tokens 1 8 32 128] [--impl ragged_dot] [--pallas]
+    python benchmarks/k3_layer.py [--out k3_layer.csv] [--tokens 1 8 32 128] [--formats bf16 fp8 mxfp4]
     python benchmarks/k3_layer.py --smoke          # tiny shapes, CPU is fine (the CI test runs this)
 
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
-down projection 7168 -> 3584 (bf16); `ep.dispatch`; the expert stage (`experts.plan` + `experts.swiglu`, bf16
-SwiGLU, intermediate `--intermediate`; with `--fp8` its weights in FP8 blocks, `experts.BlockScaled`); `ep.combine`
+down projection 7168 -> 3584 (bf16); `ep.dispatch`; the expert stage (`experts.expert_stage`, SwiGLU, intermediate
+`--intermediate`) on the format's weights: `bf16` (`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]`
+blocks, `experts.BlockScaledOutIn`) and `mxfp4` (`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine`
 with RMSNorm; up projection 3584 -> 7168 and the residual.
 
-Two cases, one GPU each:
+Cases, one GPU each:
+- `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: the xla backend on a one-device mesh (its dispatch /
+  combine are N = 1's: nothing crosses a link, so "communication" is a lower bound of N's), and an expert stage
+  built for rank 0's J local experts (ids >= J are not local: their pairs go to other ranks, not computed here), so
+  the expert work and weight bytes are a real rank's for the rows of its own tokens only;
 - `N1`: N = 1, all 896 experts local, the nvlink backend (named: "auto" would pick xla at N = 1) where it is
-  available, else xla;
-- `J448`: a rank of N = 2 modelled on one GPU: the xla backend on a one-device mesh (its dispatch / combine are
-  N = 1's: nothing crosses a link, so "communication" is a lower bound of N = 2's), and an expert stage built for
-  the 448 local experts of rank 0 (ids >= 448 are not local: their pairs go to the other rank, not computed
-  here), so the expert work and weight bytes are a real N = 2 rank's for the rows of its own tokens only.
+  available, else xla.
 
-Timed (each a jitted program of `layers` layers with their own weights, the median of `--repeats` runs, per
-layer): `layer` (everything), `experts` (the expert stage alone on the layer's received rows), `comm` (dispatch
-+ combine with the dequantized rows as the expert output); `rest` = layer - experts - comm (router, projections,
-the plan's share is in `experts`). CSV rows `date,device,commit,backend,ranks,tokens,metric,value` with backend
-`k3_layer/<case>/<backend>/I<I>` and metrics `layer_us`, `experts_us`, `comm_us`, `rest_us` (and with
-`--device-time` the same as the GPU's kernel time, `*_device_us`: the wall times of a one-layer program carry its
-host-side dispatch and synchronization).
+Timed (each a jitted program of `--layers` layers with their own weights, fewer where they pass `--weights-gb`; the
+median of `--repeats` runs, per layer): `layer` (everything) waited for (`layer_us`) and issued back to back
+(`layer_pipelined_us`, as a serving loop dispatches them), `experts` (the expert stage alone on the layer's
+received rows), `comm` (dispatch + combine with the dequantized rows as the expert output); `rest` = layer -
+experts - comm (router, top-16, projections; the plan's share is in `experts`). With `--device-time` the same as
+the GPU's kernel time, `*_device_us`. The floor: the bytes of every weight the layer reads (router, projections,
+the active local experts of each layer's routing in the format's bytes with their scales) over the best stream
+measured in the same run (`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` /
+`ratio_spec` are the back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
+with backend `k3_layer/<case>/<backend>/I<I>/<format>`.
 """
 
 from __future__ import annotations
@@ -32,18 +36,32 @@ import csv
 import datetime
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-from expert_stage import _time, device_us, fp8_normal  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from expert_stage import (  # noqa: E402  (benchmarks/ is on the path when run as a script)
+    _layer_weights, _time, _time_pipelined, device_us, hbm_gbps)
+
+#: The expert weight formats: (`_layer_weights`' format, the implementation on a GPU, off GPUs).
+FORMATS = {"bf16": ("bf16", None, None), "fp8": ("fp8-out-in", "wgmma", "gmm"), "mxfp4": ("mxfp4", "wgmma", "gmm")}
+#: Local experts J of each case (rank 0 of N = 896 / J); N1: every expert.
+CASES = {"N1": None, "J448": 448, "J112": 112}
+#: The H200's HBM bandwidth, bytes a second (`floor_spec_us`).
+SPEC_BYTES_PER_S = 4.8e12
 
 
-def run_case(case, j, backend, shape, args, t, params):
+def expert_bytes(fmt: str, lat: int, inter: int) -> float:
+    """Bytes one expert's three weights take in `fmt`, scales included."""
+    n = 3 * lat * inter
+    return {"bf16": 2.0 * n, "fp8": n + 4.0 * n / 128**2, "mxfp4": n / 2 + n / 32}[fmt]
+
+
+def run_case(j, backend, shape, args, t, params, impl):
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import PartitionSpec as P
 
     from jax_latent_ep import ExpertParallel, experts, moe
@@ -62,7 +80,8 @@ def run_case(case, j, backend, shape, args, t, params):
             return x, ids, w
 
         def stage(recv, p):
-            return experts.expert_stage(recv, 0, p["w_gate"], p["w_up"], p["w_down"], impl=args.impl, max_tokens=t, ranks=1)
+            return experts.expert_stage(recv, 0, p["w_gate"], p["w_up"], p["w_down"], impl=impl, max_tokens=t,
+                                        ranks=1)
 
         def full(ps, h):
             for p in ps:
@@ -93,14 +112,17 @@ def run_case(case, j, backend, shape, args, t, params):
         full_fn = sm(full, 2)
         routed = [jax.jit(route)(p, h) for p in params]
         xs, idss, ws = ([r[i] for r in routed] for i in range(3))
+        # the floor's experts: the distinct local ids of each layer's routing of `h`, averaged over the layers
+        active = float(np.mean([len(set(np.asarray(ids).ravel().tolist()) & set(range(j))) for ids in idss]))
         comm_fn = sm(comm, 4)
         recvs = sm(get_recv, 4)(params, xs, idss, ws)[0]
         experts_fn = sm(lambda recvs, ps: [stage(r, p) for r, p in zip(recvs, ps)], 2)
         layer_us = 1e6 * _time(full_fn, (params, h), args.repeats) / layers
         experts_us = 1e6 * _time(experts_fn, (recvs, params), args.repeats) / layers
         comm_us = 1e6 * _time(comm_fn, (params, xs, idss, ws), args.repeats) / layers
-        res = {"layer_us": layer_us, "experts_us": experts_us, "comm_us": comm_us,
-               "rest_us": layer_us - experts_us - comm_us}
+        res = {"layer_us": layer_us, "layer_pipelined_us": 1e6 * _time_pipelined(full_fn, (params, h), args.repeats)
+               / layers, "experts_us": experts_us, "comm_us": comm_us, "rest_us": layer_us - experts_us - comm_us,
+               "active_experts": active, "layers": float(layers)}
         if args.device_time and dev.platform == "gpu":  # the GPU's kernel time: no host dispatch or sync in it
             res["layer_device_us"] = device_us(full_fn, (params, h)) / layers
             res["experts_device_us"] = device_us(experts_fn, (recvs, params)) / layers
@@ -109,22 +131,19 @@ def run_case(case, j, backend, shape, args, t, params):
         return ep.backend, res
 
 
-def make_params(shape, j, args, layers):
+def make_params(shape, j, args, layers, fmt):
     import jax
     import jax.numpy as jnp
 
     hid, lat, inter = args.hidden, shape.latent, args.intermediate
     out = []
     for li in range(layers):
-        k = jax.random.split(jax.random.key(100 + li), 7)
+        k = jax.random.split(jax.random.key(100 + li), 6)
         n = lambda key, s, fan: (jax.random.normal(key, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16)  # noqa: E731
-        # The experts' weights: bf16, or with --fp8 made in FP8 (a quantized full-size bf16 weight passes the memory
-        # at N = 1).
-        e = (lambda key, s, fan: fp8_normal(key, s, fan**-0.5)) if args.fp8 else n  # noqa: E731
+        w_gate, w_up, w_down = _layer_weights(k[2], j, lat, inter, FORMATS[fmt][0])  # made on the device
         out.append({"router": n(k[0], (hid, shape.experts), hid), "down": n(k[1], (hid, lat), hid),
-                    "w_gate": e(k[2], (j, lat, inter), lat), "w_up": e(k[3], (j, lat, inter), lat),
-                    "w_down": e(k[4], (j, inter, lat), inter), "up": n(k[5], (lat, hid), lat),
-                    "norm": (1 + 0.1 * jax.random.normal(k[6], (lat,))).astype(jnp.bfloat16)})
+                    "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "up": n(k[3], (lat, hid), lat),
+                    "norm": (1 + 0.1 * jax.random.normal(k[4], (lat,))).astype(jnp.bfloat16)})
     return out
 
 
@@ -135,15 +154,17 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128])
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--impl", default="ragged_dot")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--impl", default=None, help="bf16 experts' implementation (default: kernel on a GPU, else "
+                                                "ragged_dot)")
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
-    p.add_argument("--fp8", action="store_true", help="the experts' weights in FP8 blocks (backend name `..-fp8`)")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
-    p.add_argument("--cases", nargs="+", default=["N1", "J448"], choices=["N1", "J448"])
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--weights-gb", type=float, default=60.0)
+    p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--weights-gb", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hbm-bytes", type=int, default=2 << 30)
     args = p.parse_args(argv)
 
     import jax
@@ -153,12 +174,14 @@ def main(argv=None):
     from jax_latent_ep import KIMI_K3, LatentMoEShape
 
     shape = KIMI_K3
-    if args.smoke:
-        shape = LatentMoEShape(latent=128, experts=32, topk=4)
-        # (FP8 blocks are 128 x 128: the smallest intermediate they allow)
-        args.hidden, args.intermediate, args.tokens, args.layers, args.repeats = 64, 128 if args.fp8 else 32, [2], 2, 1
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
+    if args.smoke:
+        # FP8 blocks are 128 x 128 and the wgmma kernels' sizes multiples of 128: the smallest that all formats take
+        shape = LatentMoEShape(latent=128, experts=32, topk=4)
+        args.hidden, args.intermediate, args.tokens, args.layers, args.repeats = 64, 128, [2], 2, 1
+        args.hbm_bytes = 1 << 22
+        CASES["J448"], CASES["J112"] = 16, 8  # N = 2 and N = 4 of the 32 experts
     device = dev.device_kind if gpu else "cpu"
     try:
         import subprocess
@@ -168,39 +191,47 @@ def main(argv=None):
         ).stdout.strip() or "unknown"
     except Exception:
         commit = "unknown"
-    rows = []
+    bw = hbm_gbps(args.hbm_bytes, args.repeats) * 1e9  # bytes a second, the run's best stream
+    dense = 2.0 * (args.hidden * shape.experts + 2 * args.hidden * shape.latent)
+    rows = [("k3_layer/hbm", 1, 0, "hbm_GBps", bw / 1e9)]
+    print(f"best stream {bw / 1e9:.0f} GB/s; router and projections {dense / 1e6:.1f} MB a layer", flush=True)
     for case in args.cases:
-        j = shape.experts if case == "N1" else shape.experts // 2
-        per_layer = 3 * j * shape.latent * args.intermediate * (1 if args.fp8 else 2)
-        layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
-        params = make_params(shape, j, args, layers)
-        backend = "nvlink" if (case == "N1" and gpu) else "xla"
-        for t in args.tokens:
-            try:
-                used, res = run_case(case, j, backend, shape, args, t, params)
-            except ValueError as exc:  # nvlink not available here: xla
-                if backend != "nvlink":
-                    raise
-                print(f"# {case}: nvlink unavailable ({exc}); xla", file=sys.stderr)
-                backend = "xla"
-                used, res = run_case(case, j, backend, shape, args, t, params)
-            name = f"k3_layer/{case}/{used}/I{args.intermediate}" + ("-fp8" if args.fp8 else "")
-            for m, v in res.items():
-                rows.append((name, 1 if case == "N1" else 2, t, m, v))
-            for kind in ("", "_device"):
-                if f"layer{kind}_us" in res:
-                    print(f"{case:5s} {used:6s} T={t:4d} {'device' if kind else 'wall':6s}: layer "
-                          f"{res[f'layer{kind}_us']:9.1f} us = comm "
-                          f"{res[f'comm{kind}_us']:8.1f} + experts {res[f'experts{kind}_us']:9.1f} + rest "
-                          f"{res[f'rest{kind}_us']:8.1f}  ({layers} layer(s) per program)", flush=True)
-        del params
+        j = CASES[case] or shape.experts
+        ranks = shape.experts // j
+        for fmt in args.formats:
+            impl = (args.impl or ("kernel" if gpu else "ragged_dot")) if fmt == "bf16" else FORMATS[fmt][1 if gpu else 2]
+            per_layer = j * expert_bytes(fmt, shape.latent, args.intermediate)
+            layers = max(1, min(args.layers, int(args.weights_gb * 2**30 // per_layer)))
+            params = make_params(shape, j, args, layers, fmt)
+            backend = "nvlink" if (case == "N1" and gpu) else "xla"
+            for t in args.tokens:
+                try:
+                    used, res = run_case(j, backend, shape, args, t, params, impl)
+                except ValueError as exc:  # nvlink not available here: xla
+                    if backend != "nvlink":
+                        raise
+                    print(f"# {case}: nvlink unavailable ({exc}); xla", file=sys.stderr)
+                    backend = "xla"
+                    used, res = run_case(j, backend, shape, args, t, params, impl)
+                nbytes = dense + res["active_experts"] * expert_bytes(fmt, shape.latent, args.intermediate)
+                res["floor_us"], res["floor_spec_us"] = 1e6 * nbytes / bw, 1e6 * nbytes / SPEC_BYTES_PER_S
+                res["ratio"] = res["layer_pipelined_us"] / res["floor_us"]
+                res["ratio_spec"] = res["layer_pipelined_us"] / res["floor_spec_us"]
+                name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}"
+                rows += [(name, ranks, t, m, v) for m, v in res.items()]
+                split = " + ".join(f"{part} {res[f'{part}_device_us' if 'layer_device_us' in res else f'{part}_us']:.1f}"
+                                   for part in ("comm", "experts", "rest"))
+                print(f"{case:5s} {fmt:5s} {impl:10s} T={t:4d}: layer {res['layer_us']:8.1f} us waited, "
+                      f"{res['layer_pipelined_us']:8.1f} back to back ({res['ratio']:.2f}x floor {res['floor_us']:.1f},"
+                      f" {res['ratio_spec']:.2f}x at 4.8 TB/s) = {split}  ({layers} layer(s))", flush=True)
+            del params
     date = datetime.date.today().isoformat()
     with open(args.out, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
         for name, n, t, m, v in rows:
             w.writerow([date, device, commit, name, n, t, m, f"{v:.6g}"])
-    print(f"wrote {args.out} ({len(rows)} rows; {device}, commit {commit}, {date}, impl {args.impl})")
+    print(f"wrote {args.out} ({len(rows)} rows; {device}, commit {commit}, {date})")
     return 0
 
 

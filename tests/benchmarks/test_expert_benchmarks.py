@@ -14,7 +14,8 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
 @pytest.mark.parametrize("script,must", [
     ("expert_stage.py", {"us_per_layer", "ratio", "active_experts", "us", "GBps"}),
     ("fp8_matmul.py", {"wall_us", "pipelined_us", "floor_us", "floor_spec_us", "active_experts", "best_GBps"}),
-    ("k3_layer.py", {"layer_us", "experts_us", "comm_us", "rest_us"}),
+    ("k3_layer.py", {"layer_us", "layer_pipelined_us", "experts_us", "comm_us", "rest_us", "floor_us", "ratio",
+                     "ratio_spec", "active_experts", "hbm_GBps"}),
     ("layer_buckets.py", {"us_per_layer", "us_per_layer_b2b", "ratio", "ratio_b2b"}),
     ("mxfp8_error.py", {"rel_l2_layer_vs_bf16", "rel_l2_model_mxfp8_vs_bf16"}),
     ("stage_memory.py", {"capacity_pairs", "weights_GB", "fwd_temp_GB", "grad_temp_GB"}),
