@@ -58,7 +58,7 @@ def default_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out) + (max_tokens,)
 
 
-def expert_weights(w, scale=None):
+def expert_weights(w, scale=None, *, impl: str | None = None):
     """A checkpoint's expert weight `[E, out, in]` in the stage's `[E, in, out]` layout and format.
 
     Args:
@@ -68,9 +68,13 @@ def expert_weights(w, scale=None):
         (E8M0; Kimi K3, gpt-oss: its `blocks [E, out, in / 32, 16]` reshaped); or int8 with `scale` float32
         `[E, out]` (one scale per output channel).
       scale: as above; None for bf16.
+      impl: the expert stage implementation that will multiply the weights (`MoELayer`'s `impl`), or None: FP8
+        weights stay `[out, in]` (`experts.BlockScaledOutIn`, no copy) where it multiplies that layout ("gmm",
+        "wgmma": the FP8 tensor cores), else are transposed to `experts.BlockScaled`.
 
     Returns:
-      bf16 `[E, in, out]`, `experts.BlockScaled`, `experts.MXFP4` (kept `[out, in]`) or `experts.Int8PerChannel`.
+      bf16 `[E, in, out]`, `experts.BlockScaled` or `BlockScaledOutIn`, `experts.MXFP4` (kept `[out, in]`) or
+      `experts.Int8PerChannel`.
 
     Raises:
       ValueError: any other dtype or a scale of another shape, naming the format.
@@ -88,6 +92,8 @@ def expert_weights(w, scale=None):
             got = None if scale is None else f"{jnp.dtype(scale.dtype).name}{list(scale.shape)}"
             raise ValueError(f"expert_weights: FP8 weights [E, out, in] = {list(w.shape)} need out and in multiples "
                              f"of {block} and scale (weight_scale_inv) float32{list(want)}, got {got}")
+        if impl is not None and experts.takes(impl, experts.BlockScaledOutIn):
+            return experts.BlockScaledOutIn(w, scale.astype(jnp.float32))
         return experts.BlockScaled(jnp.swapaxes(w, 1, 2), jnp.swapaxes(scale, 1, 2).astype(jnp.float32))
     if dtype == jnp.uint8:
         want = (e, n_out, 2 * n_in // experts.MX_BLOCK)
@@ -201,9 +207,9 @@ class MoELayer:
                 return experts.BlockScaled(P(*spec), P(*spec))
             if isinstance(w, experts.Int8PerChannel):
                 return experts.Int8PerChannel(P(*spec), P(ep, tp) if i_dim == 2 else P(ep, None))
-            if isinstance(w, experts.MXFP4):  # kept [J, out, in]: I is dim 1 of gate / up, dim 2 of down
-                mx = P(ep, tp, None) if i_dim == 2 else P(ep, None, tp)
-                return experts.MXFP4(mx, mx)
+            if isinstance(w, (experts.MXFP4, experts.BlockScaledOutIn)):  # kept [J, out, in]: I is dim 1 of
+                out_in = P(ep, tp, None) if i_dim == 2 else P(ep, None, tp)  # gate / up, dim 2 of down
+                return type(w)(out_in, out_in)
             return P(*spec)
 
         specs = {}

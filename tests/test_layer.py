@@ -23,9 +23,9 @@ def _mesh(shape, names):
     return jax.make_mesh(shape, names, devices=jax.devices("cpu")[:n])
 
 
-def _params(rng, fmt="bf16", latent=False, shared=False, bias=False):
-    return layer_model.random_params(rng, hidden=D, experts=E, intermediate=I, fmt=fmt, latent=L if latent else None,
-                                     shared_intermediate=IS if shared else 0, bias=bias)
+def _params(rng, fmt="bf16", latent=False, shared=False, bias=False, inter=I):
+    return layer_model.random_params(rng, hidden=D, experts=E, intermediate=inter, fmt=fmt,
+                                     latent=L if latent else None, shared_intermediate=IS if shared else 0, bias=bias)
 
 
 _route_model, _check = layer_model.route, layer_model.assert_close
@@ -63,28 +63,37 @@ def test_layer_matches_the_float64_model(router, layout, mesh_shape):
     assert int(pairs) == distinct
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "int8"])
-def test_weight_formats(fmt):
+#: The implementation the layer runs each checkpoint format on in `test_quantized_weights_over_tp` (FP8 kept
+#: `[out, in]`, `expert_weights(..., impl="gmm")`: the layout the FP8 tensor cores take).
+FORMAT_IMPLS = {"fp8-out-in": "gmm", "mxfp4": "ragged_dot", "int8": "ragged_dot"}
+
+
+@pytest.mark.parametrize("fmt,impl", [("bf16", "ragged_dot"), ("fp8", "ragged_dot"), ("fp8-out-in", "gmm"),
+                                      ("mxfp4", "ragged_dot"), ("mxfp4", "gmm"), ("int8", "ragged_dot")])
+def test_weight_formats(fmt, impl):
     mesh = _mesh((4,), ("ep",))
-    rng = np.random.default_rng({"bf16": 1, "fp8": 2, "mxfp4": 4, "int8": 3}[fmt])
+    rng = np.random.default_rng({"bf16": 1, "fp8": 2, "fp8-out-in": 2, "mxfp4": 4, "int8": 3}[fmt])
     p = _params(rng, fmt=fmt, latent=True)  # L = 128: FP8 blocks are 128 x 128
+    if fmt == "fp8-out-in":
+        assert isinstance(p["w_down"], experts.BlockScaledOutIn)
     layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, router=ROUTERS["softmax"], latent=L,
-                     norm=True, max_tokens=4)
+                     norm=True, max_tokens=4, impl=impl)
     x = rng.standard_normal((5, D)).astype(np.float32)  # 5 tokens on 4 ranks (replicated over ep)
     got = jax.jit(layer)(jnp.asarray(x, jnp.bfloat16), p)
     ids, w = _route_model(ROUTERS["softmax"], x, p)
     _check(got, layer_model.layer(x, p, ids, w, ranks=4, norm=True, eps=layer.eps, latent=True))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int8"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8-out-in", "int8"])
 def test_quantized_weights_over_tp(fmt):
-    """Quantized weights split over a TP axis (`param_specs`: MXFP4 keeps `[out, in]`, so `I` is another dim of
-    its codes and scales) against the float64 model."""
+    """Quantized weights split over a TP axis (`param_specs`: MXFP4 and `[out, in]` FP8 keep the checkpoint's
+    layout, so `I` is another dim of their values and scales) against the float64 model."""
     mesh = _mesh((2, 2, 2), ("dp", "ep", "tp"))
-    rng = np.random.default_rng({"mxfp4": 5, "int8": 6}[fmt])
-    p = _params(rng, fmt=fmt, latent=True)
-    layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, router=ROUTERS["softmax"], latent=L,
-                     norm=True, tp_axis="tp", token_axes=("dp",), max_tokens=4)
+    rng = np.random.default_rng({"mxfp4": 5, "fp8-out-in": 7, "int8": 6}[fmt])
+    inter = 2 * I if fmt == "fp8-out-in" else I  # a rank's I / TP: whole 128 x 128 FP8 blocks
+    p = _params(rng, fmt=fmt, latent=True, inter=inter)
+    layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=inter, router=ROUTERS["softmax"], latent=L,
+                     norm=True, tp_axis="tp", token_axes=("dp",), max_tokens=4, impl=FORMAT_IMPLS[fmt])
     x = rng.standard_normal((6, D)).astype(np.float32)
     got = jax.jit(layer)(jnp.asarray(x, jnp.bfloat16), layer.shard_params(p))
     ids, w = _route_model(ROUTERS["softmax"], x, p)

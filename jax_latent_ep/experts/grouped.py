@@ -272,7 +272,8 @@ def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
         ws = jnp.repeat(lax.dynamic_index_in_dim(w_scale, b // 4, 2, keepdims=False)[group], 128, axis=1)  # [M, N]
         return acc + part * (lax.dynamic_index_in_dim(x_pow, b, 1) * ws)
 
-    acc = lax.fori_loop(0, k // 32, block, jnp.zeros((m, n), jnp.float32))
+    zero = _vary(jnp.zeros((m, n), jnp.float32), _axes(x, x_scale, w, w_scale, group_sizes))  # the body's type
+    acc = lax.fori_loop(0, k // 32, block, zero)
     return jnp.where(jnp.arange(m)[:, None] < jnp.sum(group_sizes), acc, 0.0)
 
 

@@ -119,8 +119,8 @@ def random_int8_weights(rng: np.random.Generator, *shape: int):
 
 def dequantized(w):
     """FP32 NumPy weights of `w`: an array as it is, `experts.BlockScaled` as `values * scale` per block,
-    `experts.Int8PerChannel` as `values * scale` per output channel."""
-    from jax_latent_ep.experts import FP8_BLOCK, MXFP4, BlockScaled, Int8PerChannel
+    `experts.Int8PerChannel` as `values * scale` per output channel; `BlockScaledOutIn` as its `BlockScaled`."""
+    from jax_latent_ep.experts import FP8_BLOCK, MXFP4, BlockScaled, BlockScaledOutIn, Int8PerChannel, fp8_in_out
 
     if isinstance(w, MXFP4):  # ml_dtypes' e2m1 decoding (independent of the library's table)
         v = np.asarray(w.values)
@@ -130,6 +130,8 @@ def dequantized(w):
         return np.swapaxes(vals * scale.repeat(32, 2), 1, 2)
     if isinstance(w, Int8PerChannel):
         return np.asarray(w.values).astype(np.float32) * np.asarray(w.scale, np.float32)[:, None, :]
+    if isinstance(w, BlockScaledOutIn):
+        w = fp8_in_out(w)
     if not isinstance(w, BlockScaled):
         return np.asarray(w, np.float32)
     scale = np.asarray(w.scale, np.float32).repeat(FP8_BLOCK, 1).repeat(FP8_BLOCK, 2)
@@ -147,10 +149,10 @@ def reference_swiglu(recv: Received, rank: int, w_gate, w_up, w_down, *, max_tok
     order of their first slot, each with the FP32 sum (ascending `k`) of its slots' weights; `w_up=None`
     means `w_gate` is fused `[J, L, 2I]`; `experts.BlockScaled` / `experts.MXFP4` weights are dequantized to FP32
     first, and with them `h` is rounded to MXFP8 before down (`numerics.mxfp8_quantize`)."""
-    from jax_latent_ep.experts import MXFP4, BlockScaled
+    from jax_latent_ep.experts import MXFP4, BlockScaled, BlockScaledOutIn
     from jax_latent_ep.numerics import mxfp8_dequantize, mxfp8_quantize
 
-    mx_h = isinstance(w_down, (BlockScaled, MXFP4))
+    mx_h = isinstance(w_down, (BlockScaled, BlockScaledOutIn, MXFP4))
     x = np.asarray(recv.x).astype(np.float32) * np.exp2(np.asarray(recv.sf).astype(np.float32) - 127).repeat(32, 1)
     ids, wts, src = np.asarray(recv.ids), np.asarray(recv.weights), np.asarray(recv.src)
     wg, wd = dequantized(w_gate), dequantized(w_down)

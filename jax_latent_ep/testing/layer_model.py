@@ -22,11 +22,13 @@ def mxfp8(a) -> np.ndarray:
 
 
 def weights64(w) -> np.ndarray:
-    """float64 `[E, in, out]` of an expert weight in the stage's layout: bf16, `BlockScaled`, `MXFP4`,
-    `Int8PerChannel`."""
+    """float64 `[E, in, out]` of an expert weight in the stage's layout: bf16, `BlockScaled` (or `BlockScaledOutIn`),
+    `MXFP4`, `Int8PerChannel`."""
     from jax_latent_ep import experts
     from jax_latent_ep.testing.experts import dequantized
 
+    if isinstance(w, experts.BlockScaledOutIn):
+        w = experts.fp8_in_out(w)
     if isinstance(w, experts.MXFP4):
         return dequantized(w).astype(np.float64)  # exact: e2m1 times a power of two
     if isinstance(w, experts.BlockScaled):
@@ -67,7 +69,7 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
 
     xb = bf16(x)
     wg, wu, wd = (_PerExpert(params[k]) for k in ("w_gate", "w_up", "w_down"))
-    fp8_down = isinstance(params["w_down"], (experts.BlockScaled, experts.MXFP4))
+    fp8_down = isinstance(params["w_down"], (experts.BlockScaled, experts.BlockScaledOutIn, experts.MXFP4))
     n_exp = wd.shape[0]
     local = n_exp // ranks
     a = bf16(xb @ np.asarray(params["latent_down"], np.float64)) if latent else xb
@@ -104,8 +106,8 @@ def layer(x, params: dict, ids, weights, *, ranks: int, norm: bool = False, eps:
 def random_params(rng: np.random.Generator, *, hidden: int, experts: int, intermediate: int, fmt: str = "bf16",
                   latent: int | None = None, shared_intermediate: int = 0, bias: bool = False) -> dict:
     """Random weights of a `MoELayer` (normal, scaled by 1 / sqrt(fan-in)): expert weights drawn as a checkpoint
-    stores them (`[E, out, in]`) in `fmt` ("bf16", "fp8": 128 x 128 blocks, "mxfp4": e2m1 codes and an E8M0 scale
-    per 32 inputs, "int8": a scale per output channel)
+    stores them (`[E, out, in]`) in `fmt` ("bf16", "fp8": 128 x 128 blocks, "fp8-out-in": the same kept `[out, in]`
+    for "gmm" / "wgmma", "mxfp4": e2m1 codes and an E8M0 scale per 32 inputs, "int8": a scale per output channel)
     and turned into the layer's layout by `layer.expert_weights`; the rest bf16 (`router_bias` float32)."""
     import jax.numpy as jnp
 
@@ -122,16 +124,17 @@ def random_params(rng: np.random.Generator, *, hidden: int, experts: int, interm
         w = normal(e, out_dim, in_dim)
         if fmt == "bf16":
             return expert_weights(jnp.asarray(w, jnp.bfloat16))
-        if fmt == "fp8":
+        if fmt in ("fp8", "fp8-out-in"):
             q = quantize_fp8(jnp.asarray(np.swapaxes(w, 1, 2), jnp.float32))  # [E, in, out]
-            return expert_weights(jnp.swapaxes(q.values, 1, 2), jnp.swapaxes(q.scale, 1, 2))
+            return expert_weights(jnp.swapaxes(q.values, 1, 2), jnp.swapaxes(q.scale, 1, 2),
+                                  impl="gmm" if fmt == "fp8-out-in" else None)
         if fmt == "mxfp4":
             q = quantize_mxfp4(jnp.asarray(np.swapaxes(w, 1, 2), jnp.float32))  # codes [E, out, in / 2]
             return expert_weights(q.values, q.scale)
         if fmt == "int8":
             s = np.abs(w).max(axis=2) / 127.0
             return expert_weights(jnp.asarray(np.round(w / s[:, :, None]), jnp.int8), jnp.asarray(s, jnp.float32))
-        raise ValueError(f"random_params: fmt={fmt!r} must be bf16, fp8, mxfp4 or int8")
+        raise ValueError(f"random_params: fmt={fmt!r} must be bf16, fp8, fp8-out-in, mxfp4 or int8")
 
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     p = {"router": bf(normal(d, e)), "w_gate": ckpt(i, lw), "w_up": ckpt(i, lw), "w_down": ckpt(lw, i)}
