@@ -355,8 +355,9 @@ class MoELayer:
         w = (params["w_gate"], params["w_up"], params["w_down"])
         if self.impl in experts.READS_RECEIVED:  # the kernel reads the MXFP8 rows themselves (no VJP)
             out = experts.swiglu(recv, pl, *w, impl=self.impl, expected_pairs=bucket * k, out_dtype=out_dtype)
-        else:  # the differentiable path: the dequantized rows
-            out = experts.swiglu_rows(pl, latent.astype(jnp.bfloat16), *w, impl=self.impl, out_dtype=out_dtype)
+        else:  # the differentiable path: the dequantized rows (the FP8 tensor cores take the MXFP8 rows themselves)
+            out = experts.swiglu_rows(pl, latent.astype(jnp.bfloat16), *w, impl=self.impl, out_dtype=out_dtype,
+                                      mx=(recv.x, recv.sf))
         if self.tp_axis:
             out = lax.psum(out, self.tp_axis).astype(jnp.bfloat16)  # FP32 partials over I, one rounding
         y = ep.combine(out, ids, params["norm"] if self.norm else None, self.eps)
