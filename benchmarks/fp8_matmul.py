@@ -1,5 +1,5 @@
 """The FP8 grouped matmul (`experts.grouped.gmm_fp8`) at decode sizes on one GPU, against the floor of its weight
-bytes: a program of `--layers` layers, each its own FP8 weights, each layer gate-up (`[J, 2I, L]`), the SwiGLU with
+bytes: a program of `--layers` layers (fewer where their weights pass `--weights-gb`), each its own FP8 weights, each layer gate-up (`[J, 2I, L]`), the SwiGLU with
 its MXFP8 rounding in XLA, and down (`[J, L, I]`) on the pairs rank 0 holds under uniform routing.
 
     python benchmarks/fp8_matmul.py [--out fp8_matmul.csv] [--points 448,2048 112,512 ...] [--tokens 1 8 32 128]
@@ -80,6 +80,7 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128])
     p.add_argument("--impls", nargs="+", default=["wgmma"])
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--weights-gb", type=float, default=48.0, help="the most weight bytes a program holds (an H100)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -97,7 +98,9 @@ def main(argv=None):
         j, inter = (int(v) for v in point.split(","))
         for t in args.tokens:
             for impl in args.impls:
-                rows += measure(j, inter, t, impl, args.layers, args.repeats, best)
+                per_layer = 3 * j * inter * LATENT * (1 + 4 / 128**2)  # FP8 values and their block scales
+                layers = max(1, min(args.layers, int(args.weights_gb * 2**30 // per_layer)))
+                rows += measure(j, inter, t, impl, layers, args.repeats, best)
                 write_rows(args.out, jax.devices()[0].device_kind, [(b, 1, tk, m, v) for b, tk, m, v in rows])
 
 
