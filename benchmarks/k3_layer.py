@@ -200,7 +200,10 @@ def main(argv=None):
         j = local[case] or shape.experts
         ranks = shape.experts // j
         for fmt in args.formats:
-            impl = (args.impl or ("kernel" if gpu else "ragged_dot")) if fmt == "bf16" else FORMATS[fmt][1 if gpu else 2]
+            if fmt == "bf16":
+                impl = args.impl or ("kernel" if gpu else "ragged_dot")
+            else:
+                impl = FORMATS[fmt][1 if gpu else 2]
             per_layer = j * expert_bytes(fmt, shape.latent, args.intermediate)
             layers = max(1, min(args.layers, int(args.weights_gb * 2**30 // per_layer)))
             params = make_params(shape, j, args, layers, fmt)
@@ -220,8 +223,8 @@ def main(argv=None):
                 res["ratio_spec"] = res["layer_pipelined_us"] / res["floor_spec_us"]
                 name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}"
                 rows += [(name, ranks, t, m, v) for m, v in res.items()]
-                split = " + ".join(f"{part} {res[f'{part}_device_us' if 'layer_device_us' in res else f'{part}_us']:.1f}"
-                                   for part in ("comm", "experts", "rest"))
+                kind = "_device" if "layer_device_us" in res else ""
+                split = " + ".join(f"{part} {res[f'{part}{kind}_us']:.1f}" for part in ("comm", "experts", "rest"))
                 print(f"{case:5s} {fmt:5s} {impl:10s} T={t:4d}: layer {res['layer_us']:8.1f} us waited, "
                       f"{res['layer_pipelined_us']:8.1f} back to back ({res['ratio']:.2f}x floor {res['floor_us']:.1f},"
                       f" {res['ratio_spec']:.2f}x at 4.8 TB/s) = {split}  ({layers} layer(s))", flush=True)

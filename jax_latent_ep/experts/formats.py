@@ -239,7 +239,8 @@ _INT8 = _Format(Int8PerChannel, "Int8PerChannel", jnp.int8, lambda w: w.values, 
 _MXFP4 = _Format(MXFP4, "MXFP4", jnp.uint8, lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), _check_mx_scales)
 # `[out, in]` FP8 is checked as the `[J, K, N]` weight it holds (`BlockScaledOutIn.shape`).
 _FP8_OUT_IN = _Format(BlockScaledOutIn, "BlockScaledOutIn FP8", jnp.float8_e4m3fn,
-                      lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype), functools.partial(_check_block_scales, out_in=True))
+                      lambda w: jax.ShapeDtypeStruct(w.shape, w.values.dtype),
+                      functools.partial(_check_block_scales, out_in=True))
 #: The weight formats, a plain bf16 array first (a weight of no other format's class); a call's weights share one.
 _FORMATS = (_BF16, _FP8, _MXFP4, _INT8, _FP8_OUT_IN)
 #: The formats XLA's implementations multiply (`[out, in]` FP8: the `gmm` and `wgmma` implementations).

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_latent_ep.autodiff import _varying, varying_axes
-from jax_latent_ep.experts.formats import BlockScaledOutIn
+from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
 from jax_latent_ep.experts.planning import chunks
-from jax_latent_ep.experts.xla import _glu, _pair_row_sums
+from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
+from jax_latent_ep.numerics import mxfp8_quantize
 
 GMM_IMPLEMENTATIONS = ("xla", "mosaic", "wgmma")
 #: Implementations that run on Hopper GPUs only.
@@ -54,10 +55,16 @@ def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
     if k % MOSAIC_SIDE or n % MOSAIC_SIDE:
         raise ValueError(f"gmm(impl={impl!r}): K={k} and N={n} must be multiples of {MOSAIC_SIDE} (the kernels' "
                          "tiles, forward and gradients; impl='xla' takes any)")
+    _require_hopper(f"gmm(impl={impl!r})", "impl='xla' (experts impl 'gmm' or 'scan')")
+
+
+def _require_hopper(call: str, instead: str):
+    """Raises ValueError unless every device of this process is a Hopper GPU, naming `call` and what to use
+    `instead`."""
     kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
     if not kinds or any(not str(c).startswith("9.") for c in kinds):
-        raise ValueError(f"gmm(impl={impl!r}) runs on Hopper GPUs (compute capability 9.x); this process has "
-                         f"{sorted(map(str, kinds))}: use impl='xla' (experts impl 'gmm' or 'scan')")
+        raise ValueError(f"{call} runs on Hopper GPUs (compute capability 9.x); this process has "
+                         f"{sorted(map(str, kinds))}: use {instead}")
 
 
 def gmm(x, w, group_sizes, *, impl: str = "xla", transpose_w: bool = False):
@@ -214,10 +221,7 @@ def check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl: str):
             raise ValueError(f"gmm_fp8: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
                              f"{jnp.dtype(a.dtype).name}{list(a.shape)}")
     if impl == "wgmma":
-        kinds = {getattr(d, "compute_capability", d.platform) for d in jax.local_devices()}
-        if not kinds or any(not str(c).startswith("9.") for c in kinds):
-            raise ValueError(f"gmm_fp8(impl='wgmma') runs on Hopper GPUs (compute capability 9.x); this process has "
-                             f"{sorted(map(str, kinds))}: use impl='xla'")
+        _require_hopper("gmm_fp8(impl='wgmma')", "impl='xla'")
 
 
 def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
@@ -301,8 +305,6 @@ def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
     check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl)
     if impl == "wgmma":
         return _wgmma_narrow("mxfp4", x, x_scale, w, w_scale, group_sizes)
-    from jax_latent_ep.experts.formats import E2M1_VALUES
-
     table = jnp.asarray(E2M1_VALUES, jnp.float32)
     values = jnp.stack([table[w & 15], table[w >> 4]], axis=-1).reshape(*w.shape[:2], -1)  # [G, N, K]
     # The E8M0 scale folded in per 32-block: exact (a power of two times a value of 2 significant bits).
@@ -314,13 +316,9 @@ def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
 
 def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
     """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8`, or on MXFP4 weights with
-    `gmm_mxfp4` ("xla" or "wgmma"): gate
-    and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes (quantized from `xb` when None: the same
-    rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each row's FP32 sum of its pairs (`_row_sums`);
-    the numerics of `docs/experts.md`'s FP8 weights. No VJP."""
-    from jax_latent_ep.experts.xla import _row_sums
-    from jax_latent_ep.numerics import mxfp8_quantize
-
+    `gmm_mxfp4` ("xla" or "wgmma"): gate and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes
+    (quantized from `xb` when None: the same rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each
+    row's FP32 sum of its pairs (`_row_sums`); the numerics of `docs/experts.md`'s FP8 weights. No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
     def fp8(q, s, w):
