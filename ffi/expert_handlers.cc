@@ -583,7 +583,8 @@ struct GroupedMatmulNarrow {
         e.failure()) {
       return e;
     }
-    l.grid = static_cast<unsigned>(T * column_tiles);
+    // persistent: the kernel strides over the used tiles' units (a worst-case list costs no CTA per empty tile)
+    l.grid = static_cast<unsigned>(std::min(T * column_tiles, l.kernel->max_grid));
     l.params = make_params(Params{
         .x = address(x.untyped_data()),
         .x_scale = address(x_scale.untyped_data()),

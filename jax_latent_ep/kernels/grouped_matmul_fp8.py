@@ -7,9 +7,11 @@ Parameters: `kernels.abi.GROUPED_MATMUL_FP8`.
 
 The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
 `wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
-(`m64n32k32`). CTA `c` computes tile `c / (num_n / 128)` (`(group, first pair, pairs)`, the caller's list, as
-`GroupedMatmul`'s) times the 128 output columns `c % (num_n / 128)`: it streams those columns' weights once for all
-the tile's pairs. A CTA of an empty tile returns at once; pairs past the tile's are zero-filled and never stored.
+(`m64n32k32`). A unit `u` is tile `u / (num_n / 128)` (`(group, first pair, pairs, used tiles)`, the caller's
+list, the used first, as `GroupedMatmul`'s) times the 128 output columns `u % (num_n / 128)`: its CTA streams those
+columns' weights once for all the tile's pairs. The grid is persistent (at most the resident CTAs): CTA `c` computes
+units `c, c + stride, ..` of the used tiles only (`common.balanced_stride`), so a list sized for the worst case
+costs no CTA per empty tile. Pairs past a tile's are zero-filled and never stored.
 
 Numerics (`docs/experts.md`, FP8 weights): each 32-deep block of the contraction is one MMA (the exact products'
 sum in the tensor core), added to the FP32 accumulator times `2^(s - 127) * scale` (the pair's E8M0 scale of that
@@ -27,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.common import balanced_stride, compile_cubin
 from jax_latent_ep.kernels.primitives import (
     cp_async_4,
     cp_async_16,
@@ -135,23 +137,27 @@ class GroupedMatmulFp8:
         num_n: Int32,
         num_tiles: Int32,
     ):
-        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
+        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
 
     @cute.jit
-    def run_tile(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
-                 num_n: Int32):
-        """CTA `c`'s tile of the list and output columns (module docstring): `run` unless the tile is empty."""
+    def run_tiles(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
+                  num_n: Int32):
+        """The CTA's units (module docstring): `run` for each, the ring allocated once."""
         cta, _, _ = cute.arch.block_idx()
-        cta = Int32(cta)
+        grid, _, _ = cute.arch.grid_dim()
+        ring = self.ring(self.smem)
         column_tiles = num_n // TILE_N
-        n0 = (cta % column_tiles) * TILE_N
         griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
-        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
-        group = Int32(load_b32(entry))
-        first = Int32(load_b32(entry + 4))
-        rows = Int32(load_b32(entry + 8))
-        if rows > 0:
-            self.run(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+        num_units = Int32(load_b32(tiles + 12)) * column_tiles  # the non-empty tiles (word 3) come first
+        stride = balanced_stride(num_units, grid)
+        if Int32(cta) < stride:
+            for unit in range(Int32(cta), num_units, stride):
+                entry = tiles + Int64(unit // column_tiles) * (4 * TILE_WORDS)
+                rows = Int32(load_b32(entry + 8))
+                if rows > 0:
+                    self.run(ring, x, x_scale, w, w_scale, out, num_k, num_n, (unit % column_tiles) * TILE_N,
+                             Int32(load_b32(entry)), Int32(load_b32(entry + 4)), rows)
+                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
     def store(self, acc, out: Int64, first: Int32, rows: Int32, num_n: Int32, n0: Int32):
@@ -170,10 +176,9 @@ class GroupedMatmulFp8:
                         store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
 
     @cute.jit
-    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
-            n0: Int32, group: Int32, first: Int32, rows: Int32):
-        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        ring = self.ring(SMEM_BYTES)
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
+            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32):
+        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
@@ -224,7 +229,7 @@ class GroupedMatmulFp8:
         self.store(acc, out, first, rows, num_n, n0)
 
     @cute.jit
-    def ring(self, smem_bytes: int):
+    def ring(self, smem_bytes: cutlass.Constexpr[int]):
         """The shared address of the CTA's `smem_bytes`, rounded up to the 1024-byte swizzle atom."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(smem_bytes), 1024)
@@ -339,13 +344,12 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         num_n: Int32,
         num_tiles: Int32,
     ):
-        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
+        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
 
     @cute.jit
-    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
-               n0: Int32, group: Int32, first: Int32, rows: Int32):
-        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        ring = self.ring(MX_SMEM_BYTES)
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
+            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32):
+        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
