@@ -65,9 +65,10 @@ TILE_PAIRS = abi.MATMUL_FP8_TILE_PAIRS
 TILE_K = 128
 BLOCK_K = 32
 THREADS = 256
-#: Stages of the ring (one CTA an SM: `STAGES - 1` stages of weights, 16 KB each, in flight).
-STAGES = 8
-CTAS_PER_SM = 1
+#: Stages of the ring, two CTAs an SM (one's promotion runs beside the other's MMAs): `2 (STAGES - 1)` stages of
+#: weights, 16 KB each, in flight an SM.
+STAGES = 5
+CTAS_PER_SM = 2
 LINE_BYTES = 128
 A_BYTES = TILE_N * LINE_BYTES
 B_BYTES = TILE_PAIRS * LINE_BYTES
@@ -119,7 +120,8 @@ class GroupedMatmulFp8:
         num_tiles: Int32,
     ):
         self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
-            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1)
+            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1,
+            min_blocks_per_mp=CTAS_PER_SM if CTAS_PER_SM > 1 else 0)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
