@@ -76,7 +76,7 @@ class DeviceLayout:
 def balanced_stride(num_units: Int32, grid) -> Int32:
     """The CTAs of a persistent grid that compute `num_units` units `u = cta, cta + stride, ..`: the fewest that
     take as many rounds as the whole `grid` would, so every computing CTA is busy to the last round (a last round
-    of a few CTAs streams at their few loads' rate); the others exit."""
+    of a few CTAs streams at their few loads' rate); the others exit. `num_units >= 1`."""
     rounds = (num_units + Int32(grid) - 1) // Int32(grid)
     return (num_units + rounds - 1) // rounds
 

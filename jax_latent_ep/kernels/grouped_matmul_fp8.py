@@ -159,7 +159,7 @@ class GroupedMatmulFp8:
         griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
         num_tiles = Int32(load_b32(tiles + 12))  # the non-empty tiles (word 3) come first
         num_units = splits * num_tiles * column_tiles
-        stride = balanced_stride(num_units, grid)
+        stride = balanced_stride(cutlass.max(num_units, Int32(1)), grid)  # no pairs: no unit, but no 0 / 0 either
         if Int32(cta) < stride:
             for unit in range(Int32(cta), num_units, stride):
                 rest = unit // column_tiles
