@@ -364,3 +364,20 @@ def test_narrow_splits():
         s, per = narrow_splits(groups, n, k)
         assert per % 128 == 0 and per >= min(k, 512) and (s - 1) * per < k <= s * per
         assert s == 1 or groups * (n // 128) * (s - 1) < NARROW_MIN_UNITS
+
+
+def test_mxfp4_widening_bytes_are_the_codes_times_2_to_the_minus_6():
+    """The MXFP4 kernel's widening (`e2m1x8_to_e4m3x8_scaled`, bit-modelled on the host): every code of a random word,
+    in its byte, is `2^-6 * E2M1_VALUES[code]` in e4m3, sign (and -0) kept."""
+    import ml_dtypes
+
+    from jax_latent_ep.experts.formats import E2M1_VALUES
+    from jax_latent_ep.kernels.primitives import e2m1x8_to_e4m3x8_scaled_model
+
+    rng = np.random.default_rng(7)
+    for word in [0x76543210, 0xFEDCBA98] + rng.integers(0, 2**32, 64, dtype=np.uint64).tolist():
+        lo, hi = e2m1x8_to_e4m3x8_scaled_model(int(word))
+        got = np.array([lo, hi], np.uint32).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        want = np.array([E2M1_VALUES[(int(word) >> (4 * i)) & 0xF] for i in range(8)]) * 2.0**-6
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import balanced_stride, compile_cubin
@@ -37,7 +37,7 @@ from jax_latent_ep.kernels.primitives import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
-    e2m1x4_to_e4m3x4,
+    e2m1x8_to_e4m3x8_scaled,
     f32_from_bits,
     fence_proxy_async_shared,
     fma_rn,
@@ -345,7 +345,9 @@ MX_CHUNKS = MX_PACKED_BYTES // 16 // THREADS
 class GroupedMatmulMxfp4(GroupedMatmulFp8):
     """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
-    e4m3 (`e2m1x4_to_e4m3x4`) into a tile of its own while the previous stage's MMAs run."""
+    e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 1.4 instructions a code) into a tile of its own while the previous
+    stage's MMAs run; the promotion's weight scale carries the 2^6 back (exact: powers of two, the tensor core's
+    block sum scale-free), so the result is the unscaled widening's bit for bit."""
 
     smem = MX_SMEM_BYTES
 
@@ -439,8 +441,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             words = load_shared_v4(slot + Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
             wide = []
             for word in words:
-                wide.append(e2m1x4_to_e4m3x4(word & Uint32(0xFFFF)))
-                wide.append(e2m1x4_to_e4m3x4(word >> Uint32(16)))
+                wide.extend(e2m1x8_to_e4m3x8_scaled(word))
             line = tile + Uint32(row * LINE_BYTES)
             store_shared_v4(line + Uint32(((2 * c) ^ (row % 8)) * 16), wide[:4])
             store_shared_v4(line + Uint32(((2 * c + 1) ^ (row % 8)) * 16), wide[4:])
@@ -448,7 +449,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     @cute.jit
     def promote_mx(self, acc, parts, slot: Uint32, tid: Int32, lane: Int32):
         """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times `2^(s_w - 127) * 2^(s_x - 127)`
-        of its weight row and pair (one FP32 product; 0 where either code is 0): one FMA a value."""
+        of its weight row and pair times 2^6 (the widening's 2^-6 undone; 0 where either code is 0): one FMA a
+        value."""
         row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
         row_words = []
         for i in cutlass.range_constexpr(2):
@@ -468,7 +470,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
                     x_pow = f32_from_bits(((words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23))
                     for i in cutlass.range_constexpr(2):
                         k = 4 * j + 2 * i + e
-                        acc[k] = fma_rn(part[k], mul_rn(w_pow[i], x_pow), acc[k])
+                        # 2^6 undoes the widening's 2^-6: exact wherever the unscaled product is finite
+                        acc[k] = fma_rn(part[k], mul_rn(mul_rn(w_pow[i], x_pow), Float32(64.0)), acc[k])
 
     @cute.jit
     def load_mx(self, slot: Uint32, stage: Int32, tid: Int32, a_src, a_dst, b_live, b_src: Int64, b_dst: Uint32,
