@@ -346,8 +346,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
     e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 1.4 instructions a code) into a tile of its own while the previous
-    stage's MMAs run; the promotion's weight scale carries the 2^6 back (exact: powers of two, the tensor core's
-    block sum scale-free), so the result is the unscaled widening's bit for bit."""
+    stage's MMAs run; the promotion carries the 2^6 back (a power of two: exact), the tensor core's block sum
+    nearly scale-free (docs/experts.md)."""
 
     smem = MX_SMEM_BYTES
 
