@@ -192,11 +192,13 @@ def child(args):
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_latent_ep.experts import kernel as kernel_mod, stage as stage_mod
+    from jax_latent_ep.experts import grouped as grouped_mod, kernel as kernel_mod, stage as stage_mod
     from jax_latent_ep.testing.experts import random_received
 
     if args.min_units:  # the kernel path's contraction split target (`experts.kernel.KERNEL_MIN_UNITS`)
         kernel_mod.KERNEL_MIN_UNITS = args.min_units
+    if args.narrow_units:  # the FP8 / MXFP4 kernels' split target (`experts.grouped.NARROW_MIN_UNITS`)
+        grouped_mod.NARROW_MIN_UNITS = args.narrow_units
     if args.stage_units:  # the one launch's gate / up and down split targets
         kernel_mod.KERNEL_STAGE_GATE_UNITS, kernel_mod.KERNEL_STAGE_DOWN_UNITS = args.stage_units
     if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`stage.XLA_ROW_SUM_SLOTS`)
@@ -208,6 +210,7 @@ def child(args):
     if args.group == "default":
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=kernel_mod.KERNEL_MIN_UNITS)
+        out(backend="narrow_min_units", ranks=1, tokens=0, metric="units", value=grouped_mod.NARROW_MIN_UNITS)
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units",
             value=kernel_mod.KERNEL_STAGE_GATE_UNITS)
         out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units",
@@ -490,6 +493,9 @@ def main(argv=None):
     p.add_argument("--min-units", type=int, default=0,
                    help="the kernel path's contraction split aims at this many units a launch (default "
                         "`experts.kernel.KERNEL_MIN_UNITS`; recorded as the `kernel_min_units` row)")
+    p.add_argument("--narrow-units", type=int, default=0,
+                   help="the FP8 / MXFP4 kernels' contraction split aims at this many units (default "
+                        "`experts.grouped.NARROW_MIN_UNITS`, 1: unsplit; recorded as the `narrow_min_units` row)")
     p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
                    help="the one launch's gate / up and down split targets (default "
                         "`experts.kernel.KERNEL_STAGE_GATE_UNITS`, `KERNEL_STAGE_DOWN_UNITS`; recorded as "
@@ -505,6 +511,8 @@ def main(argv=None):
         p.error(f"--xla-row-sum-slots={args.xla_row_sum_slots}: give a number of slots >= 0")
     if args.min_units < 0:
         p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
+    if args.narrow_units < 0:
+        p.error(f"--narrow-units={args.narrow_units}: give a positive number of units, or 0 for the default")
     if args.smoke:
         args.latent, args.experts, args.topk = 128, 32, 4
         args.local, args.intermediate, args.tokens = [16], [32], [1, 4]

@@ -4,7 +4,8 @@
     python benchmarks/k3_layer.py --smoke          # tiny shapes, CPU is fine (the CI test runs this)
 
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
-down projection 7168 -> 3584 (bf16); `ep.dispatch`; the expert stage (`experts.expert_stage`, SwiGLU, intermediate
+down projection 7168 -> 3584 (bf16; the router and both projections `dense.matmul(impl=--dense)`, with
+`--fuse-router` the router and down as one weight; the top-16 `moe.top_k_softmax(method=--topk)`); `ep.dispatch`; the expert stage (`experts.expert_stage`, SwiGLU, intermediate
 `--intermediate`) on the format's weights: `bf16` (`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]`
 blocks, `experts.BlockScaledOutIn`) and `mxfp4` (`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine`
 with RMSNorm; up projection 3584 -> 7168 and the residual.
@@ -26,7 +27,7 @@ the GPU's kernel time, `*_device_us`. The floor: the bytes of every weight the l
 the active local experts of each layer's routing in the format's bytes with their scales) over the best stream
 measured in the same run (`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` /
 `ratio_spec` are the back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
-with backend `k3_layer/<case>/<backend>/I<I>/<format>`.
+with backend `k3_layer/<case>/<backend>/I<I>/<format>/dense-<impl>[-fused]`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_case(j, backend, shape, args, t, params, impl):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from jax_latent_ep import ExpertParallel, experts, moe
+    from jax_latent_ep import ExpertParallel, dense, experts, moe
     from jax_latent_ep.numerics import mxfp8_dequantize
 
     dev = jax.devices()[0]
@@ -75,8 +76,13 @@ def run_case(j, backend, shape, args, t, params, impl):
     rep = P()
     with ExpertParallel(mesh, "ep", max_tokens=t, shape=shape, backend=backend) as ep:
         def route(p, h):
-            ids, w = moe.route(h, p["router"], shape.topk)
-            x = jnp.dot(h, p["down"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            if args.fuse_router:  # router and down projection: one weight [H, E + L], one launch
+                both = dense.matmul(h, p["router_down"], impl=args.dense, out_dtype=jnp.float32)
+                logits, x = both[:, :shape.experts], both[:, shape.experts:].astype(jnp.bfloat16)
+            else:
+                logits = dense.matmul(h, p["router"], impl=args.dense, out_dtype=jnp.float32)
+                x = dense.matmul(h, p["down"], impl=args.dense)
+            ids, w = moe.top_k_softmax(logits, shape.topk, args.topk)
             return x, ids, w
 
         def stage(recv, p):
@@ -88,7 +94,7 @@ def run_case(j, backend, shape, args, t, params, impl):
                 x, ids, w = route(p, h)
                 recv = ep.dispatch(x, ids, w)
                 y = ep.combine(stage(recv, p), ids, p["norm"], 1e-5)
-                h = h + jnp.dot(y, p["up"], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+                h = h + dense.matmul(y, p["up"], impl=args.dense)
             return h
 
         def comm(ps, xs, idss, ws):
@@ -141,7 +147,10 @@ def make_params(shape, j, args, layers, fmt):
         k = jax.random.split(jax.random.key(100 + li), 6)
         n = lambda key, s, fan: (jax.random.normal(key, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16)  # noqa: E731
         w_gate, w_up, w_down = _layer_weights(k[2], j, lat, inter, FORMATS[fmt][0])  # made on the device
-        out.append({"router": n(k[0], (hid, shape.experts), hid), "down": n(k[1], (hid, lat), hid),
+        router, down = n(k[0], (hid, shape.experts), hid), n(k[1], (hid, lat), hid)
+        fused = {"router_down": jnp.concatenate([router, down], axis=1)} if args.fuse_router else {
+            "router": router, "down": down}
+        out.append({**fused,
                     "w_gate": w_gate, "w_up": w_up, "w_down": w_down, "up": n(k[3], (lat, hid), lat),
                     "norm": (1 + 0.1 * jax.random.normal(k[4], (lat,))).astype(jnp.bfloat16)})
     return out
@@ -157,6 +166,11 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--impl", default=None, help="bf16 experts' implementation (default: kernel on a GPU, else "
                                                 "ragged_dot)")
+    p.add_argument("--dense", default="auto", choices=["auto", "xla", "kernel"],
+                   help="the router's and projections' `dense.matmul` implementation")
+    p.add_argument("--topk", default="top_k", choices=["top_k", "rank"], help="`moe.top_k_softmax`'s method")
+    p.add_argument("--fuse-router", action="store_true",
+                   help="router and down projection as one [H, E + L] weight, one matmul")
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
@@ -193,9 +207,9 @@ def main(argv=None):
     except Exception:
         commit = "unknown"
     bw = hbm_gbps(args.hbm_bytes, args.repeats) * 1e9  # bytes a second, the run's best stream
-    dense = 2.0 * (args.hidden * shape.experts + 2 * args.hidden * shape.latent)
+    dense_bytes = 2.0 * (args.hidden * shape.experts + 2 * args.hidden * shape.latent)
     rows = [("k3_layer/hbm", 1, 0, "hbm_GBps", bw / 1e9)]
-    print(f"best stream {bw / 1e9:.0f} GB/s; router and projections {dense / 1e6:.1f} MB a layer", flush=True)
+    print(f"best stream {bw / 1e9:.0f} GB/s; router and projections {dense_bytes / 1e6:.1f} MB a layer", flush=True)
     for case in args.cases:
         j = local[case] or shape.experts
         ranks = shape.experts // j
@@ -217,11 +231,12 @@ def main(argv=None):
                     print(f"# {case}: nvlink unavailable ({exc}); xla", file=sys.stderr)
                     backend = "xla"
                     used, res = run_case(j, backend, shape, args, t, params, impl)
-                nbytes = dense + res["active_experts"] * expert_bytes(fmt, shape.latent, args.intermediate)
+                nbytes = dense_bytes + res["active_experts"] * expert_bytes(fmt, shape.latent, args.intermediate)
                 res["floor_us"], res["floor_spec_us"] = 1e6 * nbytes / bw, 1e6 * nbytes / SPEC_BYTES_PER_S
                 res["ratio"] = res["layer_pipelined_us"] / res["floor_us"]
                 res["ratio_spec"] = res["layer_pipelined_us"] / res["floor_spec_us"]
-                name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}"
+                name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}/dense-{args.dense}" + (
+                    "-fused" if args.fuse_router else "") + ("/topk-rank" if args.topk == "rank" else "")
                 rows += [(name, ranks, t, m, v) for m, v in res.items()]
                 kind = "_device" if "layer_device_us" in res else ""
                 split = " + ".join(f"{part} {res[f'{part}{kind}_us']:.1f}" for part in ("comm", "experts", "rest"))

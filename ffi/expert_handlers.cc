@@ -551,25 +551,31 @@ struct GroupedMatmulNarrow {
         .template Arg<ffi::AnyBuffer>()      // w: [out, in]: float8_e4m3fn [G, N, K] (FP8), uint8 [G, N, K / 2] (MXFP4)
         .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, N / 128, K / 128] (FP8), uint8 [G, N, K / 32] (MXFP4)
         .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 32, used tiles)
-        .template Ret<ffi::AnyBuffer>();     // out: f32 [P, N]; rows outside every tile untouched
+        .template Ret<ffi::AnyBuffer>()      // out: f32 [S, P, N] split partials; rows outside every tile untouched
+        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
-                            ffi::AnyBuffer w_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out) {
+                            ffi::AnyBuffer w_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t k_per_split) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
-    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions();
-    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2) {
+    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), od = out->dimensions();
+    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || od.size() != 3) {
       return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": expected x [P, K], w [G, N, " +
-                                         (kMxfp4 ? "K / 2" : "K") + "], tiles [T, 4]");
+                                         (kMxfp4 ? "K / 2" : "K") + "], tiles [T, 4], out [S, P, N]");
     }
-    const int64_t P = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0];
+    const int64_t P = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0], S = od[0];
     const int64_t column_tiles = N / 128;
     if (P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || P * K > (int64_t{1} << 40) ||
-        G * N * K > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1) {
+        G * N * K > (int64_t{1} << 40) || S * P * N > (int64_t{1} << 40) || k_per_split < 128 ||
+        k_per_split % 128 || S * k_per_split < K || (S - 1) * k_per_split >= K ||
+        S * T * column_tiles > (int64_t{1} << 31) - 1) {
       return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": K=" + std::to_string(K) +
                                          " and N=" + std::to_string(N) + " must be positive multiples of 128, P=" +
                                          std::to_string(P) + ", G=" + std::to_string(G) + " and T=" +
-                                         std::to_string(T) + " >= 1");
+                                         std::to_string(T) + " >= 1, and S=" + std::to_string(S) +
+                                         " splits of k_per_split=" + std::to_string(k_per_split) +
+                                         " (a multiple of 128) must cover K with none empty");
     }
     const ffi::Error w_ok = kMxfp4 ? expect(kWhat, "w", w, ffi::DataType::U8, {G, N, K / 2})
                                    : expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K});
@@ -579,11 +585,12 @@ struct GroupedMatmulNarrow {
                                     expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {P, K / 32}), w_ok,
                                     w_scale_ok,
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
-                                    expect(kWhat, "out", *out, ffi::DataType::F32, {P, N})});
+                                    expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, N})});
         e.failure()) {
       return e;
     }
-    l.grid = static_cast<unsigned>(T * column_tiles);
+    // persistent: the kernel strides over the used tiles' units (a worst-case list costs no CTA per empty tile)
+    l.grid = static_cast<unsigned>(std::min(S * T * column_tiles, l.kernel->max_grid));
     l.params = make_params(Params{
         .x = address(x.untyped_data()),
         .x_scale = address(x_scale.untyped_data()),
@@ -594,6 +601,8 @@ struct GroupedMatmulNarrow {
         .num_k = static_cast<int32_t>(K),
         .num_n = static_cast<int32_t>(N),
         .num_tiles = static_cast<int32_t>(T),
+        .num_rows = static_cast<int32_t>(P),
+        .k_per_split = static_cast<int32_t>(k_per_split),
     });
     return ffi::Error::Success();
   }

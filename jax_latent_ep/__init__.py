@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 
 #: Submodules kept at the package's top level for users (`from jax_latent_ep import moe`).
-_MODULES = {"moe": "jax_latent_ep.example.moe"}
+_MODULES = {"moe": "jax_latent_ep.example.moe", "dense": "jax_latent_ep.dense"}
 
 
 def __getattr__(name):

@@ -349,10 +349,11 @@ class MoELayer:
         xl = _dot(xt, params["latent_down"]).astype(jnp.bfloat16) if self.has_latent else xt
         recv, latent = ep.dispatch(xl, ids, weights, dequantize=True)
         rank = lax.axis_index(self.ep_axis).astype(jnp.int32)
-        pl = experts.plan(recv, rank, self.local_experts, max_tokens=bucket, ranks=n,
-                          capacity_factor=self.capacity_factor, overflow=self.overflow)
-        out_dtype = jnp.float32 if self.tp_axis else jnp.bfloat16
         w = (params["w_gate"], params["w_up"], params["w_down"])
+        pl = experts.plan(recv, rank, self.local_experts, max_tokens=bucket, ranks=n,
+                          capacity_factor=self.capacity_factor, overflow=self.overflow,
+                          impl=experts.default_plan_impl(recv, self.impl, w[2], self.capacity_factor))
+        out_dtype = jnp.float32 if self.tp_axis else jnp.bfloat16
         if self.impl in experts.READS_RECEIVED:  # the kernel reads the MXFP8 rows themselves (no VJP)
             out = experts.swiglu(recv, pl, *w, impl=self.impl, expected_pairs=bucket * k, out_dtype=out_dtype)
         else:  # the differentiable path: the dequantized rows (the FP8 tensor cores take the MXFP8 rows themselves)

@@ -166,6 +166,23 @@ def test_plan_kernel_refusals():
             experts.plan(recv, 0, 16, impl="kernel")
 
 
+def test_default_plan_impl_is_the_kernel_only_without_a_vjp():
+    """The plan kernel where the stage has no VJP through the plan's weights and it takes the rows; else XLA's."""
+    recv, _ = _case("plan-default", *CASES[0])
+    k, n, j = 4096, 256, 4
+    bf16 = jnp.zeros((j, k, n), jnp.bfloat16)
+    fp8 = experts.BlockScaledOutIn(jnp.zeros((j, n, k), jnp.float8_e4m3fn), jnp.ones((j, n // 128, k // 128)))
+    mx = experts.MXFP4(jnp.zeros((j, n, k // 2), jnp.uint8), jnp.full((j, n, k // 32), 127, jnp.uint8))
+    pick = experts.default_plan_impl
+    assert pick(recv, "kernel", bf16) == "kernel"
+    assert pick(recv, "wgmma", fp8) == "kernel" and pick(recv, "wgmma", mx) == "kernel"
+    assert pick(recv, "wgmma", bf16) == "xla" and pick(recv, "mosaic", bf16) == "xla"  # the VJP needs XLA's weights
+    assert pick(recv, "gmm", fp8) == "xla" and pick(recv, "ragged_dot", bf16) == "xla"  # any device
+    assert pick(recv, "kernel", bf16, capacity_factor=2.0) == "xla"  # the kernel plans the worst case only
+    many = jnp.zeros((4096, 8, 8), jnp.bfloat16)  # J past the plan kernel's
+    assert pick(recv, "kernel", many) == "xla"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}" for c in CASES])
 def test_swiglu_against_numpy(impl, case):

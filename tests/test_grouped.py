@@ -126,14 +126,21 @@ def _fp8_case(rng, g=6, m=200, k=256, n=256):
     return (q, sf, w, ws, jnp.asarray(sizes)), want
 
 
+#: `(K, expected_groups)` of the FP8 / MXFP4 kernel tests: one contraction pass, and K = 1024 split in two
+#: (`narrow_splits`: one expected group wants many units).
+NARROW_SPLITS = [(256, None), (1024, 1)]
+
+
+@pytest.mark.parametrize("k,expected", NARROW_SPLITS, ids=["unsplit", "split"])
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
                                   for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
-def test_gmm_fp8_against_numpy(impl):
+def test_gmm_fp8_against_numpy(impl, k, expected):
     """`gmm_fp8` against the float64 model: within 2^-20 of the row's largest |value| on "xla" (FP32 sums of exact
     block products), 2^-12 on "wgmma" (the FP8 tensor cores' internal sum of a block's 32 products is coarser than
     FP32); "xla"'s rows past the groups exactly 0."""
-    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}"))
-    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_fp8(*a, impl=impl))(*args), np.float64)
+    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}/{k}"), k=k)
+    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_fp8(*a, impl=impl, expected_groups=expected))(*args),
+                     np.float64)
     used = int(np.sum(args[-1]))
     tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True)
     bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
@@ -311,16 +318,17 @@ def test_wgmma_tiles_follow_the_groups():
         assert np.all(got[len(want):, 2] == 0) and np.all(got[:, 3] == len(want))
 
 
+@pytest.mark.parametrize("k,expected", NARROW_SPLITS, ids=["unsplit", "split"])
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
                                   for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
-def test_gmm_mxfp4_against_numpy(impl):
+def test_gmm_mxfp4_against_numpy(impl, k, expected):
     """`gmm_mxfp4` against the float64 model on ml_dtypes' decoding of the codes (every code, both zeros, scales
     over several octaves, zero scale codes): within 2^-20 of the row's largest |value| on "xla", 2^-12 on "wgmma"
     (as `test_gmm_fp8_against_numpy`)."""
     import ml_dtypes as mld
 
-    rng = _rng(f"gmm-mxfp4/{impl}")
-    (q, sf, _, _, gs), _ = _fp8_case(rng)
+    rng = _rng(f"gmm-mxfp4/{impl}/{k}")
+    (q, sf, _, _, gs), _ = _fp8_case(rng, k=k)
     g, n, k = gs.shape[0], 256, q.shape[1]
     codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
     scale = rng.integers(120, 130, (g, n, k // 32)).astype(np.uint8)
@@ -336,9 +344,41 @@ def test_gmm_mxfp4_against_numpy(impl):
     for e in range(g):
         s = slice(ends[e] - sizes[e], ends[e])
         want[s] = xf[s] @ wf[e].T
-    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_mxfp4(*a, impl=impl))(
+    got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_mxfp4(*a, impl=impl, expected_groups=expected))(
         q, sf, jnp.asarray(codes), jnp.asarray(scale), gs), np.float64)
     used = int(sizes.sum())
     tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True) + 1e-30
     bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
     assert bad.size == 0, f"{impl}: {len(bad)} off, first {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+
+
+def test_narrow_splits():
+    """The FP8 / MXFP4 kernel's contraction splits: about `NARROW_MIN_UNITS` units for the expected groups, at least
+    4 stages a split, every split non-empty and the splits covering K."""
+    from jax_latent_ep.experts.grouped import NARROW_MIN_UNITS, narrow_splits
+
+    assert narrow_splits(16, 512, 3584) == (5, 768)  # K3 T = 1, J = 448, I = 512: gate, 4 column tiles
+    assert narrow_splits(16, 3584, 512) == (1, 512)  # its down: 28 column tiles
+    assert narrow_splits(1, 128, 256) == (1, 256)  # too short to split
+    for groups, n, k in [(1, 128, 7168), (3, 1024, 3584), (40, 2048, 7168), (448, 7168, 2048)]:
+        s, per = narrow_splits(groups, n, k)
+        assert per % 128 == 0 and per >= min(k, 512) and (s - 1) * per < k <= s * per
+        assert s == 1 or groups * (n // 128) * (s - 1) < NARROW_MIN_UNITS
+
+
+def test_mxfp4_widening_bytes_are_the_codes_times_2_to_the_minus_6():
+    """The MXFP4 kernel's widening (`e2m1x8_to_e4m3x8_scaled`, bit-modelled on the host): every code of a random word,
+    in its byte, is `2^-6 * E2M1_VALUES[code]` in e4m3, sign (and -0) kept."""
+    import ml_dtypes
+
+    pytest.importorskip("cutlass", reason="the kernels' primitives import the CuTe DSL")
+    from jax_latent_ep.experts.formats import E2M1_VALUES
+    from jax_latent_ep.kernels.primitives import e2m1x8_to_e4m3x8_scaled_model
+
+    rng = np.random.default_rng(7)
+    for word in [0x76543210, 0xFEDCBA98] + rng.integers(0, 2**32, 64, dtype=np.uint64).tolist():
+        lo, hi = e2m1x8_to_e4m3x8_scaled_model(int(word))
+        got = np.array([lo, hi], np.uint32).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        want = np.array([E2M1_VALUES[(int(word) >> (4 * i)) & 0xF] for i in range(8)]) * 2.0**-6
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

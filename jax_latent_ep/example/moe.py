@@ -99,8 +99,28 @@ def route(h, router, topk: int):
       `(ids, weights)`: ids int32 `[T, K]`, the global expert ids of the `K` largest FP32 logits `h @ router`
       (largest first); weights f32 `[T, K]`, the softmax over those `K` logits (each row sums to 1).
     """
-    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
-    top, ids = lax.top_k(logits, topk)
+    return top_k_softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), topk)
+
+
+def top_k_softmax(logits, topk: int, method: str = "top_k"):
+    """`route`'s `(ids, weights)` from FP32 logits `[T, E]` of one's own (`dense.matmul(..., out_dtype=f32)`).
+
+    `method` "top_k" is `lax.top_k`; "rank" the same ids without a sort: each logit's rank is the number of logits
+    that beat it (larger, or equal at a lower index, `lax.top_k`'s order), and slot `r` takes the one of rank `r`
+    (two fused comparisons over `[T, E, E]` and `[T, K, E]`, for a decode step's few tokens; no NaN logits)."""
+    if method == "top_k":
+        top, ids = lax.top_k(logits, topk)
+    elif method == "rank":
+        e = logits.shape[-1]
+        idx = jnp.arange(e, dtype=jnp.int32)
+        mine, other = logits[:, :, None], logits[:, None, :]
+        beats = (other > mine) | ((other == mine) & (idx[None, None, :] < idx[None, :, None]))
+        rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [T, E]
+        slot = rank[:, None, :] == jnp.arange(topk, dtype=jnp.int32)[None, :, None]  # [T, K, E]
+        ids = jnp.sum(jnp.where(slot, idx, 0), axis=-1)
+        top = jnp.sum(jnp.where(slot, logits[:, None, :], 0.0), axis=-1)
+    else:
+        raise ValueError(f"top_k_softmax: method must be 'top_k' or 'rank', got {method!r}")
     return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(jnp.float32)
 
 

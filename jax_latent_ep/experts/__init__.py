@@ -35,8 +35,8 @@ from jax_latent_ep.experts.formats import (FP8_BLOCK, FP8_MAX, MX_BLOCK, MXFP4, 
 from jax_latent_ep.experts.planning import (NO_EXPERT, OVERFLOW_POLICIES, PLAN_IMPLEMENTATIONS, CapacityError, Plan,
                                            capacity, plan)
 from jax_latent_ep.experts.grouped import GMM_IMPLEMENTATIONS, gmm
-from jax_latent_ep.experts.stage import (GPU_ONLY, IMPL_FORMATS, IMPLEMENTATIONS, READS_RECEIVED, expert_stage, swiglu,
-                                     takes)
+from jax_latent_ep.experts.stage import (GPU_ONLY, IMPL_FORMATS, IMPLEMENTATIONS, READS_RECEIVED, default_plan_impl,
+                                     expert_stage, swiglu, takes)
 from jax_latent_ep.experts.stage import swiglu_rows  # noqa: F401  (the level under `swiglu`; not in `__all__`)
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "Int8PerChannel",
     "Plan",
     "capacity",
+    "default_plan_impl",
     "dequantize_fp8",
     "dequantize_mxfp4",
     "expert_stage",

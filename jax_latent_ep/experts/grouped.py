@@ -224,11 +224,12 @@ def check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl: str):
         _require_hopper("gmm_fp8(impl='wgmma')", "impl='xla'")
 
 
-def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
+def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expected_groups: int | None = None):
     """FP8 grouped matmul: FP32 `[M, N]`, `y[p] = sum over the 32-deep blocks b of (x[p, b] . w[g(p), :, b]) *
     2^(x_scale[p, b] - 127) * w_scale[g(p), :, b / 4]` (`x_scale` 0: the block adds 0), the blocks in ascending
     order, each added once; 0 in rows past `sum(group_sizes)` ("xla"; "wgmma" leaves them unspecified). The
-    numerics of `docs/experts.md`'s FP8 weights: each block's products exact, summed in FP32.
+    numerics of `docs/experts.md`'s FP8 weights: each block's products exact, summed in FP32 ("wgmma" may split
+    the contraction, `narrow_splits`: each split's blocks in order, the splits' partials summed in split order).
 
     Args:
       x: float8_e4m3fn `[M, K]`, MXFP8 elements of rows sorted by group (`numerics.mxfp8_quantize`).
@@ -238,23 +239,46 @@ def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
       w_scale: float32 `[G, N / 128, K / 128]`, a scale per 128 x 128 block.
       group_sizes: int32 `[G]`, rows of each group, `sum <= M`.
       impl: one of `GMM_FP8_IMPLEMENTATIONS`.
+      expected_groups: the non-empty groups the caller expects ("wgmma" splits the contraction for them,
+        `narrow_splits`); None: `min(G, M)`.
     """
     check_gmm_fp8(x, x_scale, w, w_scale, group_sizes, impl)
     if impl == "wgmma":
-        return _wgmma_narrow("fp8", x, x_scale, w, w_scale, group_sizes)
+        return _wgmma_narrow("fp8", x, x_scale, w, w_scale, group_sizes, expected_groups)
     return _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes)
 
 
-def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes):
+#: Units (split, tile, 128 columns) the FP8 / MXFP4 kernels aim for at least: two resident CTAs on each of an H200's
+#: 132 SMs, one round.
+NARROW_MIN_UNITS = 264
+
+
+def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
+    """(splits, k_per_split) of the FP8 / MXFP4 kernel over `groups` non-empty groups of a `[N, K]` weight: the
+    contraction split until about `NARROW_MIN_UNITS` units have work, each split at least 4 stages of 128."""
+    steps = k // 128
+    splits = max(1, min(-(-NARROW_MIN_UNITS // max(1, groups * (n // 128))), steps // 4))
+    per = -(-steps // splits)
+    return -(-steps // per), per * 128
+
+
+def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
-    `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified)."""
+    `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
+    split order."""
     from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
     tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
+    groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
+    splits, per = narrow_splits(groups, w.shape[1], x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
-    return _vary(call(x, x_scale, w, w_scale, tiles), _axes(x, w))  # a custom call's result: its operands' type
+    parts = call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per)
+    total = parts[0]
+    for part in parts[1:]:  # in split order
+        total = total + part
+    return _vary(total, _axes(x, w))  # a custom call's result: its operands' type
 
 
 def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
@@ -296,15 +320,15 @@ def check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl: str):
                          f"{jnp.dtype(w_scale.dtype).name}{list(w_scale.shape)}")
 
 
-def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla"):
+def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expected_groups: int | None = None):
     """`gmm_fp8` on MXFP4 weights (`experts.MXFP4`'s `values`, `scale`: `[out, in]` e2m1 codes two a byte, the even
     input in the low nibble, an E8M0 scale per 32 inputs): FP32 `[M, N]`, `y[p] = sum over the 32-deep blocks b of
     (x[p, b] . e2m1(w[g(p), :, b])) * 2^(x_scale[p, b] - 127) * 2^(w_scale[g(p), :, b] - 127)`, the blocks ascending,
     each added once (either scale code 0: the block adds 0). "wgmma" widens the codes to e4m3 (exact) and multiplies
-    on the FP8 tensor cores (`kernels/grouped_matmul_fp8.py`)."""
+    on the FP8 tensor cores (`kernels/grouped_matmul_fp8.py`), its contraction split as `gmm_fp8`'s."""
     check_gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, impl)
     if impl == "wgmma":
-        return _wgmma_narrow("mxfp4", x, x_scale, w, w_scale, group_sizes)
+        return _wgmma_narrow("mxfp4", x, x_scale, w, w_scale, group_sizes, expected_groups)
     table = jnp.asarray(E2M1_VALUES, jnp.float32)
     values = jnp.stack([table[w & 15], table[w >> 4]], axis=-1).reshape(*w.shape[:2], -1)  # [G, N, K]
     # The E8M0 scale folded in per 32-block: exact (a power of two times a value of 2 significant bits).
@@ -323,7 +347,7 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
     gs = pl.group_sizes
     def fp8(q, s, w):
         mm = gmm_fp8 if isinstance(w, BlockScaledOutIn) else gmm_mxfp4
-        return mm(q, s, w.values, w.scale, gs, impl=impl)
+        return mm(q, s, w.values, w.scale, gs, impl=impl, expected_groups=min(gs.shape[0], pl.capacity))
 
     xq, xs = x[pl.row], sf[pl.row]
     gate = fp8(xq, xs, w_gate)

@@ -121,13 +121,22 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]`; `plan_impl` defaults to "kernel" with `impl="kernel"` where `plan_kernel_fits`, else "xla"
-    (the same plan); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
+    w_down.shape[0]`; `plan_impl` defaults to `default_plan_impl`'s (the same plan either way); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
     them here under uniform routing)."""
     if plan_impl is None:
-        fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
-        plan_impl = "kernel" if impl == "kernel" and fits else "xla"
+        plan_impl = default_plan_impl(recv, impl, w_down)
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
     mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)
+
+
+def default_plan_impl(recv: Received, impl: str, w_down, capacity_factor=None) -> str:
+    """"kernel" (one launch) where the plan kernel takes the rows (`plan_kernel_fits`, the worst case's capacity)
+    and the stage has no VJP to carry through the plan's routing weights: `impl="kernel"`, or FP8 `[out, in]` /
+    MXFP4 weights on the GPU implementations; else "xla" (the same plan, bit for bit; XLA's sort and scatters are
+    15-20 kernels at decode sizes)."""
+    no_vjp = impl in READS_RECEIVED or (impl in GPU_ONLY and isinstance(w_down, (BlockScaledOutIn, MXFP4)))
+    fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
+    return "kernel" if no_vjp and fits and capacity_factor is None else "xla"
+

@@ -302,10 +302,13 @@ def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
         _address("w_scale", w_scale),
         _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) "
                  "per tile, the used first; pairs 0: none"),
-        _address("out", "f32 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+        _address("out", "f32 [S, P, num_n]: split s's partial (contraction `s k_per_split ..`) in `out[s]`; rows of "
+                 "the tiles' pairs written, the others untouched (output)"),
         Param("num_k", "i32", False, "contraction length, a multiple of 128"),
         Param("num_n", "i32", False, "columns, a multiple of 128"),
         Param("num_tiles", "i32", False, "tiles of the list"),
+        Param("num_rows", "i32", False, "P, pairs (rows of each split of `out`)"),
+        Param("k_per_split", "i32", False, "contraction length of each of the S splits, a multiple of 128"),
     ), archs=("sm_90a",))
 
 

@@ -73,6 +73,15 @@ class DeviceLayout:
 
 
 @cute.jit
+def balanced_stride(num_units: Int32, grid) -> Int32:
+    """The CTAs of a persistent grid that compute `num_units` units `u = cta, cta + stride, ..`: the fewest that
+    take as many rounds as the whole `grid` would, so every computing CTA is busy to the last round (a last round
+    of a few CTAs streams at their few loads' rate); the others exit. `num_units >= 1`."""
+    rounds = (num_units + Int32(grid) - 1) // Int32(grid)
+    return (num_units + rounds - 1) // rounds
+
+
+@cute.jit
 def load_peer_table(peers: Int64, rank: Int32, lane: Int32, ranks: cutlass.Constexpr[int]) -> Int64:
     """Warp-wide: lane d < N gets the base of rank d's buffer as this rank reaches it: `peers[d]`, or for
     d == rank the local mapping `peers[N]` (one load per lane, all in flight together); other lanes get 0.

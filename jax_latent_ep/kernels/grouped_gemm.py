@@ -44,7 +44,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.common import balanced_stride, compile_cubin
 from jax_latent_ep.kernels.primitives import (
     cp_async_4,
     cp_async_16,
@@ -231,7 +231,7 @@ class GroupedGemm:
         num_items = self.non_empty_items(work, num_work)
         num_splits = (num_k + k_per_split - 1) // k_per_split
         num_units = num_splits * num_items * column_tiles
-        stride = self.cta_stride(num_units, grid)
+        stride = balanced_stride(num_units, grid)
         if cta < stride:
             for unit_idx in range(cta, num_units, stride):
                 tile = unit_idx % column_tiles
@@ -249,13 +249,6 @@ class GroupedGemm:
         if num_items > num_work:
             num_items = num_work
         return num_items
-
-    @cute.jit
-    def cta_stride(self, num_units: Int32, grid):
-        """The CTAs `G` that compute: the fewest that take as many rounds as the whole grid would, so every CTA is
-        busy to the last round (a last round of a few CTAs streams at their few loads' rate); the others exit."""
-        rounds = (num_units + Int32(grid) - 1) // Int32(grid)
-        return (num_units + rounds - 1) // rounds
 
     @cute.jit
     def unit(self, a: Int64, a_rows: Int64, a_scale: Int64, w: Int64, w_second: Int64, w_scale: Int64,

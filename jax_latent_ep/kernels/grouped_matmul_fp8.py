@@ -7,13 +7,17 @@ Parameters: `kernels.abi.GROUPED_MATMUL_FP8`.
 
 The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
 `wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
-(`m64n32k32`). CTA `c` computes tile `c / (num_n / 128)` (`(group, first pair, pairs)`, the caller's list, as
-`GroupedMatmul`'s) times the 128 output columns `c % (num_n / 128)`: it streams those columns' weights once for all
-the tile's pairs. A CTA of an empty tile returns at once; pairs past the tile's are zero-filled and never stored.
+(`m64n32k32`). A unit is (split, tile, 128 output columns), `u = (split * used + tile) * (num_n / 128) + columns`
+over the used tiles (`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as
+`GroupedMatmul`'s): its CTA streams those columns' weights over the split's contraction `split * k_per_split ..`
+once for all the tile's pairs, into `out[split]`. The grid is persistent (at most the resident CTAs): CTA `c`
+computes units `c, c + stride, ..` (`common.balanced_stride`), so a list sized for the worst case costs no CTA per
+empty tile, and splits give decode's few tiles enough units. Pairs past a tile's are zero-filled and never stored.
 
 Numerics (`docs/experts.md`, FP8 weights): each 32-deep block of the contraction is one MMA (the exact products'
 sum in the tensor core), added to the FP32 accumulator times `2^(s - 127) * scale` (the pair's E8M0 scale of that
-block, 0 for `s = 0`, and the weight block's FP32 scale, multiplied once) in one FMA, the blocks in ascending k.
+block, 0 for `s = 0`, and the weight block's FP32 scale, multiplied once) in one FMA, a split's blocks in
+ascending k (the caller sums the splits' partials in split order).
 
 A stage is 128 contraction elements, one 128-byte line a row: the weights' 128 lines, the pairs' `TILE_PAIRS`
 lines (both K-major in the 128-byte swizzle, as `grouped_matmul`'s), the pairs' 4 scale bytes each and the weight
@@ -24,16 +28,16 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import compile_cubin
+from jax_latent_ep.kernels.common import balanced_stride, compile_cubin
 from jax_latent_ep.kernels.primitives import (
     cp_async_4,
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
-    e2m1x4_to_e4m3x4,
+    e2m1x8_to_e4m3x8_scaled,
     f32_from_bits,
     fence_proxy_async_shared,
     fma_rn,
@@ -63,9 +67,10 @@ TILE_PAIRS = abi.MATMUL_FP8_TILE_PAIRS
 TILE_K = 128
 BLOCK_K = 32
 THREADS = 256
-#: Stages of the ring (one CTA an SM: `STAGES - 1` stages of weights, 16 KB each, in flight).
-STAGES = 8
-CTAS_PER_SM = 1
+#: Stages of the ring, two CTAs an SM (one's promotion runs beside the other's MMAs): `2 (STAGES - 1)` stages of
+#: weights, 16 KB each, in flight an SM.
+STAGES = 5
+CTAS_PER_SM = 2
 LINE_BYTES = 128
 A_BYTES = TILE_N * LINE_BYTES
 B_BYTES = TILE_PAIRS * LINE_BYTES
@@ -115,9 +120,12 @@ class GroupedMatmulFp8:
         num_k: Int32,
         num_n: Int32,
         num_tiles: Int32,
+        num_rows: Int32,
+        k_per_split: Int32,
     ):
-        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles).launch(
-            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1)
+        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles, num_rows, k_per_split).launch(
+            grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1,
+            min_blocks_per_mp=CTAS_PER_SM if CTAS_PER_SM > 1 else 0)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -134,24 +142,39 @@ class GroupedMatmulFp8:
         num_k: Int32,
         num_n: Int32,
         num_tiles: Int32,
+        num_rows: Int32,
+        k_per_split: Int32,
     ):
-        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
+        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_rows, k_per_split)
 
     @cute.jit
-    def run_tile(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
-                 num_n: Int32):
-        """CTA `c`'s tile of the list and output columns (module docstring): `run` unless the tile is empty."""
+    def run_tiles(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
+                  num_n: Int32, num_rows: Int32, k_per_split: Int32):
+        """The CTA's units (module docstring): `run` for each, the ring allocated once."""
         cta, _, _ = cute.arch.block_idx()
-        cta = Int32(cta)
+        grid, _, _ = cute.arch.grid_dim()
+        ring = self.ring(self.smem)
         column_tiles = num_n // TILE_N
-        n0 = (cta % column_tiles) * TILE_N
+        splits = (num_k + k_per_split - 1) // k_per_split
         griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
-        entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
-        group = Int32(load_b32(entry))
-        first = Int32(load_b32(entry + 4))
-        rows = Int32(load_b32(entry + 8))
-        if rows > 0:
-            self.run(x, x_scale, w, w_scale, out, num_k, num_n, n0, group, first, rows)
+        num_tiles = Int32(load_b32(tiles + 12))  # the non-empty tiles (word 3) come first
+        num_units = splits * num_tiles * column_tiles
+        stride = balanced_stride(cutlass.max(num_units, Int32(1)), grid)  # no pairs: no unit, but no 0 / 0 either
+        if Int32(cta) < stride:
+            for unit in range(Int32(cta), num_units, stride):
+                rest = unit // column_tiles
+                entry = tiles + Int64(rest % num_tiles) * (4 * TILE_WORDS)
+                rows = Int32(load_b32(entry + 8))
+                split = rest // num_tiles
+                k0 = split * k_per_split
+                k_end = k0 + k_per_split
+                if k_end > num_k:
+                    k_end = num_k
+                if rows > 0:
+                    self.run(ring, x, x_scale, w, w_scale, out + Int64(split) * Int64(num_rows) * Int64(num_n) * 4,
+                             num_k, num_n, (unit % column_tiles) * TILE_N, Int32(load_b32(entry)),
+                             Int32(load_b32(entry + 4)), rows, k0, (k_end - k0) // TILE_K)
+                cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
     def store(self, acc, out: Int64, first: Int32, rows: Int32, num_n: Int32, n0: Int32):
@@ -170,15 +193,14 @@ class GroupedMatmulFp8:
                         store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
 
     @cute.jit
-    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
-            n0: Int32, group: Int32, first: Int32, rows: Int32):
-        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        ring = self.ring(SMEM_BYTES)
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
+            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32, k0: Int32, steps: Int32):
+        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, contraction `k0 ..` for `steps`
+        stages, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
         lane = tid % 32
-        steps = num_k // TILE_K
 
         # This thread's copies of a stage: weight lines `tid / 8 + 32 i`, chunk `tid % 8` (16-byte chunk c of line
         # l at c ^ (l % 8)), its pair's (`pair_copies`), and thread TILE_PAIRS the weight block's scale.
@@ -186,10 +208,11 @@ class GroupedMatmulFp8:
         a_src, a_dst = [], []
         for i in cutlass.range_constexpr(A_CHUNKS):
             line = tid // 8 + (THREADS // 8) * i
-            a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 16))
+            a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(k0 + chunk * 16))
             a_dst.append(Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, A_BYTES)
-        ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(steps)) * 4
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, k0, A_BYTES)
+        ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(num_k // TILE_K)
+                            + Int64(k0 // TILE_K)) * 4
 
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
         acc.fill(0.0)
@@ -224,23 +247,23 @@ class GroupedMatmulFp8:
         self.store(acc, out, first, rows, num_n, n0)
 
     @cute.jit
-    def ring(self, smem_bytes: int):
+    def ring(self, smem_bytes: cutlass.Constexpr[int]):
         """The shared address of the CTA's `smem_bytes`, rounded up to the 1024-byte swizzle atom."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(smem_bytes), 1024)
         return (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
 
     @cute.jit
-    def pair_copies(self, x: Int64, x_scale: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32,
+    def pair_copies(self, x: Int64, x_scale: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32, k0: Int32,
                     b_offset: int):
         """This thread's share of the pairs' part of every stage: chunk `tid % 8` of pair line `tid / 8` (swizzled,
         at `b_offset` in the stage) and, for the first TILE_PAIRS threads, pair `tid`'s scale word; returns
-        `(line live, its source, its place, scale live, its source)`, sources of stage 0."""
+        `(line live, its source, its place, scale live, its source)`, sources of the stage at contraction `k0`."""
         chunk = tid % 8
         pair = tid // 8
-        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(chunk * 16)
+        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(k0 + chunk * 16)
         b_dst = Uint32(b_offset + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
-        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K)
+        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K) + Int64(k0 // BLOCK_K)
         return pair < rows, b_src, b_dst, tid < rows, s_src
 
     @cute.jit
@@ -322,7 +345,9 @@ MX_CHUNKS = MX_PACKED_BYTES // 16 // THREADS
 class GroupedMatmulMxfp4(GroupedMatmulFp8):
     """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
-    e4m3 (`e2m1x4_to_e4m3x4`) into a tile of its own while the previous stage's MMAs run."""
+    e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 1.4 instructions a code) into a tile of its own while the previous
+    stage's MMAs run; the promotion carries the 2^6 back (a power of two: exact), the tensor core's block sum
+    nearly scale-free (docs/experts.md)."""
 
     smem = MX_SMEM_BYTES
 
@@ -338,19 +363,20 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         num_k: Int32,
         num_n: Int32,
         num_tiles: Int32,
+        num_rows: Int32,
+        k_per_split: Int32,
     ):
-        self.run_tile(x, x_scale, w, w_scale, tiles, out, num_k, num_n)
+        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_rows, k_per_split)
 
     @cute.jit
-    def run(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32, num_n: Int32,
-               n0: Int32, group: Int32, first: Int32, rows: Int32):
-        """The CTA's tile: `rows` pairs from `first` of `group`, output columns `n0 ..`."""
-        ring = self.ring(MX_SMEM_BYTES)
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
+            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32, k0: Int32, steps: Int32):
+        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, contraction `k0 ..` for `steps`
+        stages, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
         lane = tid % 32
-        steps = num_k // TILE_K
 
         # This thread's copies of a stage: packed chunks `tid + 256 i` (row / 4, 32 inputs % 4), its pair's
         # (`pair_copies`), and the last 128 threads a weight row's scale word.
@@ -358,10 +384,11 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         for i in cutlass.range_constexpr(MX_CHUNKS):
             idx = tid + THREADS * i
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
-                         + Int64((idx % 4) * 16))
+                         + Int64(k0 // 2 + (idx % 4) * 16))
             a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, MX_B_OFFSET)
-        ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, k0, MX_B_OFFSET)
+        ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K) + Int64(
+            k0 // BLOCK_K)
 
         acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
         acc.fill(0.0)
@@ -414,8 +441,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             words = load_shared_v4(slot + Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
             wide = []
             for word in words:
-                wide.append(e2m1x4_to_e4m3x4(word & Uint32(0xFFFF)))
-                wide.append(e2m1x4_to_e4m3x4(word >> Uint32(16)))
+                wide.extend(e2m1x8_to_e4m3x8_scaled(word))
             line = tile + Uint32(row * LINE_BYTES)
             store_shared_v4(line + Uint32(((2 * c) ^ (row % 8)) * 16), wide[:4])
             store_shared_v4(line + Uint32(((2 * c + 1) ^ (row % 8)) * 16), wide[4:])
@@ -423,7 +449,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     @cute.jit
     def promote_mx(self, acc, parts, slot: Uint32, tid: Int32, lane: Int32):
         """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times `2^(s_w - 127) * 2^(s_x - 127)`
-        of its weight row and pair (one FP32 product; 0 where either code is 0): one FMA a value."""
+        of its weight row and pair times 2^6 (the widening's 2^-6 undone; 0 where either code is 0): one FMA a
+        value."""
         row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
         row_words = []
         for i in cutlass.range_constexpr(2):
@@ -443,7 +470,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
                     x_pow = f32_from_bits(((words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23))
                     for i in cutlass.range_constexpr(2):
                         k = 4 * j + 2 * i + e
-                        acc[k] = fma_rn(part[k], mul_rn(w_pow[i], x_pow), acc[k])
+                        # 2^6 undoes the widening's 2^-6: exact wherever the unscaled product is finite
+                        acc[k] = fma_rn(part[k], mul_rn(mul_rn(w_pow[i], x_pow), Float32(64.0)), acc[k])
 
     @cute.jit
     def load_mx(self, slot: Uint32, stage: Int32, tid: Int32, a_src, a_dst, b_live, b_src: Int64, b_dst: Uint32,

@@ -506,20 +506,22 @@ def grouped_matmul_call(x, w, tiles, *, w_k_major: bool):
     return call(x, w, tiles, w_k_major=np.int64(bool(w_k_major)))
 
 
-def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles):
+def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int):
     """The FP8 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_FP8, whose table says what each operand
-    holds): FP32 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul_fp8"][0], out, has_side_effect=False)(x, x_scale, w,
-                                                                                                 w_scale, tiles)
+    holds): FP32 `[splits, P, N]` partials over the contraction's `splits` slices of `k_per_split`, the rows of the
+    tiles' pairs written (the others hold whatever the buffer held)."""
+    return _narrow_call("grouped_matmul_fp8", x, x_scale, w, w_scale, tiles, splits, k_per_split)
 
 
-def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles):
-    """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): FP32 `[P, N]`, as
-    `grouped_matmul_fp8_call`."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul_mxfp4"][0], out, has_side_effect=False)(x, x_scale, w,
-                                                                                                   w_scale, tiles)
+def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int):
+    """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): as `grouped_matmul_fp8_call`."""
+    return _narrow_call("grouped_matmul_mxfp4", x, x_scale, w, w_scale, tiles, splits, k_per_split)
+
+
+def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split):
+    out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(EXPERT_TARGETS[op][0], out, has_side_effect=False)(
+        x, x_scale, w, w_scale, tiles, k_per_split=np.int64(k_per_split))
 
 
 def grouped_matmul_wgrad_call(x, dy, groups):
