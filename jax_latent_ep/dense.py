@@ -16,8 +16,9 @@ import numpy as np
 from jax_latent_ep.kernels import abi
 
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
-#: Rows up to which "auto" takes the kernel on a GPU: past them the split partials' FP32 traffic and the weights
-#: re-read per 64-row tile cost more than XLA's GEMM loses (docs/performance.md).
+#: Rows up to which "auto" takes the kernel on a GPU: there the expert stage's kernel streams its weights at
+#: 1.0-1.3x their floor (docs/experts.md); past them its FP32 split partials grow and the weights are re-read per
+#: 64-row tile (the crossover against XLA's GEMM not yet timed: docs/performance.md, "What is left").
 KERNEL_MAX_ROWS = 32
 
 
@@ -52,7 +53,7 @@ def matmul(x, w, *, impl: str = "auto", out_dtype=jnp.bfloat16):
     Args:
       x: bf16 `[T, K]`, the tokens.
       w: bf16 `[K, N]`, the weight.
-      impl: "xla" (`jnp.dot`, any device), "kernel" (the grouped GEMM kernel, NVIDIA Hopper GPUs: `K` and `N`
+      impl: "xla" (`jnp.dot`, any device), "kernel" (the grouped GEMM kernel, NVIDIA GPUs, sm_90a / sm_100a: `K` and `N`
         multiples of 64; the contraction split into FP32 partials summed in split order, `experts.kernel`'s
         split rule), or "auto": the kernel where `kernel_fits`, else XLA.
       out_dtype: the result's dtype; `jnp.float32` keeps the FP32 sum unrounded (a router's logits).
@@ -76,6 +77,7 @@ def _xla_matmul(x, w):
 def _kernel_matmul(x, w):
     """FP32 `[T, N]`: the grouped GEMM kernel over one group of `T` rows, its split partials summed in order;
     its gradient XLA's (a training step at these sizes is not weight-bound)."""
+    from jax_latent_ep.experts.grouped import _axes, _vary
     from jax_latent_ep.experts.kernel import _kernel_splits, _split_sum
     from jax_latent_ep.experts.planning import _gpus
     from jax_latent_ep.runtime import ffi
@@ -91,7 +93,7 @@ def _kernel_matmul(x, w):
     rows = jnp.zeros((t,), jnp.int32)  # unread: the rows are the pairs themselves
     parts = ffi.grouped_gemm_call(x, rows, w[None], None, jnp.asarray(work), indexed=False, fuse_glu=False,
                                   splits=splits, k_per_split=per)
-    return _split_sum(parts)
+    return _vary(_split_sum(parts), _axes(x, w))  # a custom call's result: its operands' type (shard_map)
 
 
 def _kernel_fwd(x, w):
