@@ -176,7 +176,8 @@ def main(argv=None):
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
     p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--weights-gb", type=float, default=100.0)
+    p.add_argument("--weights-gb", type=float, default=None,
+                   help="expert weights' GiB a program may hold (default: 70 %% of the device's memory, 100 off GPUs)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hbm-bytes", type=int, default=2 << 30)
     args = p.parse_args(argv)
@@ -206,6 +207,9 @@ def main(argv=None):
         ).stdout.strip() or "unknown"
     except Exception:
         commit = "unknown"
+    if args.weights_gb is None:  # room for the programs' temporaries: 100 GB of weights did not fit an H100
+        limit = (dev.memory_stats() or {}).get("bytes_limit") if gpu else None
+        args.weights_gb = 0.7 * limit / 2**30 if limit else 100.0
     bw = hbm_gbps(args.hbm_bytes, args.repeats) * 1e9  # bytes a second, the run's best stream
     dense_bytes = 2.0 * (args.hidden * shape.experts + 2 * args.hidden * shape.latent)
     rows = [("k3_layer/hbm", 1, 0, "hbm_GBps", bw / 1e9)]
