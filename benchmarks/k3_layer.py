@@ -5,8 +5,8 @@
 
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
 down projection 7168 -> 3584 (bf16; the router and both projections `dense.matmul(impl=--dense)`, with
-`--fuse-router` the router and down as one weight; the top-16 `moe.top_k_softmax(method=--topk)`); `ep.dispatch`; the expert stage (`experts.expert_stage`, SwiGLU, intermediate
-`--intermediate`) on the format's weights: `bf16` (`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]`
+`--fuse-router` the router and down as one weight; the top-16 `moe.top_k_softmax(method=--topk)`); `ep.dispatch`;
+the expert stage (`experts.expert_stage`, SwiGLU, intermediate `--intermediate`) on the format's weights: `bf16` (`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]`
 blocks, `experts.BlockScaledOutIn`) and `mxfp4` (`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine`
 with RMSNorm; up projection 3584 -> 7168 and the residual.
 

@@ -78,6 +78,18 @@ def mxfp8_round_trip(x):
     return mxfp8_dequantize(*lax.optimization_barrier(mxfp8_quantize(x)))
 
 
+def _axes(*arrays):
+    """The mesh axes any of `arrays` varies over (`varying_axes`)."""
+    return set().union(*(varying_axes(a) or () for a in arrays))
+
+
+def _vary(a, axes):
+    """`a` marked as varying over each of `axes` (`_varying`): a custom call's result given its operands' type."""
+    for ax in sorted(axes):
+        a = _varying(a, ax)
+    return a
+
+
 def _round_trip_fwd(x):
     return mxfp8_round_trip(x), None
 

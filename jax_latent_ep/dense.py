@@ -77,7 +77,7 @@ def _xla_matmul(x, w):
 def _kernel_matmul(x, w):
     """FP32 `[T, N]`: the grouped GEMM kernel over one group of `T` rows, its split partials summed in order;
     its gradient XLA's (a training step at these sizes is not weight-bound)."""
-    from jax_latent_ep.experts.grouped import _axes, _vary
+    from jax_latent_ep.autodiff import _axes, _vary
     from jax_latent_ep.experts.kernel import _kernel_splits, _split_sum
     from jax_latent_ep.experts.planning import _gpus
     from jax_latent_ep.runtime import ffi

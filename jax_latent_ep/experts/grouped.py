@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_latent_ep.autodiff import _varying, varying_axes
+from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
+from jax_latent_ep.experts.kernel import _split_sum
 from jax_latent_ep.experts.planning import chunks
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -84,18 +85,6 @@ def gmm(x, w, group_sizes, *, impl: str = "xla", transpose_w: bool = False):
     axes = _axes(x, w, group_sizes)
     x, w, group_sizes = (_vary(a, axes) for a in (x, w, group_sizes))
     return _gmm(impl, transpose_w, x, w, group_sizes)
-
-
-def _axes(*arrays):
-    """The mesh axes any of `arrays` varies over (`autodiff.varying_axes`)."""
-    return set().union(*(varying_axes(a) or () for a in arrays))
-
-
-def _vary(a, axes):
-    """`a` marked as varying over each of `axes` (`autodiff._varying`)."""
-    for ax in sorted(axes):
-        a = _varying(a, ax)
-    return a
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -275,10 +264,7 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     splits, per = narrow_splits(groups, w.shape[1], x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
     parts = call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per)
-    total = parts[0]
-    for part in parts[1:]:  # in split order
-        total = total + part
-    return _vary(total, _axes(x, w))  # a custom call's result: its operands' type
+    return _vary(_split_sum(parts), _axes(x, w))  # a custom call's result: its operands' type
 
 
 def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):

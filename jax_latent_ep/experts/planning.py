@@ -246,9 +246,8 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -
     row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
         recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
         capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
-    from jax_latent_ep.autodiff import _varying, varying_axes
+    from jax_latent_ep.autodiff import _axes, _vary
 
     # a custom call's results take its operands' varying axes (as the XLA plan's would, in a checked shard_map)
-    axes = sorted(set().union(*(varying_axes(a) or () for a in (recv.ids, recv.weights, recv.src, rank))))
-    vary = lambda a: functools.reduce(_varying, axes, a)  # noqa: E731
-    return Plan(*(vary(a) for a in (row, expert, weight, sizes, count[0], row_pairs, work)))
+    axes = _axes(recv.ids, recv.weights, recv.src, rank)
+    return Plan(*(_vary(a, axes) for a in (row, expert, weight, sizes, count[0], row_pairs, work)))

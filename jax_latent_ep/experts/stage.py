@@ -121,8 +121,9 @@ def swiglu(recv: Received, pl: Plan, w_gate, w_up, w_down, *, impl: str = "ragge
 def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "ragged_dot", max_tokens=None, ranks=None,
                  plan_impl: str | None = None):
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
-    w_down.shape[0]`; `plan_impl` defaults to `default_plan_impl`'s (the same plan either way); `expected_pairs = max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of
-    them here under uniform routing)."""
+    w_down.shape[0]`; `plan_impl` defaults to `default_plan_impl`'s (the same plan either way); `expected_pairs =
+    max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of them here under uniform
+    routing)."""
     if plan_impl is None:
         plan_impl = default_plan_impl(recv, impl, w_down)
     pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
@@ -139,4 +140,3 @@ def default_plan_impl(recv: Received, impl: str, w_down, capacity_factor=None) -
     no_vjp = impl in READS_RECEIVED or (impl in GPU_ONLY and isinstance(w_down, (BlockScaledOutIn, MXFP4)))
     fits = plan_kernel_fits(recv.ids.shape[0], recv.ids.shape[1], w_down.shape[0])
     return "kernel" if no_vjp and fits and capacity_factor is None else "xla"
-
