@@ -15,7 +15,8 @@ every XLA path that is not a GEMM), `plan-kernel` (the same from the plan kernel
 on the XLA plan),
 `kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
 `floor-fp8/..`, counts 1 byte a weight and the scales), `wgmma-fp8` (the same weights `[out, in]`,
-`experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`), `wgmma-mxfp4` (MXFP4 weights
+`experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`; `wgmma-fp8-xla-plan` on the XLA
+plan), `wgmma-mxfp4` (MXFP4 weights
 on `gmm_mxfp4`; floor `floor-mxfp4/..`, half a byte a weight and a byte per 32), `ragged_dot-default`
 (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
@@ -48,7 +49,7 @@ GROUPS = {
 }
 PATHS = {"plan": ("default", "plan"), "plan-kernel": ("default", "plan-kernel"), "kernel": ("default", "kernel"),
          "kernel-fp8": ("default", "kernel-fp8"), "wgmma-fp8": ("default", "wgmma-fp8"),
-         "wgmma-mxfp4": ("default", "wgmma-mxfp4"),
+         "wgmma-mxfp4": ("default", "wgmma-mxfp4"), "wgmma-fp8-xla-plan": ("default", "wgmma-fp8-xla-plan"),
          "kernel-xla-plan": ("default", "kernel-xla-plan"), "ragged_dot-default": ("default", "ragged_dot"),
          "gather": ("default", "gather"), "dense": ("default", "dense"), "ragged_dot-cudnn": ("cudnn", "ragged_dot"),
          "ragged_dot-pallas": ("pallas", "ragged_dot")}
@@ -57,12 +58,13 @@ RATIOS = {"us_per_layer": "ratio", "pipelined_us_per_layer": "pipelined_ratio", 
           "span_us_per_layer": "span_ratio"}
 COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"]
 #: Paths on FP8 weights (their floor is `floor-fp8/..`).
-FP8_PATHS = ("kernel-fp8", "wgmma-fp8", "floor-fp8")
+FP8_PATHS = ("kernel-fp8", "wgmma-fp8", "wgmma-fp8-xla-plan", "floor-fp8")
 #: Paths on MXFP4 weights (their floor is `floor-mxfp4/..`: half a byte a weight and a byte per 32).
 MXFP4_PATHS = ("wgmma-mxfp4", "floor-mxfp4")
 FLOORS = ("floor", "floor-fp8", "floor-mxfp4")
 #: path -> its weights' format (the rest: bf16): `BlockScaled`, `[out, in]` `BlockScaledOutIn`, or `MXFP4`.
-PATH_FORMATS = {"kernel-fp8": "fp8", "wgmma-fp8": "fp8-out-in", "wgmma-mxfp4": "mxfp4"}
+PATH_FORMATS = {"kernel-fp8": "fp8", "wgmma-fp8": "fp8-out-in", "wgmma-fp8-xla-plan": "fp8-out-in",
+                "wgmma-mxfp4": "mxfp4"}
 
 
 def _weight_bytes(backend: str) -> float:
@@ -304,6 +306,9 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
         def program(recvs, ws, impl=impl, t=t, n=n, j=j):
             if impl in ("kernel-fp8", "wgmma-fp8", "wgmma-mxfp4"):
                 return [experts.expert_stage(r, 0, *w, impl=impl.split("-")[0], max_tokens=t, ranks=n)
+                        for r, w in zip(recvs, ws)]
+            if impl == "wgmma-fp8-xla-plan":
+                return [experts.expert_stage(r, 0, *w, impl="wgmma", max_tokens=t, ranks=n, plan_impl="xla")
                         for r, w in zip(recvs, ws)]
             if impl == "plan":
                 return [work_items(experts.plan(r, 0, j, max_tokens=t, ranks=n)) for r in recvs]

@@ -614,6 +614,67 @@ static_assert(visited_count<ep_abi::GroupedMatmulFp8Params>() == ep_abi::kGroupe
 static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGroupedMatmulMxfp4ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulMxfp4Params) must pass every parameter once");
 
+// ---------------------------------------------------------------------------------------------------------
+// swiglu_mxfp8(gate, up, count) -> (q, sf): the FP8 / MXFP4 stage's SwiGLU of the used pairs' gate and up split
+// partials, rounded to MXFP8 (kernels/swiglu_mxfp8.py, sm_90a); a persistent grid over 8-column units.
+
+struct SwigluMxfp8 {
+  static constexpr const char* kWhat = "swiglu_mxfp8";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // gate: f32 [S, P, I] gate's split partials, or [S, P, 2I] gate and up
+        .template Arg<ffi::AnyBuffer>()      // up: f32 [S, P, I] up's split partials (unread when fused)
+        .template Arg<ffi::AnyBuffer>()      // count: int32 [1] pairs used
+        .template Ret<ffi::AnyBuffer>()      // q: float8_e4m3fn [P, I] h's MXFP8 elements; rows >= count untouched
+        .template Ret<ffi::AnyBuffer>()      // sf: uint8 [P, I / 32] h's E8M0 scales
+        .template Attr<int64_t>("fused");    // 1: gate holds gate (columns 0 .. I) and up (I .. 2I) of each row
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer count,
+                            ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> sf, int64_t fused) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto gd = gate.dimensions(), qd = q->dimensions();
+    if (gd.size() != 3 || qd.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep swiglu_mxfp8: expected gate [S, P, I or 2I], q [P, I]");
+    }
+    const int64_t S = gd[0], P = gd[1], I = qd[1], stride = fused ? 2 * I : I;
+    if (S < 1 || P < 1 || I < 128 || I % 128 || (fused != 0 && fused != 1) || S * P * stride > (int64_t{1} << 40)) {
+      return ffi::Error::InvalidArgument("jax_latent_ep swiglu_mxfp8: S=" + std::to_string(S) + " and P=" +
+                                         std::to_string(P) + " must be >= 1, I=" + std::to_string(I) +
+                                         " a positive multiple of 128, fused=" + std::to_string(fused) + " 0 or 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "gate", gate, ffi::DataType::F32, {S, P, stride}),
+                                    fused ? ffi::Error::Success()
+                                          : expect(kWhat, "up", up, ffi::DataType::F32, {S, P, I}),
+                                    expect(kWhat, "count", count, ffi::DataType::S32, {1}),
+                                    expect(kWhat, "q", *q, ffi::DataType::F8E4M3FN, {P, I}),
+                                    expect(kWhat, "sf", *sf, ffi::DataType::U8, {P, I / 32})});
+        e.failure()) {
+      return e;
+    }
+    const int64_t units = P * (I / 8), per_cta = 256;  // kernels/swiglu_mxfp8.py: THREADS, UNIT
+    l.grid = static_cast<unsigned>(std::min((units + per_cta - 1) / per_cta, l.kernel->max_grid));
+    const int64_t gate_base = address(gate.untyped_data());
+    l.params = make_params(ep_abi::SwigluMxfp8Params{
+        .gate = gate_base,
+        .up = fused ? gate_base + 4 * I : address(up.untyped_data()),
+        .count = address(count.untyped_data()),
+        .q = address(q->untyped_data()),
+        .sf = address(sf->untyped_data()),
+        .num_splits = static_cast<int32_t>(S),
+        .num_pairs = static_cast<int32_t>(P),
+        .num_i = static_cast<int32_t>(I),
+        .row_stride = static_cast<int32_t>(stride),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::SwigluMxfp8Params>() == ep_abi::kSwigluMxfp8ParamsCount,
+              "ep_abi.h: visit_params(SwigluMxfp8Params) must pass every parameter once");
+
 }  // namespace
 
 Targets expert_plan_targets() { return targets<ExpertPlan>(); }
@@ -624,5 +685,6 @@ Targets grouped_matmul_targets() { return targets<GroupedMatmul>(); }
 Targets grouped_matmul_wgrad_targets() { return targets<GroupedMatmulWgrad>(); }
 Targets grouped_matmul_fp8_targets() { return targets<GroupedMatmulFp8>(); }
 Targets grouped_matmul_mxfp4_targets() { return targets<GroupedMatmulMxfp4>(); }
+Targets swiglu_mxfp8_targets() { return targets<SwigluMxfp8>(); }
 
 }  // namespace jax_latent_ep

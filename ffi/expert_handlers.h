@@ -14,5 +14,6 @@ Targets grouped_matmul_targets();
 Targets grouped_matmul_wgrad_targets();
 Targets grouped_matmul_fp8_targets();
 Targets grouped_matmul_mxfp4_targets();
+Targets swiglu_mxfp8_targets();
 
 }  // namespace jax_latent_ep

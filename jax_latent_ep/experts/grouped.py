@@ -22,7 +22,7 @@ from jax import lax
 
 from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
-from jax_latent_ep.experts.kernel import _split_sum
+from jax_latent_ep.experts.kernel import _kernel_row_sums, _split_sum
 from jax_latent_ep.experts.planning import chunks
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -255,6 +255,11 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
     `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
     split order."""
+    return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups)), _axes(x, w))
+
+
+def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
+    """`_wgmma_narrow`'s FP32 split partials `[S, M, N]` (typed as its operands)."""
     from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
     from jax_latent_ep.runtime import ffi
 
@@ -263,8 +268,7 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
     splits, per = narrow_splits(groups, w.shape[1], x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
-    parts = call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per)
-    return _vary(_split_sum(parts), _axes(x, w))  # a custom call's result: its operands' type
+    return _vary(call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per), _axes(x, w))
 
 
 def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
@@ -324,18 +328,35 @@ def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expecte
     return _xla_gmm_fp8(x, x_scale, blocks.reshape(values.shape), ones, group_sizes)
 
 
-def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype):
+def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kernel_row_sums: bool = False):
     """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8`, or on MXFP4 weights with
     `gmm_mxfp4` ("xla" or "wgmma"): gate and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes
     (quantized from `xb` when None: the same rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each
-    row's FP32 sum of its pairs (`_row_sums`); the numerics of `docs/experts.md`'s FP8 weights. No VJP."""
+    row's FP32 sum of its pairs (`_row_sums`; on "wgmma" with `kernel_row_sums` the row-sum kernel, the same
+    bits); the numerics of `docs/experts.md`'s FP8 weights. "wgmma" computes `h` and its MXFP8 in one kernel over
+    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's). No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
-    def fp8(q, s, w):
-        mm = gmm_fp8 if isinstance(w, BlockScaledOutIn) else gmm_mxfp4
-        return mm(q, s, w.values, w.scale, gs, impl=impl, expected_groups=min(gs.shape[0], pl.capacity))
-
+    expected = min(gs.shape[0], pl.capacity)
+    kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     xq, xs = x[pl.row], sf[pl.row]
+    if impl == "wgmma":
+        from jax_latent_ep.runtime import ffi
+
+        def parts(q, s, w):
+            return _narrow_parts(kind, q, s, w.values, w.scale, gs, expected)
+
+        gate = parts(xq, xs, w_gate)
+        up = None if w_up is None else parts(xq, xs, w_up)
+        count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
+        hq, hs = (_vary(a, _axes(gate, count)) for a in ffi.swiglu_mxfp8_call(gate, up, count))
+        down = parts(hq, hs, w_down)
+        return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
+
+    def fp8(q, s, w):
+        mm = gmm_fp8 if kind == "fp8" else gmm_mxfp4
+        return mm(q, s, w.values, w.scale, gs, impl=impl, expected_groups=expected)
+
     gate = fp8(xq, xs, w_gate)
     h = _glu(gate, None if w_up is None else fp8(xq, xs, w_up), w_down.shape[1])
     return _row_sums(pl, fp8(*mxfp8_quantize(h), w_down), out_dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import FP8_BLOCK, BlockScaled
 from jax_latent_ep.experts.planning import Plan, _gpus, work_items
 from jax_latent_ep.experts.xla import _glu
@@ -161,4 +162,5 @@ def _kernel_row_sums(pl: Plan, parts):
     (most of them unused at N = 8); with hundreds of rows XLA's gather-sum is faster again (docs/performance.md)."""
     from jax_latent_ep.runtime import ffi
 
-    return ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
+    out = ffi.row_sum_call(parts, pl.row_pairs, pl.weight, jnp.reshape(pl.count, (1,)).astype(jnp.int32))
+    return _vary(out, _axes(parts, pl.row_pairs))  # a custom call's result: its operands' type

@@ -264,6 +264,20 @@ ROW_SUM = Kernel("row_sum", "ep_row_sum", (
     Param("num_l", "i32", False, "L, a multiple of 4"),
 ))
 
+#: The FP8 / MXFP4 expert stage's SwiGLU (`kernels/swiglu_mxfp8.py`): for each used pair, gate and up (the FP32 sums
+#: of their split partials in split order), `h = bf16(silu(gate) * up)` and `h` rounded to MXFP8 (down's rows).
+SWIGLU_MXFP8 = Kernel("swiglu_mxfp8", "ep_swiglu_mxfp8", (
+    _address("gate", "f32 [S, P, row_stride]: gate's split partials in columns 0 .. num_i of each row"),
+    _address("up", "f32: up's partials, rows as `gate`'s (a second array, or `gate` + num_i for fused gate-up)"),
+    _address("count", "int32 [1]: pairs used (the plan's): rows at or past it are never read or written"),
+    _address("q", "float8_e4m3fn [P, num_i]: h's MXFP8 elements (output)"),
+    _address("sf", "uint8 [P, num_i / 32]: h's E8M0 scales (output)"),
+    Param("num_splits", "i32", False, "S, contraction splits of gate and up, >= 1"),
+    Param("num_pairs", "i32", False, "P, pairs (rows of each split)"),
+    Param("num_i", "i32", False, "I, a multiple of 128"),
+    Param("row_stride", "i32", False, "FP32 elements of a row of `gate` and `up`: num_i, or 2 num_i (fused)"),
+), archs=("sm_90a",))
+
 #: The grouped matmul of training and prefill sizes (`kernels/grouped_matmul.py`, sm_90a `wgmma`): for each tile of
 #: the list, `x[first:first + pairs] @ w[group]` (FP32 accumulation) rounded to BF16.
 GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
@@ -322,7 +336,8 @@ GROUPED_MATMUL_MXFP4 = _narrow_matmul(
     "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output")
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
-                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4)}
+                             GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4,
+                             SWIGLU_MXFP8)}
 
 
 def c_name(op: str) -> str:

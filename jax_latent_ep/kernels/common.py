@@ -26,6 +26,9 @@ from jax_latent_ep.kernels import abi
 from jax_latent_ep.shapes import LatentMoEShape
 from jax_latent_ep.kernels.primitives import (
     atomic_inc_relaxed_gpu,
+    bits_from_f32,
+    f32_from_bits,
+    mul_ftz,
     fence_sc_sys,
     globaltimer,
     load_u64,
@@ -70,6 +73,42 @@ class DeviceLayout:
         self.hdr_pitch = lay.HDR_PITCH
         self.comb_pitch = lay.comb_pitch(shape)
         self.comb_words = lay.comb_words(shape)  # wide LL words of a partial
+
+
+#: rn_f32(1 / 448), numerics.md's R.
+RECIPROCAL_448_BITS = 0x3B124925
+#: E8M0 scale of a 32-block that holds a NaN or Inf (the project's non-finite rule).
+SF_NONFINITE = 255
+
+
+@cute.jit
+def mxfp8_exponent(top: Uint32) -> Uint32:
+    """The E8M0 exponent `e` of a 32-block whose largest magnitude has the BF16 bits `top` (sign clear), as
+    `numerics.mxfp8_scale_exponent`: `s = ftz(amax * R)`; `e = 0` if `s == 0`, else
+    `min(254, biased_exp(s) + (mantissa(s) != 0))`; `SF_NONFINITE` where `top` is a NaN or Inf."""
+    s_bits = Uint32(bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)),
+                                          f32_from_bits(Uint32(RECIPROCAL_448_BITS)))))
+    e = Uint32(0)
+    if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
+        e = (s_bits >> Uint32(23)) & Uint32(0xFF)
+        if s_bits & Uint32(0x7FFFFF) != Uint32(0):
+            e = e + Uint32(1)
+        if e > Uint32(254):
+            e = Uint32(254)
+    if top >= Uint32(0x7F80):
+        e = Uint32(SF_NONFINITE)
+    return e
+
+
+@cute.jit
+def mxfp8_inverse(e: Uint32) -> cutlass.Float32:
+    """`2^(127 - e)` from the bits (a normal FP32 for BF16 blocks, `e <= 247`), 0 for `e` 0 or `SF_NONFINITE`:
+    `e4m3(x * 0)` is NaN for a non-finite element, +-0 for the others."""
+    inv_bits = Uint32(0)
+    if e != Uint32(0):
+        if e != Uint32(SF_NONFINITE):
+            inv_bits = (Uint32(254) - e) << Uint32(23)
+    return f32_from_bits(inv_bits)
 
 
 @cute.jit

@@ -36,16 +36,16 @@ from jax_latent_ep.kernels.common import (
     expert_rank_bit,
     fail,
     load_peer_table,
+    mxfp8_exponent,
+    mxfp8_inverse,
     peer_of,
     peer_row,
     poll_expired,
     trace_stamp,
 )
 from jax_latent_ep.kernels.primitives import (
-    bits_from_f32,
     clock64,
     e4m3x4,
-    f32_from_bits,
     globaltimer,
     griddepcontrol_wait_after,
     load_b32,
@@ -72,12 +72,6 @@ def smem_bytes(shape: LatentMoEShape) -> int:
     """Dynamic shared memory bytes the launcher must pass: 16 for the destination mask, then the staging buffer of
     a row's data stream (`3 * x_words` 4-byte pieces), rounded up to 128 (Kimi K3: 3712)."""
     return lay.align(16 + 4 * 3 * lay.x_words(shape))
-
-
-#: rn_f32(1 / 448), numerics.md's R.
-RECIPROCAL_448_BITS = 0x3B124925
-#: E8M0 scale of a 32-block that holds a NaN or Inf (the project's non-finite rule).
-SF_NONFINITE = 255
 
 
 def block_threads(shape: LatentMoEShape) -> int:
@@ -441,27 +435,8 @@ class Dispatch:
         other = shfl_bfly(top, 1)
         if other > top:
             top = other
-        # MXFP8 scale (numerics.md) on the bits: s = ftz(amax * R); e = 0 if s == 0 else
-        # min(254, biased_exp(s) + (mantissa(s) != 0)); inv = 2^(127 - e) built from bits (0 if e == 0).
-        # For BF16 input e <= 247, so inv is a normal FP32. A block holding a NaN or Inf (amax bits >= 0x7F80)
-        # gets e = 255 and inv = 0: q = e4m3(x * 0) is NaN for its non-finite elements, +-0 for the others.
-        s_bits = Uint32(
-            bits_from_f32(mul_ftz(f32_from_bits(top << Uint32(16)), f32_from_bits(Uint32(RECIPROCAL_448_BITS))))
-        )
-        e = Uint32(0)
-        if s_bits & Uint32(0x7FFFFFFF) != Uint32(0):
-            e = (s_bits >> Uint32(23)) & Uint32(0xFF)
-            if s_bits & Uint32(0x7FFFFF) != Uint32(0):
-                e = e + Uint32(1)
-            if e > Uint32(254):
-                e = Uint32(254)
-        inv_bits = Uint32(0)
-        if e != Uint32(0):
-            inv_bits = (Uint32(254) - e) << Uint32(23)
-        if top >= Uint32(0x7F80):  # NaN or Inf in the block
-            e = Uint32(SF_NONFINITE)
-            inv_bits = Uint32(0)
-        inv = f32_from_bits(inv_bits)
+        e = mxfp8_exponent(top)  # numerics.md's scale; a block holding a NaN or Inf: SF_NONFINITE
+        inv = mxfp8_inverse(e)
         packed = []
         for j in cutlass.range_constexpr(4):
             a, b = words[2 * j], words[2 * j + 1]

@@ -92,6 +92,13 @@ def store_b32(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_v2_b32(addr, lo, hi, *, loc=None, ip=None) -> None:
+    """Always issues one weak 8-byte `st.global.v2.b32` of `(lo, hi)` (addr 8-byte aligned)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(lo, loc, ip), _u32(hi, loc, ip)], "st.global.v2.b32 [$0], {$1, $2};",
+         "l,r,r", loc, ip)
+
+
+@dsl_user_op
 def store_v4(addr, words, *, loc=None, ip=None) -> None:
     """Always issues one weak 16-byte `st.global.v4.b32` of 4 words (addr 16-byte aligned): one fabric packet."""
     operands = [_i64(addr, loc, ip)] + [_u32(w, loc, ip) for w in words]

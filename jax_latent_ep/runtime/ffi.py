@@ -397,11 +397,12 @@ EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"
                   "grouped_matmul": ("jax_latent_ep_grouped_matmul", "EpGroupedMatmul"),
                   "grouped_matmul_wgrad": ("jax_latent_ep_grouped_matmul_wgrad", "EpGroupedMatmulWgrad"),
                   "grouped_matmul_fp8": ("jax_latent_ep_grouped_matmul_fp8", "EpGroupedMatmulFp8"),
-                  "grouped_matmul_mxfp4": ("jax_latent_ep_grouped_matmul_mxfp4", "EpGroupedMatmulMxfp4")}
+                  "grouped_matmul_mxfp4": ("jax_latent_ep_grouped_matmul_mxfp4", "EpGroupedMatmulMxfp4"),
+                  "swiglu_mxfp8": ("jax_latent_ep_swiglu_mxfp8", "EpSwigluMxfp8")}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
 EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
-                  "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4")
+                  "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4", "swiglu_mxfp8")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
@@ -522,6 +523,18 @@ def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split):
     out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(EXPERT_TARGETS[op][0], out, has_side_effect=False)(
         x, x_scale, w, w_scale, tiles, k_per_split=np.int64(k_per_split))
+
+
+def swiglu_mxfp8_call(gate, up, count):
+    """The SwiGLU-and-MXFP8 custom call (`kernels/abi.py` SWIGLU_MXFP8, whose table says what each operand holds):
+    `(q, sf)`, float8_e4m3fn `[P, I]` and uint8 `[P, I / 32]`, for the rows below `count` (int32 `[1]`; the others
+    hold whatever the buffers held). `gate` f32 `[S, P, I]` and `up` the same, or `up` None and `gate`
+    `[S, P, 2I]` (fused gate-up, up in the second half of each row)."""
+    s, p, n = gate.shape
+    inter = n if up is not None else n // 2
+    out = (jax.ShapeDtypeStruct((p, inter), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((p, inter // 32), jnp.uint8))
+    return jax.ffi.ffi_call(EXPERT_TARGETS["swiglu_mxfp8"][0], out, has_side_effect=False)(
+        gate, gate if up is None else up, count, fused=np.int64(up is None))
 
 
 def grouped_matmul_wgrad_call(x, dy, groups):
