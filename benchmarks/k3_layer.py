@@ -11,13 +11,12 @@ blocks, `experts.BlockScaledOutIn`) and `mxfp4` (`experts.MXFP4`), both on `wgmm
 with RMSNorm; up projection 3584 -> 7168 and the residual.
 
 Cases, one GPU each:
-- `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: dispatch / combine at N = 1 (nothing crosses a link,
-  so "communication" is a lower bound of N's), and an expert stage built for rank 0's J local experts (ids >= J
-  are not local: their pairs go to other ranks, not computed here), so the expert work and weight bytes are a
-  real rank's for the rows of its own tokens only;
-- `N1`: N = 1, all 896 experts local.
-
-Every case runs the nvlink backend (named: "auto" would pick xla at N = 1) where it is available, else xla.
+- `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: the xla backend on a one-device mesh (its dispatch /
+  combine are N = 1's: nothing crosses a link, so "communication" is a lower bound of N's), and an expert stage
+  built for rank 0's J local experts (ids >= J are not local: their pairs go to other ranks, not computed here), so
+  the expert work and weight bytes are a real rank's for the rows of its own tokens only;
+- `N1`: N = 1, all 896 experts local, the nvlink backend (named: "auto" would pick xla at N = 1) where it is
+  available, else xla.
 
 Timed (each a jitted program of `--layers` layers with their own weights, fewer where they pass `--weights-gb`; the
 median of `--repeats` runs, per layer): `layer` (everything) waited for (`layer_us`) and issued back to back
@@ -226,7 +225,7 @@ def main(argv=None):
             per_layer = j * expert_bytes(fmt, shape.latent, args.intermediate)
             layers = max(1, min(args.layers, int(args.weights_gb * 2**30 // per_layer)))
             params = make_params(shape, j, args, layers, fmt)
-            backend = "nvlink" if gpu else "xla"  # N = 1: its kernels, nothing crosses a link
+            backend = "nvlink" if (case == "N1" and gpu) else "xla"
             for t in args.tokens:
                 try:
                     used, res = run_case(j, backend, shape, args, t, params, impl)
