@@ -641,9 +641,10 @@ struct SwigluMxfp8 {
       return ffi::Error::InvalidArgument("jax_latent_ep swiglu_mxfp8: expected gate [S, P, I or 2I], q [P, I]");
     }
     const int64_t S = gd[0], P = gd[1], I = qd[1], stride = fused ? 2 * I : I;
-    if (S < 1 || P < 1 || I < 128 || I % 128 || (fused != 0 && fused != 1) || S * P * stride > (int64_t{1} << 40)) {
+    if (S < 1 || P < 1 || I < 128 || I % 128 || (fused != 0 && fused != 1) || S * P * stride > (int64_t{1} << 40) ||
+        P * (I / 8) > (int64_t{1} << 31) - 1) {
       return ffi::Error::InvalidArgument("jax_latent_ep swiglu_mxfp8: S=" + std::to_string(S) + " and P=" +
-                                         std::to_string(P) + " must be >= 1, I=" + std::to_string(I) +
+                                         std::to_string(P) + " must be >= 1 (P I / 8 < 2^31), I=" + std::to_string(I) +
                                          " a positive multiple of 128, fused=" + std::to_string(fused) + " 0 or 1");
     }
     if (ffi::Error e = first_error({expect(kWhat, "gate", gate, ffi::DataType::F32, {S, P, stride}),
