@@ -534,8 +534,9 @@ static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGrou
               "ep_abi.h: visit_params(GroupedMatmulWgradParams) must pass every parameter once");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_matmul_fp8 / grouped_matmul_mxfp4(x, x_scale, w, w_scale, tiles) -> out: the grouped matmul of decode
-// sizes on FP8 or MXFP4 weights (kernels/grouped_matmul_fp8.py, sm_90a), a CTA per (tile, 128 output columns).
+// grouped_matmul_fp8 / grouped_matmul_mxfp4(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles)
+// -> out: the grouped matmul of decode sizes on FP8 or MXFP4 weights (kernels/grouped_matmul_fp8.py, sm_90a), one
+// or two weights (gate and up), a persistent grid over (split, tile, 128 output columns).
 
 template <bool kMxfp4>
 struct GroupedMatmulNarrow {
@@ -546,46 +547,64 @@ struct GroupedMatmulNarrow {
   static auto bind(Binding binding) {
     return std::move(binding)
         .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
-        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [P, K] the pairs' MXFP8 elements, sorted by group
-        .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [P, K / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [R, K] MXFP8 elements (a row a pair, or x_rows')
+        .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [R, K / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // x_rows: int32 [P] the row of x of each pair (read when indexed)
         .template Arg<ffi::AnyBuffer>()      // w: [out, in]: float8_e4m3fn [G, N, K] (FP8), uint8 [G, N, K / 2] (MXFP4)
         .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, N / 128, K / 128] (FP8), uint8 [G, N, K / 32] (MXFP4)
+        .template Arg<ffi::AnyBuffer>()      // w_second: as w (read with two_weights)
+        .template Arg<ffi::AnyBuffer>()      // w_second_scale: as w_scale (read with two_weights)
         .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 32, used tiles)
-        .template Ret<ffi::AnyBuffer>()      // out: f32 [S, P, N] split partials; rows outside every tile untouched
-        .template Attr<int64_t>("k_per_split");  // contraction length of each of the S splits
+        .template Ret<ffi::AnyBuffer>()      // out: f32 [S, P, N or 2N] split partials; rows outside every tile untouched
+        .template Attr<int64_t>("k_per_split")   // contraction length of each of the S splits
+        .template Attr<int64_t>("indexed")       // 1: pair p reads row x_rows[p] of x, 0: row p
+        .template Attr<int64_t>("two_weights");  // 1: w's columns, then w_second's, in each out row
   }
 
-  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
-                            ffi::AnyBuffer w_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out,
-                            int64_t k_per_split) {
+  // The weight `name` (w or w_second) and its scales, as the format asks.
+  static ffi::Error expect_weight(const char* name, const char* scale_name, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                                  int64_t G, int64_t N, int64_t K) {
+    const ffi::Error w_ok = kMxfp4 ? expect(kWhat, name, w, ffi::DataType::U8, {G, N, K / 2})
+                                   : expect(kWhat, name, w, ffi::DataType::F8E4M3FN, {G, N, K});
+    const ffi::Error s_ok = kMxfp4 ? expect(kWhat, scale_name, scale, ffi::DataType::U8, {G, N, K / 32})
+                                   : expect(kWhat, scale_name, scale, ffi::DataType::F32, {G, N / 128, K / 128});
+    return first_error({w_ok, s_ok});
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::AnyBuffer x_rows, ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer w_second,
+                            ffi::AnyBuffer w_second_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out,
+                            int64_t k_per_split, int64_t indexed, int64_t two_weights) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), od = out->dimensions();
     if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || od.size() != 3) {
-      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": expected x [P, K], w [G, N, " +
-                                         (kMxfp4 ? "K / 2" : "K") + "], tiles [T, 4], out [S, P, N]");
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": expected x [R, K], w [G, N, " +
+                                         (kMxfp4 ? "K / 2" : "K") + "], tiles [T, 4], out [S, P, N or 2N]");
     }
-    const int64_t P = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0], S = od[0];
-    const int64_t column_tiles = N / 128;
-    if (P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || P * K > (int64_t{1} << 40) ||
-        G * N * K > (int64_t{1} << 40) || S * P * N > (int64_t{1} << 40) || k_per_split < 128 ||
-        k_per_split % 128 || S * k_per_split < K || (S - 1) * k_per_split >= K ||
+    const int64_t R = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0], S = od[0], P = od[1];
+    const int64_t weights = two_weights ? 2 : 1, column_tiles = weights * N / 128;
+    if (R < 1 || P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || R * K > (int64_t{1} << 40) ||
+        G * N * K > (int64_t{1} << 40) || S * P * weights * N > (int64_t{1} << 40) || k_per_split < 128 ||
+        k_per_split % 128 || S * k_per_split < K || (S - 1) * k_per_split >= K || (indexed != 0 && indexed != 1) ||
+        (two_weights != 0 && two_weights != 1) || (!indexed && R != P) ||
         S * T * column_tiles > (int64_t{1} << 31) - 1) {
       return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": K=" + std::to_string(K) +
-                                         " and N=" + std::to_string(N) + " must be positive multiples of 128, P=" +
-                                         std::to_string(P) + ", G=" + std::to_string(G) + " and T=" +
-                                         std::to_string(T) + " >= 1, and S=" + std::to_string(S) +
-                                         " splits of k_per_split=" + std::to_string(k_per_split) +
+                                         " and N=" + std::to_string(N) + " must be positive multiples of 128, R=" +
+                                         std::to_string(R) + " (P=" + std::to_string(P) + " unless indexed), G=" +
+                                         std::to_string(G) + " and T=" + std::to_string(T) + " >= 1, and S=" +
+                                         std::to_string(S) + " splits of k_per_split=" + std::to_string(k_per_split) +
                                          " (a multiple of 128) must cover K with none empty");
     }
-    const ffi::Error w_ok = kMxfp4 ? expect(kWhat, "w", w, ffi::DataType::U8, {G, N, K / 2})
-                                   : expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K});
-    const ffi::Error w_scale_ok = kMxfp4 ? expect(kWhat, "w_scale", w_scale, ffi::DataType::U8, {G, N, K / 32})
-                                         : expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, N / 128, K / 128});
-    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {P, K}),
-                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {P, K / 32}), w_ok,
-                                    w_scale_ok,
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, K}),
+                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
+                                    indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
+                                            : ffi::Error::Success(),
+                                    expect_weight("w", "w_scale", w, w_scale, G, N, K),
+                                    two_weights ? expect_weight("w_second", "w_second_scale", w_second,
+                                                                w_second_scale, G, N, K)
+                                                : ffi::Error::Success(),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
-                                    expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, N})});
+                                    expect(kWhat, "out", *out, ffi::DataType::F32, {S, P, weights * N})});
         e.failure()) {
       return e;
     }
@@ -594,8 +613,11 @@ struct GroupedMatmulNarrow {
     l.params = make_params(Params{
         .x = address(x.untyped_data()),
         .x_scale = address(x_scale.untyped_data()),
+        .x_rows = indexed ? address(x_rows.untyped_data()) : 0,
         .w = address(w.untyped_data()),
         .w_scale = address(w_scale.untyped_data()),
+        .w_second = two_weights ? address(w_second.untyped_data()) : 0,
+        .w_second_scale = two_weights ? address(w_second_scale.untyped_data()) : 0,
         .tiles = address(tiles.untyped_data()),
         .out = address(out->untyped_data()),
         .num_k = static_cast<int32_t>(K),

@@ -258,17 +258,23 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups)), _axes(x, w))
 
 
-def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
-    """`_wgmma_narrow`'s FP32 split partials `[S, M, N]` (typed as its operands)."""
+def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None, rows=None, second=None):
+    """`_wgmma_narrow`'s FP32 split partials `[S, M, N]` (typed as its operands); with `rows` int32 `[M]` pair p
+    reads row `rows[p]` of `x` (no gather); with `second = (w2, w2_scale)` `[S, M, 2N]`, `w`'s columns then
+    `w2`'s, one launch."""
     from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
-    tiles = chunks(group_sizes, x.shape[0], MATMUL_FP8_TILE_PAIRS)
-    groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
-    splits, per = narrow_splits(groups, w.shape[1], x.shape[1])
+    pairs = x.shape[0] if rows is None else rows.shape[0]
+    tiles = chunks(group_sizes, pairs, MATMUL_FP8_TILE_PAIRS)
+    groups = min(group_sizes.shape[0], pairs) if expected_groups is None else expected_groups
+    splits, per = narrow_splits(groups, w.shape[1] * (1 if second is None else 2), x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
-    return _vary(call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per), _axes(x, w))
+    w2, w2_scale = (None, None) if second is None else second
+    parts = call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per, x_rows=rows, w_second=w2,
+                 w_second_scale=w2_scale)
+    return _vary(parts, _axes(x, w) if rows is None else _axes(x, w, rows))
 
 
 def _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes):
@@ -339,20 +345,18 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     gs = pl.group_sizes
     expected = min(gs.shape[0], pl.capacity)
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
-    xq, xs = x[pl.row], sf[pl.row]
     if impl == "wgmma":
         from jax_latent_ep.runtime import ffi
 
-        def parts(q, s, w):
-            return _narrow_parts(kind, q, s, w.values, w.scale, gs, expected)
-
-        gate = parts(xq, xs, w_gate)
-        up = None if w_up is None else parts(xq, xs, w_up)
+        # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
+        second = None if w_up is None else (w_up.values, w_up.scale)
+        gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row, second=second)
         count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
-        hq, hs = (_vary(a, _axes(gate, count)) for a in ffi.swiglu_mxfp8_call(gate, up, count))
-        down = parts(hq, hs, w_down)
+        hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
+        down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected)
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 
+    xq, xs = x[pl.row], sf[pl.row]
     def fp8(q, s, w):
         mm = gmm_fp8 if kind == "fp8" else gmm_mxfp4
         return mm(q, s, w.values, w.scale, gs, impl=impl, expected_groups=expected)

@@ -310,14 +310,19 @@ def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
     e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's pairs the narrow
     one; each 32-deep block's product promoted into FP32 with its two scales."""
     return Kernel(op, "ep_" + op, (
-        _address("x", "float8_e4m3fn [P, num_k]: the pairs' MXFP8 elements, sorted by group"),
-        _address("x_scale", "uint8 [P, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
+        _address("x", "float8_e4m3fn [R, num_k]: MXFP8 elements, a row a pair (sorted by group) or rows `x_rows` "
+                 "names"),
+        _address("x_scale", "uint8 [R, num_k / 32]: their E8M0 scales (2^(s - 127); 0: the block is 0)"),
+        _address("x_rows", "int32 [P]: the row of `x` of each pair, or 0: pair p reads row p"),
         _address("w", w),
         _address("w_scale", w_scale),
+        _address("w_second", "as `w`: a second weight (up beside gate), or 0"),
+        _address("w_second_scale", "as `w_scale`: its scales (unread without `w_second`)"),
         _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) "
                  "per tile, the used first; pairs 0: none"),
-        _address("out", "f32 [S, P, num_n]: split s's partial (contraction `s k_per_split ..`) in `out[s]`; rows of "
-                 "the tiles' pairs written, the others untouched (output)"),
+        _address("out", "f32 [S, P, num_n] (`w_second` 0) or [S, P, 2 num_n] (`w`'s columns, then `w_second`'s): "
+                 "split s's partial (contraction `s k_per_split ..`) in `out[s]`; rows of the tiles' pairs written, "
+                 "the others untouched (output)"),
         Param("num_k", "i32", False, "contraction length, a multiple of 128"),
         Param("num_n", "i32", False, "columns, a multiple of 128"),
         Param("num_tiles", "i32", False, "tiles of the list"),

@@ -7,9 +7,10 @@ Parameters: `kernels.abi.GROUPED_MATMUL_FP8`.
 
 The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
 `wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
-(`m64n32k32`). A unit is (split, tile, 128 output columns), `u = (split * used + tile) * (num_n / 128) + columns`
-over the used tiles (`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as
-`GroupedMatmul`'s): its CTA streams those columns' weights over the split's contraction `split * k_per_split ..`
+(`m64n32k32`). A unit is (split, tile, 128 output columns), `u = (split * used + tile) * columns + column` over
+the used tiles (`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s)
+and the output's columns (`w`'s, then with `w_second` the second weight's: gate and up in one launch, one `out`
+row holding both); a pair's row of `x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA streams those columns' weights over the split's contraction `split * k_per_split ..`
 once for all the tile's pairs, into `out[split]`. The grid is persistent (at most the resident CTAs): CTA `c`
 computes units `c, c + stride, ..` (`common.balanced_stride`), so a list sized for the worst case costs no CTA per
 empty tile, and splits give decode's few tiles enough units. Pairs past a tile's are zero-filled and never stored.
@@ -113,8 +114,11 @@ class GroupedMatmulFp8:
         self,
         x: Int64,
         x_scale: Int64,
+        x_rows: Int64,
         w: Int64,
         w_scale: Int64,
+        w_second: Int64,
+        w_second_scale: Int64,
         tiles: Int64,
         out: Int64,
         num_k: Int32,
@@ -123,7 +127,8 @@ class GroupedMatmulFp8:
         num_rows: Int32,
         k_per_split: Int32,
     ):
-        self.kernel(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_tiles, num_rows, k_per_split).launch(
+        self.kernel(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_tiles,
+                    num_rows, k_per_split).launch(
             grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1,
             min_blocks_per_mp=CTAS_PER_SM if CTAS_PER_SM > 1 else 0)
 
@@ -135,8 +140,11 @@ class GroupedMatmulFp8:
         self,
         x: Int64,
         x_scale: Int64,
+        x_rows: Int64,
         w: Int64,
         w_scale: Int64,
+        w_second: Int64,
+        w_second_scale: Int64,
         tiles: Int64,
         out: Int64,
         num_k: Int32,
@@ -145,24 +153,30 @@ class GroupedMatmulFp8:
         num_rows: Int32,
         k_per_split: Int32,
     ):
-        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_rows, k_per_split)
+        self.run_tiles(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_rows,
+                       k_per_split)
 
     @cute.jit
-    def run_tiles(self, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, tiles: Int64, out: Int64, num_k: Int32,
-                  num_n: Int32, num_rows: Int32, k_per_split: Int32):
+    def run_tiles(self, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, w_second: Int64,
+                  w_second_scale: Int64, tiles: Int64, out: Int64, num_k: Int32, num_n: Int32, num_rows: Int32,
+                  k_per_split: Int32):
         """The CTA's units (module docstring): `run` for each, the ring allocated once."""
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         ring = self.ring(self.smem)
         column_tiles = num_n // TILE_N
+        out_n = num_n  # columns of a row of `out`: both weights' with `w_second`
+        if w_second != Int64(0):
+            out_n = 2 * num_n
+        unit_columns = out_n // TILE_N
         splits = (num_k + k_per_split - 1) // k_per_split
         griddepcontrol_wait()  # the tile list and the rows come from the previous kernels
         num_tiles = Int32(load_b32(tiles + 12))  # the non-empty tiles (word 3) come first
-        num_units = splits * num_tiles * column_tiles
+        num_units = splits * num_tiles * unit_columns
         stride = balanced_stride(cutlass.max(num_units, Int32(1)), grid)  # no pairs: no unit, but no 0 / 0 either
         if Int32(cta) < stride:
             for unit in range(Int32(cta), num_units, stride):
-                rest = unit // column_tiles
+                rest = unit // unit_columns
                 entry = tiles + Int64(rest % num_tiles) * (4 * TILE_WORDS)
                 rows = Int32(load_b32(entry + 8))
                 split = rest // num_tiles
@@ -170,16 +184,25 @@ class GroupedMatmulFp8:
                 k_end = k0 + k_per_split
                 if k_end > num_k:
                     k_end = num_k
+                out_n0 = (unit % unit_columns) * TILE_N
+                weights = w
+                scales = w_scale
+                n0 = out_n0
+                if out_n0 >= num_n:  # the second weight's columns
+                    weights = w_second
+                    scales = w_second_scale
+                    n0 = out_n0 - num_n
                 if rows > 0:
-                    self.run(ring, x, x_scale, w, w_scale, out + Int64(split) * Int64(num_rows) * Int64(num_n) * 4,
-                             num_k, num_n, (unit % column_tiles) * TILE_N, Int32(load_b32(entry)),
-                             Int32(load_b32(entry + 4)), rows, k0, (k_end - k0) // TILE_K)
+                    self.run(ring, x, x_scale, x_rows, weights, scales,
+                             out + Int64(split) * Int64(num_rows) * Int64(out_n) * 4, num_k, num_n, n0, out_n,
+                             out_n0, Int32(load_b32(entry)), Int32(load_b32(entry + 4)), rows, k0,
+                             (k_end - k0) // TILE_K)
                 cute.arch.sync_threads()  # every warp is done with the ring before the next unit's prologue
 
     @cute.jit
-    def store(self, acc, out: Int64, first: Int32, rows: Int32, num_n: Int32, n0: Int32):
+    def store(self, acc, out: Int64, first: Int32, rows: Int32, out_n: Int32, n0: Int32):
         """Writes this thread's FP32 accumulators: pair `8 j + 2 (lane % 4) + e` of the tile (below `rows`), output
-        column `n0 + 64 warpgroup + 16 (warp % 4) + lane / 4 + 8 i`."""
+        column `n0 + 64 warpgroup + 16 (warp % 4) + lane / 4 + 8 i` of rows of `out_n`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         lane = tid % 32
@@ -188,15 +211,16 @@ class GroupedMatmulFp8:
             for e in cutlass.range_constexpr(2):
                 p = 8 * j + 2 * (lane % 4) + e
                 if p < rows:
-                    at = out + (Int64(first + p) * Int64(num_n) + Int64(column)) * 4
+                    at = out + (Int64(first + p) * Int64(out_n) + Int64(column)) * 4
                     for i in cutlass.range_constexpr(2):
                         store_f32(at + Int64(32 * i), acc[4 * j + 2 * i + e])
 
     @cute.jit
-    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
-            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32, k0: Int32, steps: Int32):
-        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, contraction `k0 ..` for `steps`
-        stages, through the ring at `ring`."""
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, out: Int64,
+            num_k: Int32, num_n: Int32, n0: Int32, out_n: Int32, out_n0: Int32, group: Int32, first: Int32,
+            rows: Int32, k0: Int32, steps: Int32):
+        """One unit: `rows` pairs from `first` of `group`, the weight's output columns `n0 ..` into `out`'s columns
+        `out_n0 ..` (`out_n` a row), contraction `k0 ..` for `steps` stages, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
@@ -210,7 +234,7 @@ class GroupedMatmulFp8:
             line = tid // 8 + (THREADS // 8) * i
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(k0 + chunk * 16))
             a_dst.append(Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, k0, A_BYTES)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0, A_BYTES)
         ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(num_k // TILE_K)
                             + Int64(k0 // TILE_K)) * 4
 
@@ -244,7 +268,7 @@ class GroupedMatmulFp8:
             wgmma_wait(0)
             self.promote(acc, parts, slot, lane)
 
-        self.store(acc, out, first, rows, num_n, n0)
+        self.store(acc, out, first, rows, out_n, out_n0)
 
     @cute.jit
     def ring(self, smem_bytes: cutlass.Constexpr[int]):
@@ -254,16 +278,24 @@ class GroupedMatmulFp8:
         return (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
 
     @cute.jit
-    def pair_copies(self, x: Int64, x_scale: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32, k0: Int32,
-                    b_offset: int):
+    def pair_copies(self, x: Int64, x_scale: Int64, x_rows: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32,
+                    k0: Int32, b_offset: int):
         """This thread's share of the pairs' part of every stage: chunk `tid % 8` of pair line `tid / 8` (swizzled,
-        at `b_offset` in the stage) and, for the first TILE_PAIRS threads, pair `tid`'s scale word; returns
-        `(line live, its source, its place, scale live, its source)`, sources of the stage at contraction `k0`."""
+        at `b_offset` in the stage) and, for the first TILE_PAIRS threads, pair `tid`'s scale word, each pair's row
+        of `x` its own (`x_rows` 0) or `x_rows[pair]`; returns `(line live, its source, its place, scale live, its
+        source)`, sources of the stage at contraction `k0`."""
         chunk = tid % 8
         pair = tid // 8
-        b_src = x + Int64(first + pair) * Int64(num_k) + Int64(k0 + chunk * 16)
+        line_row = first + pair
+        scale_row = first + tid
+        if x_rows != Int64(0):
+            if pair < rows:
+                line_row = Int32(load_b32(x_rows + Int64(first + pair) * 4))
+            if tid < rows:
+                scale_row = Int32(load_b32(x_rows + Int64(first + tid) * 4))
+        b_src = x + Int64(line_row) * Int64(num_k) + Int64(k0 + chunk * 16)
         b_dst = Uint32(b_offset + pair * LINE_BYTES + ((chunk ^ (pair % 8)) * 16))
-        s_src = x_scale + Int64(first + tid) * Int64(num_k // BLOCK_K) + Int64(k0 // BLOCK_K)
+        s_src = x_scale + Int64(scale_row) * Int64(num_k // BLOCK_K) + Int64(k0 // BLOCK_K)
         return pair < rows, b_src, b_dst, tid < rows, s_src
 
     @cute.jit
@@ -356,8 +388,11 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         self,
         x: Int64,
         x_scale: Int64,
+        x_rows: Int64,
         w: Int64,
         w_scale: Int64,
+        w_second: Int64,
+        w_second_scale: Int64,
         tiles: Int64,
         out: Int64,
         num_k: Int32,
@@ -366,13 +401,15 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         num_rows: Int32,
         k_per_split: Int32,
     ):
-        self.run_tiles(x, x_scale, w, w_scale, tiles, out, num_k, num_n, num_rows, k_per_split)
+        self.run_tiles(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_rows,
+                       k_per_split)
 
     @cute.jit
-    def run(self, ring: Uint32, x: Int64, x_scale: Int64, w: Int64, w_scale: Int64, out: Int64, num_k: Int32,
-            num_n: Int32, n0: Int32, group: Int32, first: Int32, rows: Int32, k0: Int32, steps: Int32):
-        """One unit: `rows` pairs from `first` of `group`, output columns `n0 ..`, contraction `k0 ..` for `steps`
-        stages, through the ring at `ring`."""
+    def run(self, ring: Uint32, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, out: Int64,
+            num_k: Int32, num_n: Int32, n0: Int32, out_n: Int32, out_n0: Int32, group: Int32, first: Int32,
+            rows: Int32, k0: Int32, steps: Int32):
+        """One unit: `rows` pairs from `first` of `group`, the weight's output columns `n0 ..` into `out`'s columns
+        `out_n0 ..` (`out_n` a row), contraction `k0 ..` for `steps` stages, through the ring at `ring`."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         warpgroup = tid // 128
@@ -386,7 +423,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
                          + Int64(k0 // 2 + (idx % 4) * 16))
             a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, first, rows, tid, num_k, k0, MX_B_OFFSET)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0, MX_B_OFFSET)
         ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K) + Int64(
             k0 // BLOCK_K)
 
@@ -428,7 +465,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             wgmma_wait(0)
             self.promote_mx(acc, parts, slot, tid, lane)
 
-        self.store(acc, out, first, rows, num_n, n0)
+        self.store(acc, out, first, rows, out_n, out_n0)
 
     @cute.jit
     def widen(self, slot: Uint32, tile: Uint32, tid: Int32):

@@ -507,22 +507,33 @@ def grouped_matmul_call(x, w, tiles, *, w_k_major: bool):
     return call(x, w, tiles, w_k_major=np.int64(bool(w_k_major)))
 
 
-def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int):
+def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
+                            w_second=None, w_second_scale=None):
     """The FP8 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_FP8, whose table says what each operand
-    holds): FP32 `[splits, P, N]` partials over the contraction's `splits` slices of `k_per_split`, the rows of the
-    tiles' pairs written (the others hold whatever the buffer held)."""
-    return _narrow_call("grouped_matmul_fp8", x, x_scale, w, w_scale, tiles, splits, k_per_split)
+    holds): FP32 `[splits, P, N]` partials over the contraction's `splits` slices of `k_per_split` (`[splits, P,
+    2N]`, `w`'s columns then `w_second`'s, with a second weight), the rows of the tiles' pairs written (the others
+    hold whatever the buffer held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: `x` has a row a
+    pair)."""
+    return _narrow_call("grouped_matmul_fp8", x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second,
+                        w_second_scale)
 
 
-def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int):
+def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
+                              w_second=None, w_second_scale=None):
     """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): as `grouped_matmul_fp8_call`."""
-    return _narrow_call("grouped_matmul_mxfp4", x, x_scale, w, w_scale, tiles, splits, k_per_split)
+    return _narrow_call("grouped_matmul_mxfp4", x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second,
+                        w_second_scale)
 
 
-def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split):
-    out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
+def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale):
+    two = w_second is not None
+    pairs = x.shape[0] if x_rows is None else x_rows.shape[0]
+    out = jax.ShapeDtypeStruct((splits, pairs, w.shape[1] * (2 if two else 1)), jnp.float32)
+    unread = tiles  # an operand the kernel does not read (no row list, no second weight)
     return jax.ffi.ffi_call(EXPERT_TARGETS[op][0], out, has_side_effect=False)(
-        x, x_scale, w, w_scale, tiles, k_per_split=np.int64(k_per_split))
+        x, x_scale, unread if x_rows is None else x_rows, w, w_scale, unread if not two else w_second,
+        unread if not two else w_second_scale, tiles, k_per_split=np.int64(k_per_split),
+        indexed=np.int64(x_rows is not None), two_weights=np.int64(two))
 
 
 def swiglu_mxfp8_call(gate, up, count):
