@@ -382,3 +382,35 @@ def test_mxfp4_widening_bytes_are_the_codes_times_2_to_the_minus_6():
         want = np.array([E2M1_VALUES[(int(word) >> (4 * i)) & 0xF] for i in range(8)]) * 2.0**-6
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_narrow_rows_and_second_weight_are_the_gather_and_two_calls(kind):
+    """The FP8 / MXFP4 kernel reading each pair's row through `x_rows` (rows shuffled, repeated, past the pairs) and
+    computing two weights in one launch gives, bit for bit, the gathered rows' two separate launches (the same
+    units and splits: the same FP32 sums)."""
+    from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng(f"narrow-rows/{kind}")
+    (q, sf, w, ws, gs), _ = _fp8_case(rng, k=512)
+    rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0] + 40), jnp.int32)  # more pairs than rows, repeats
+    gs = gs.at[0].add(40)
+    if kind == "mxfp4":
+        w = jnp.asarray(rng.integers(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), dtype=np.uint8))
+        ws = jnp.asarray(rng.integers(120, 130, (w.shape[0], w.shape[1], q.shape[1] // 32)), jnp.uint8)
+    w2, ws2 = jnp.flip(w, axis=1), jnp.flip(ws, axis=1)
+    call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
+    tiles = experts.planning.chunks(gs, rows.shape[0], MATMUL_FP8_TILE_PAIRS)
+    kw = dict(splits=2, k_per_split=256)
+    both = jax.jit(lambda: call(q, sf, w, ws, tiles, x_rows=rows, w_second=w2, w_second_scale=ws2, **kw))()
+    one = jax.jit(lambda: call(q[rows], sf[rows], w, ws, tiles, **kw))()
+    two = jax.jit(lambda: call(q[rows], sf[rows], w2, ws2, tiles, **kw))()
+    used = int(np.sum(np.asarray(gs)))
+    n = w.shape[1]
+    np.testing.assert_array_equal(np.asarray(both)[:, :used, :n], np.asarray(one)[:, :used])
+    np.testing.assert_array_equal(np.asarray(both)[:, :used, n:], np.asarray(two)[:, :used])
