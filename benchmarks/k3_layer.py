@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import os
 import sys
 
@@ -168,7 +169,7 @@ def main(argv=None):
                                                 "ragged_dot)")
     p.add_argument("--dense", default="auto", choices=["auto", "xla", "kernel"],
                    help="the router's and projections' `dense.matmul` implementation")
-    p.add_argument("--topk", default="top_k", choices=["top_k", "rank"], help="`moe.top_k_softmax`'s method")
+    p.add_argument("--topk", default="top_k", choices=["top_k", "rank", "auto"], help="`moe.top_k_softmax`'s method")
     p.add_argument("--fuse-router", action="store_true",
                    help="router and down projection as one [H, E + L] weight, one matmul")
     p.add_argument("--device-time", action="store_true",
@@ -243,7 +244,7 @@ def main(argv=None):
                 res["ratio"] = res["layer_pipelined_us"] / res["floor_us"]
                 res["ratio_spec"] = res["layer_pipelined_us"] / res["floor_spec_us"]
                 name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}/dense-{args.dense}" + (
-                    "-fused" if args.fuse_router else "") + ("/topk-rank" if args.topk == "rank" else "")
+                    "-fused" if args.fuse_router else "") + (f"/topk-{args.topk}" if args.topk != "top_k" else "")
                 rows += [(name, ranks, t, m, v) for m, v in res.items()]
                 kind = "_device" if "layer_device_us" in res else ""
                 split = " + ".join(f"{part} {res[f'{part}{kind}_us']:.1f}" for part in ("comm", "experts", "rest"))
@@ -251,6 +252,7 @@ def main(argv=None):
                       f"{res['layer_pipelined_us']:8.1f} back to back ({res['ratio']:.2f}x floor {res['floor_us']:.1f},"
                       f" {res['ratio_spec']:.2f}x at 4.8 TB/s) = {split}  ({layers} layer(s))", flush=True)
             del params
+            gc.collect()  # the format's weights go before the next format's are made
     date = datetime.date.today().isoformat()
     with open(args.out, "w", newline="") as fh:
         w = csv.writer(fh)

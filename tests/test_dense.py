@@ -79,5 +79,9 @@ def test_top_k_by_rank_is_top_k(t, e, k):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
     # the same logits; the softmax fused into another kernel may evaluate exp differently: a few FP32 ulps
     np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2.0**-20, atol=0)
+    auto = jax.jit(lambda l: moe.top_k_softmax(l, k, "auto"))(logits)  # rank up to RANK_MAX_TOKENS, else top_k
+    want = jax.jit(lambda l: moe.top_k_softmax(l, k, "rank" if t <= moe.RANK_MAX_TOKENS else "top_k"))(logits)
+    np.testing.assert_array_equal(np.asarray(auto[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(auto[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="'sort'"):
         moe.top_k_softmax(logits, k, "sort")
