@@ -357,6 +357,7 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 
     xq, xs = x[pl.row], sf[pl.row]
+
     def fp8(q, s, w):
         mm = gmm_fp8 if kind == "fp8" else gmm_mxfp4
         return mm(q, s, w.values, w.scale, gs, impl=impl, expected_groups=expected)

@@ -81,6 +81,17 @@ RECIPROCAL_448_BITS = 0x3B124925
 SF_NONFINITE = 255
 
 
+def bf16_magnitude_max(words) -> Uint32:
+    """The largest magnitude's bits (sign clear) of the BF16 pairs in `words` (each a `Uint32` of two BF16s):
+    non-negative floats order like their bits (a NaN's or an Inf's bits are the largest, `mxfp8_exponent` flags
+    them). Traced inline (a Python list of DSL values)."""
+    top = Uint32(0)
+    for word in words:
+        top = cutlass.max(top, word & Uint32(0x7FFF))
+        top = cutlass.max(top, (word >> Uint32(16)) & Uint32(0x7FFF))
+    return top
+
+
 @cute.jit
 def mxfp8_exponent(top: Uint32) -> Uint32:
     """The E8M0 exponent `e` of a 32-block whose largest magnitude has the BF16 bits `top` (sign clear), as

@@ -35,6 +35,7 @@ from jax_latent_ep.kernels.common import (
     compile_cubin,
     expert_rank_bit,
     fail,
+    bf16_magnitude_max,
     load_peer_table,
     mxfp8_exponent,
     mxfp8_inverse,
@@ -424,14 +425,7 @@ class Dispatch:
                 shared[0] = Int32(mask)
 
         # MXFP8 of elements [16 tid, 16 tid + 16): two threads per 32-block.
-        top = Uint32(0)
-        for w in cutlass.range_constexpr(8):
-            lo = words[w] & Uint32(0x7FFF)
-            hi = (words[w] >> Uint32(16)) & Uint32(0x7FFF)
-            if lo > top:
-                top = lo
-            if hi > top:
-                top = hi
+        top = bf16_magnitude_max([words[w] for w in range(8)])
         other = shfl_bfly(top, 1)
         if other > top:
             top = other

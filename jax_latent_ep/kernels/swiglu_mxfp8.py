@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import compile_cubin, mxfp8_exponent, mxfp8_inverse
+from jax_latent_ep.kernels.common import bf16_magnitude_max, compile_cubin, mxfp8_exponent, mxfp8_inverse
 from jax_latent_ep.kernels.primitives import (
     add_rn,
     bf16x2,
@@ -113,14 +113,7 @@ class SwigluMxfp8:
                  for j in range(UNIT // 2)]  # unrolled: a Python comprehension
 
             # ---- 3. MXFP8 of the 32-block over four lanes.
-            top = Uint32(0)
-            for j in cutlass.range_constexpr(UNIT // 2):
-                lo = h[j] & Uint32(0x7FFF)
-                hi = (h[j] >> Uint32(16)) & Uint32(0x7FFF)
-                if lo > top:
-                    top = lo
-                if hi > top:
-                    top = hi
+            top = bf16_magnitude_max(h)
             for offset_lanes in cutlass.range_constexpr(2):
                 other = shfl_bfly(top, 1 << offset_lanes)
                 if other > top:
