@@ -252,7 +252,8 @@ def main(argv=None):
                       f"{res['layer_pipelined_us']:8.1f} back to back ({res['ratio']:.2f}x floor {res['floor_us']:.1f},"
                       f" {res['ratio_spec']:.2f}x at 4.8 TB/s) = {split}  ({layers} layer(s))", flush=True)
             del params
-            gc.collect()  # the format's weights go before the next format's are made
+            jax.clear_caches()  # the format's weights and programs go before the next format's are made
+            gc.collect()
     date = datetime.date.today().isoformat()
     with open(args.out, "w", newline="") as fh:
         w = csv.writer(fh)
