@@ -16,8 +16,7 @@ on the XLA plan),
 `kernel-fp8` (the `kernel` path on FP8 weights with a scale per 128 x 128 block, `experts.BlockScaled`: its floor,
 `floor-fp8/..`, counts 1 byte a weight and the scales), `wgmma-fp8` (the same weights `[out, in]`,
 `experts.BlockScaledOutIn`, on the FP8 grouped matmul `experts.grouped.gmm_fp8`; `wgmma-fp8-xla-plan` on the XLA
-plan), `wgmma-mxfp4` (MXFP4 weights
-on `gmm_mxfp4`; floor `floor-mxfp4/..`, half a byte a weight and a byte per 32), `ragged_dot-default`
+plan), `wgmma-mxfp4` (MXFP4 weights on `gmm_mxfp4`; floor `floor-mxfp4/..`, half a byte a weight and a byte per 32), `ragged_dot-default`
 (lax.ragged_dot as XLA lowers it by default),
 `ragged_dot-cudnn` (a fresh process with `--xla_gpu_experimental_use_ragged_dot_fusion=true`),
 `ragged_dot-pallas` (a fresh process with `jax_ragged_dot_use_gpu_pallas_triton_lowering`), `gather` (each pair

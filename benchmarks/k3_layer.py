@@ -6,9 +6,10 @@
 The layer (per rank, `jax_latent_ep.example.moe`'s, at K3's sizes): router 7168 -> 896 logits, top-16, softmax;
 down projection 7168 -> 3584 (bf16; the router and both projections `dense.matmul(impl=--dense)`, with
 `--fuse-router` the router and down as one weight; the top-16 `moe.top_k_softmax(method=--topk)`); `ep.dispatch`;
-the expert stage (`experts.expert_stage`, SwiGLU, intermediate `--intermediate`) on the format's weights: `bf16` (`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]`
-blocks, `experts.BlockScaledOutIn`) and `mxfp4` (`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine`
-with RMSNorm; up projection 3584 -> 7168 and the residual.
+the expert stage (`experts.expert_stage`, SwiGLU, intermediate `--intermediate`) on the format's weights: `bf16`
+(`--impl`, default `kernel` on a GPU), `fp8` (`[out, in]` blocks, `experts.BlockScaledOutIn`) and `mxfp4`
+(`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine` with RMSNorm; up projection 3584 -> 7168 and the
+residual.
 
 Cases, one GPU each:
 - `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: the xla backend on a one-device mesh (its dispatch /
@@ -27,7 +28,7 @@ the GPU's kernel time, `*_device_us`. The floor: the bytes of every weight the l
 the active local experts of each layer's routing in the format's bytes with their scales) over the best stream
 measured in the same run (`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` /
 `ratio_spec` are the back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
-with backend `k3_layer/<case>/<backend>/I<I>/<format>/dense-<impl>[-fused]`.
+with backend `k3_layer/<case>/<backend>/I<I>/<format>/dense-<impl>[-fused][/topk-<method>]`.
 """
 
 from __future__ import annotations

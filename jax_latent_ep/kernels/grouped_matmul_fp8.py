@@ -10,8 +10,9 @@ The operands are swapped for decode's few pairs an expert: the weights, `[out, i
 (`m64n32k32`). A unit is (split, tile, 128 output columns), `u = (split * used + tile) * columns + column` over
 the used tiles (`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s)
 and the output's columns (`w`'s, then with `w_second` the second weight's: gate and up in one launch, one `out`
-row holding both); a pair's row of `x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA streams those columns' weights over the split's contraction `split * k_per_split ..`
-once for all the tile's pairs, into `out[split]`. The grid is persistent (at most the resident CTAs): CTA `c`
+row holding both); a pair's row of `x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA
+streams those columns' weights over the split's contraction `split * k_per_split ..` once for all the tile's
+pairs, into `out[split]`. The grid is persistent (at most the resident CTAs): CTA `c`
 computes units `c, c + stride, ..` (`common.balanced_stride`), so a list sized for the worst case costs no CTA per
 empty tile, and splits give decode's few tiles enough units. Pairs past a tile's are zero-filled and never stored.
 
@@ -423,7 +424,8 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
                          + Int64(k0 // 2 + (idx % 4) * 16))
             a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0, MX_B_OFFSET)
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0,
+                                                               MX_B_OFFSET)
         ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K) + Int64(
             k0 // BLOCK_K)
 
