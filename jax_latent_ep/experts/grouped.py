@@ -22,7 +22,7 @@ from jax import lax
 
 from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
-from jax_latent_ep.experts.kernel import _kernel_row_sums, _split_sum
+from jax_latent_ep.experts.kernel import _expected_active, _kernel_row_sums, _split_sum
 from jax_latent_ep.experts.planning import chunks
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -334,16 +334,18 @@ def gmm_mxfp4(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expecte
     return _xla_gmm_fp8(x, x_scale, blocks.reshape(values.shape), ones, group_sizes)
 
 
-def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kernel_row_sums: bool = False):
+def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kernel_row_sums: bool = False,
+                    expected_pairs: int | None = None):
     """The expert stage on `[out, in]` FP8 weights (`BlockScaledOutIn`) with `gmm_fp8`, or on MXFP4 weights with
     `gmm_mxfp4` ("xla" or "wgmma"): gate and up on the MXFP8 rows `mx = (x, sf)` the bf16 `xb` dequantizes
     (quantized from `xb` when None: the same rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each
     row's FP32 sum of its pairs (`_row_sums`; on "wgmma" with `kernel_row_sums` the row-sum kernel, the same
     bits); the numerics of `docs/experts.md`'s FP8 weights. "wgmma" computes `h` and its MXFP8 in one kernel over
-    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's). No VJP."""
+    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's); its contraction splits are
+    chosen for `min(J, C, expected_pairs)` active experts (`kernel._expected_active`). No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
-    expected = min(gs.shape[0], pl.capacity)
+    expected = _expected_active(pl, expected_pairs)
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
         from jax_latent_ep.runtime import ffi

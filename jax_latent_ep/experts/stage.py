@@ -52,7 +52,8 @@ def swiglu_rows(pl: Plan, xb, w_gate, w_up, w_down, *, impl: str = "ragged_dot",
     _check_inputs(pl, xb, w_gate, w_up, w_down, impl)
     if isinstance(w_down, (BlockScaledOutIn, MXFP4)) and impl in GMM_STAGE:  # the FP8 tensor cores, no VJP
         kernel_sums = pl.row_pairs.size > XLA_ROW_SUM_SLOTS and jnp.dtype(out_dtype) == jnp.bfloat16
-        return grouped.swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype, kernel_sums)
+        return grouped.swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype, kernel_sums,
+                                        expected_pairs)
     if impl in GMM_STAGE:  # the same forward, with a backward of gathers (`grouped.swiglu_rows`)
         return grouped.swiglu_rows(pl, xb, w_gate, w_up, w_down, GMM_STAGE[impl], out_dtype)
     return _row_sums(pl, IMPLEMENTATIONS[impl](pl, xb, w_gate, w_up, w_down, expected_pairs, mx), out_dtype)
