@@ -96,6 +96,12 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8(XLA_FFI_CallFrame* call_f
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_mxfp4_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8N8(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_fp8_n8_targets().traced);
+}
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4N8(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_mxfp4_n8_targets().traced);
+}
 extern "C" EP_EXPORT XLA_FFI_Error* EpSwigluMxfp8(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::swiglu_mxfp8_targets().traced);
 }

@@ -414,3 +414,33 @@ def test_narrow_rows_and_second_weight_are_the_gather_and_two_calls(kind):
     n = w.shape[1]
     np.testing.assert_array_equal(np.asarray(both)[:, :used, :n], np.asarray(one)[:, :used])
     np.testing.assert_array_equal(np.asarray(both)[:, :used, n:], np.asarray(two)[:, :used])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_small_tiles_are_the_large_tiles_bits(kind):
+    """The kernels of 8-pair tiles (`m64n8k32`) give the 32-pair tiles' bits: each output is one pair's sum of the
+    same 32-deep block products in the same order; groups of 0 to over 32 pairs, rows through `x_rows`, two
+    weights, two splits."""
+    from jax_latent_ep.kernels import abi
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng(f"small-tiles/{kind}")
+    (q, sf, w, ws, gs), _ = _fp8_case(rng, k=512)
+    rows = jnp.asarray(rng.permutation(q.shape[0]), jnp.int32)
+    if kind == "mxfp4":
+        w = jnp.asarray(rng.integers(0, 256, (w.shape[0], w.shape[1], w.shape[2] // 2), dtype=np.uint8))
+        ws = jnp.asarray(rng.integers(120, 130, (w.shape[0], w.shape[1], q.shape[1] // 32)), jnp.uint8)
+    call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
+    kw = dict(x_rows=rows, w_second=jnp.flip(w, axis=1), w_second_scale=jnp.flip(ws, axis=1), splits=2,
+              k_per_split=256)
+    small = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_SMALL_TILE_PAIRS)
+    large = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_TILE_PAIRS)
+    got = jax.jit(lambda: call(q, sf, w, ws, small, small_tiles=True, **kw))()
+    want = jax.jit(lambda: call(q, sf, w, ws, large, **kw))()
+    used = int(np.sum(np.asarray(gs)))
+    assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_TILE_PAIRS and np.any(np.asarray(want)[:, :used] != 0)
+    np.testing.assert_array_equal(np.asarray(got)[:, :used], np.asarray(want)[:, :used])

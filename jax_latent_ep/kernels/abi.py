@@ -66,8 +66,9 @@ MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
 #: one, the ring running on across them): enough for every SM to take several in turn.
 MATMUL_WGRAD_CTAS = 1024
-#: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n).
+#: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n), and of its small-tile variants.
 MATMUL_FP8_TILE_PAIRS = 32
+MATMUL_FP8_SMALL_TILE_PAIRS = 8
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -305,10 +306,10 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
-def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
+def _narrow_matmul(op: str, w: str, w_scale: str, tile_pairs: int = MATMUL_FP8_TILE_PAIRS) -> Kernel:
     """The grouped matmul of decode sizes on FP8 tensor cores (`kernels/grouped_matmul_fp8.py`, sm_90a `wgmma`
-    e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's pairs the narrow
-    one; each 32-deep block's product promoted into FP32 with its two scales."""
+    e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's at most
+    `tile_pairs` pairs the narrow one; each 32-deep block's product promoted into FP32 with its two scales."""
     return Kernel(op, "ep_" + op, (
         _address("x", "float8_e4m3fn [R, num_k]: MXFP8 elements, a row a pair (sorted by group) or rows `x_rows` "
                  "names"),
@@ -318,8 +319,8 @@ def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
         _address("w_scale", w_scale),
         _address("w_second", "as `w`: a second weight (up beside gate), or 0"),
         _address("w_second_scale", "as `w_scale`: its scales (unread without `w_second`)"),
-        _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) "
-                 "per tile, the used first; pairs 0: none"),
+        _address("tiles", f"int32 [num_tiles, 4]: (group, first pair, pairs <= {tile_pairs}, used tiles) per tile, "
+                 "the used first; pairs 0: none"),
         _address("out", "f32 [S, P, num_n] (`w_second` 0) or [S, P, 2 num_n] (`w`'s columns, then `w_second`'s): "
                  "split s's partial (contraction `s k_per_split ..`) in `out[s]`; rows of the tiles' pairs written, "
                  "the others untouched (output)"),
@@ -339,10 +340,16 @@ GROUPED_MATMUL_FP8 = _narrow_matmul(
 GROUPED_MATMUL_MXFP4 = _narrow_matmul(
     "grouped_matmul_mxfp4", "uint8 [G, num_n, num_k / 2]: each group's e2m1 codes, `[out, in]`, the even input low",
     "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output")
+#: Their variants of `MATMUL_FP8_SMALL_TILE_PAIRS`-pair tiles (`m64n8k32`), for about one pair an expert: the same
+#: parameters, tiles of at most that many pairs.
+GROUPED_MATMUL_FP8_N8 = Kernel("grouped_matmul_fp8_n8", "ep_grouped_matmul_fp8_n8", GROUPED_MATMUL_FP8.params,
+                               params_of="grouped_matmul_fp8", archs=("sm_90a",))
+GROUPED_MATMUL_MXFP4_N8 = Kernel("grouped_matmul_mxfp4_n8", "ep_grouped_matmul_mxfp4_n8", GROUPED_MATMUL_MXFP4.params,
+                                 params_of="grouped_matmul_mxfp4", archs=("sm_90a",))
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
                              GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4,
-                             SWIGLU_MXFP8)}
+                             GROUPED_MATMUL_FP8_N8, GROUPED_MATMUL_MXFP4_N8, SWIGLU_MXFP8)}
 
 
 def c_name(op: str) -> str:
@@ -464,6 +471,7 @@ def header() -> str:
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",
         f"constexpr int kMatmulFp8TilePairs = {MATMUL_FP8_TILE_PAIRS};",
+        f"constexpr int kMatmulFp8SmallTilePairs = {MATMUL_FP8_SMALL_TILE_PAIRS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -3,30 +3,33 @@ block-scaled weights, `out[p] = x[p] @ w[group of p]^T` in FP32, neither operand
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.GROUPED_MATMUL_FP8`.
+Parameters: `kernels.abi.GROUPED_MATMUL_FP8` (and its variants, `VARIANTS`: MXFP4 weights, 8-pair tiles).
 
 The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
 `wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
-(`m64n32k32`). A unit is (split, tile, 128 output columns), `u = (split * used + tile) * columns + column` over
-the used tiles (`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s)
-and the output's columns (`w`'s, then with `w_second` the second weight's: gate and up in one launch, one `out`
-row holding both); a pair's row of `x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA
-streams those columns' weights over the split's contraction `split * k_per_split ..` once for all the tile's
-pairs, into `out[split]`. The grid is persistent (at most the resident CTAs): CTA `c`
-computes units `c, c + stride, ..` (`common.balanced_stride`), so a list sized for the worst case costs no CTA per
-empty tile, and splits give decode's few tiles enough units. Pairs past a tile's are zero-filled and never stored.
+(`m64n32k32`; `m64n8k32` in the variants of `SMALL_TILE_PAIRS`, for about one pair an expert). A unit is (split,
+tile, 128 output columns), `u = (split * used + tile) * columns + column` over the used tiles (`(group, first pair,
+pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s) and the output's columns (`w`'s,
+then with `w_second` the second weight's: gate and up in one launch, one `out` row holding both); a pair's row of
+`x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA streams those columns' weights over the
+split's contraction `split * k_per_split ..` once for all the tile's pairs, into `out[split]`. The grid is
+persistent (at most the resident CTAs): CTA `c` computes units `c, c + stride, ..` (`common.balanced_stride`), so a
+list sized for the worst case costs no CTA per empty tile, and splits give decode's few tiles enough units. Pairs
+past a tile's are zero-filled and never stored.
 
 Numerics (`docs/experts.md`, FP8 weights): each 32-deep block of the contraction is one MMA (the exact products'
 sum in the tensor core), added to the FP32 accumulator times `2^(s - 127) * scale` (the pair's E8M0 scale of that
 block, 0 for `s = 0`, and the weight block's FP32 scale, multiplied once) in one FMA, a split's blocks in
 ascending k (the caller sums the splits' partials in split order).
 
-A stage is 128 contraction elements, one 128-byte line a row: the weights' 128 lines, the pairs' `TILE_PAIRS`
+A stage is 128 contraction elements, one 128-byte line a row (`StageLayout`): the weights' 128 lines, a tile's
 lines (both K-major in the 128-byte swizzle, as `grouped_matmul`'s), the pairs' 4 scale bytes each and the weight
 block's scale, copied by `cp.async` through a `STAGES`-deep ring.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
@@ -53,7 +56,7 @@ from jax_latent_ep.kernels.primitives import (
     store_f32,
     store_shared_v4,
     wgmma_commit,
-    wgmma_e4m3_m64n32k32,
+    wgmma_e4m3_m64k32,
     wgmma_fence,
     wgmma_wait,
 )
@@ -63,8 +66,9 @@ from jax_latent_ep.kernels.primitives import (
 
 #: Output columns of one CTA (two warpgroups of 64 weight rows; one weight scale block).
 TILE_N = 128
-#: Pairs of one tile: the MMA's n.
+#: Pairs of one tile: the MMA's n (`m64n32k32`); the small tile's (`m64n8k32`), for about one pair an expert.
 TILE_PAIRS = abi.MATMUL_FP8_TILE_PAIRS
+SMALL_TILE_PAIRS = abi.MATMUL_FP8_SMALL_TILE_PAIRS
 #: Contraction elements of one stage: a 128-byte line of e4m3, four 32-deep blocks.
 TILE_K = 128
 BLOCK_K = 32
@@ -75,28 +79,89 @@ STAGES = 5
 CTAS_PER_SM = 2
 LINE_BYTES = 128
 A_BYTES = TILE_N * LINE_BYTES
-B_BYTES = TILE_PAIRS * LINE_BYTES
-#: The stage's scales after its operands: the pairs' 4 E8M0 bytes each, then the weight block's FP32 scale.
-X_SCALE_OFFSET = A_BYTES + B_BYTES
-W_SCALE_OFFSET = X_SCALE_OFFSET + 4 * TILE_PAIRS
-#: A stage, rounded up to the 1024-byte swizzle atoms.
-STAGE_BYTES = (W_SCALE_OFFSET + 4 + 1023) // 1024 * 1024
-SMEM_BYTES = STAGES * STAGE_BYTES + 1024
 #: 16-byte chunks of the weights' stage each thread copies.
 A_CHUNKS = A_BYTES // 16 // THREADS
-#: `m64n32` accumulators of one thread.
-ACC = 64 * TILE_PAIRS // 128
+#: 16-byte chunks of MXFP4 packed codes (32 inputs of one row) each thread copies and widens a stage.
+MX_CHUNKS = TILE_N * TILE_K // 2 // 16 // THREADS
 TILE_WORDS = abi.MATMUL_TILE_WORDS
 
 
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Byte offsets in shared memory of a CTA whose tiles hold `pairs` pairs (8, 16, 24 or 32).
+
+    An FP8 stage: the weights' 128 lines, the pairs' lines (both K-major in the 128-byte swizzle), the pairs' 4
+    scale bytes each, the weight block's FP32 scale. An MXFP4 stage (`mx_*`): the pairs' lines (swizzled), the
+    weights' packed codes (64 bytes a row, linear), the pairs' scale words, the weight rows' scale words; the
+    widened weights go to one of two tiles after the ring. A stage rounds up to the 1024-byte swizzle atoms."""
+
+    pairs: int
+
+    def __post_init__(self):
+        if self.pairs % 8 or not 8 <= self.pairs <= 32:
+            raise ValueError(f"StageLayout: pairs={self.pairs} must be 8, 16, 24 or 32")
+
+    @property
+    def x_scale_offset(self) -> int:
+        return A_BYTES + self.pairs * LINE_BYTES
+
+    @property
+    def w_scale_offset(self) -> int:
+        return self.x_scale_offset + 4 * self.pairs
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.w_scale_offset + 4 + 1023) // 1024 * 1024
+
+    @property
+    def smem_bytes(self) -> int:
+        return STAGES * self.stage_bytes + 1024
+
+    @property
+    def acc(self) -> int:
+        """FP32 accumulators of one thread (`m64n<pairs>`)."""
+        return 64 * self.pairs // 128
+
+    @property
+    def mx_packed_offset(self) -> int:
+        return self.pairs * LINE_BYTES
+
+    @property
+    def mx_x_scale_offset(self) -> int:
+        return self.mx_packed_offset + TILE_N * TILE_K // 2
+
+    @property
+    def mx_w_scale_offset(self) -> int:
+        return self.mx_x_scale_offset + 4 * self.pairs
+
+    @property
+    def mx_stage_bytes(self) -> int:
+        return (self.mx_w_scale_offset + 4 * TILE_N + 1023) // 1024 * 1024
+
+    @property
+    def mx_tiles_offset(self) -> int:
+        return STAGES * self.mx_stage_bytes
+
+    @property
+    def mx_smem_bytes(self) -> int:
+        return self.mx_tiles_offset + 2 * A_BYTES + 1024
+
+
+#: kernel -> (its tiles' pairs, MXFP4 weights)
+VARIANTS = {"grouped_matmul_fp8": (TILE_PAIRS, False), "grouped_matmul_fp8_n8": (SMALL_TILE_PAIRS, False),
+            "grouped_matmul_mxfp4": (TILE_PAIRS, True), "grouped_matmul_mxfp4_n8": (SMALL_TILE_PAIRS, True)}
+
+
 def smem_bytes() -> int:
-    """Dynamic shared memory bytes the launcher must pass."""
-    return SMEM_BYTES
+    """Dynamic shared memory bytes the launcher must pass (the FP8 kernel's)."""
+    return StageLayout(TILE_PAIRS).smem_bytes
 
 
 def launch_shape(kernel: str = "grouped_matmul_fp8") -> tuple[int, int]:
-    """(threads per CTA, dynamic shared bytes) of `kernel` (either of this module's)."""
-    return THREADS, MX_SMEM_BYTES if kernel == "grouped_matmul_mxfp4" else SMEM_BYTES
+    """(threads per CTA, dynamic shared bytes) of `kernel` (one of `VARIANTS`)."""
+    pairs, mx = VARIANTS[kernel]
+    layout = StageLayout(pairs)
+    return THREADS, layout.mx_smem_bytes if mx else layout.smem_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,11 +169,32 @@ def launch_shape(kernel: str = "grouped_matmul_fp8") -> tuple[int, int]:
 # FFI launches the cubin with its own grid.
 
 
+def _kernel_entry(op: abi.Kernel):
+    """A kernel entry of `op`'s parameters that runs the class's `run_tiles`, named `op.symbol` (each variant its
+    own, one cubin each)."""
+
+    @cute.kernel
+    def kernel(self, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, w_second: Int64,
+               w_second_scale: Int64, tiles: Int64, out: Int64, num_k: Int32, num_n: Int32, num_tiles: Int32,
+               num_rows: Int32, k_per_split: Int32):
+        self.run_tiles(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_rows,
+                       k_per_split)
+
+    kernel.set_name_prefix(op.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
+    return kernel
+
+
 class GroupedMatmulFp8:
     """The FP8 grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul_fp8` builds it."""
 
-    #: Dynamic shared bytes of a CTA.
-    smem = SMEM_BYTES
+    #: Pairs of a tile (the MMA's n) and the shared memory they set.
+    pairs = TILE_PAIRS
+    layout = StageLayout(TILE_PAIRS)
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared bytes of a CTA."""
+        return self.layout.smem_bytes
 
     @cute.jit
     def launch(
@@ -136,26 +222,7 @@ class GroupedMatmulFp8:
     # -----------------------------------------------------------------------------------------------------
     # Device code
 
-    @cute.kernel
-    def kernel(
-        self,
-        x: Int64,
-        x_scale: Int64,
-        x_rows: Int64,
-        w: Int64,
-        w_scale: Int64,
-        w_second: Int64,
-        w_second_scale: Int64,
-        tiles: Int64,
-        out: Int64,
-        num_k: Int32,
-        num_n: Int32,
-        num_tiles: Int32,
-        num_rows: Int32,
-        k_per_split: Int32,
-    ):
-        self.run_tiles(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_rows,
-                       k_per_split)
+    kernel = _kernel_entry(abi.GROUPED_MATMUL_FP8)
 
     @cute.jit
     def run_tiles(self, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, w_second: Int64,
@@ -208,7 +275,7 @@ class GroupedMatmulFp8:
         tid = Int32(tid)
         lane = tid % 32
         column = n0 + (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
-        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+        for j in cutlass.range_constexpr(self.pairs // 8):
             for e in cutlass.range_constexpr(2):
                 p = 8 * j + 2 * (lane % 4) + e
                 if p < rows:
@@ -228,7 +295,7 @@ class GroupedMatmulFp8:
         lane = tid % 32
 
         # This thread's copies of a stage: weight lines `tid / 8 + 32 i`, chunk `tid % 8` (16-byte chunk c of line
-        # l at c ^ (l % 8)), its pair's (`pair_copies`), and thread TILE_PAIRS the weight block's scale.
+        # l at c ^ (l % 8)), its pair's (`pair_copies`), and thread `pairs` the weight block's scale.
         chunk = tid % 8
         a_src, a_dst = [], []
         for i in cutlass.range_constexpr(A_CHUNKS):
@@ -239,12 +306,12 @@ class GroupedMatmulFp8:
         ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(num_k // TILE_K)
                             + Int64(k0 // TILE_K)) * 4
 
-        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout(self.layout.acc), cutlass.Float32)
         acc.fill(0.0)
         ahead = STAGES - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
-                self.load_stage(ring + Uint32(s * STAGE_BYTES), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
+                self.load_stage(ring + Uint32(s * self.layout.stage_bytes), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
                                 s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
 
@@ -255,16 +322,16 @@ class GroupedMatmulFp8:
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * STAGE_BYTES), kt + ahead, tid, a_src, a_dst,
+                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * self.layout.stage_bytes), kt + ahead, tid, a_src, a_dst,
                                 b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot = ring + Uint32((kt % STAGES) * STAGE_BYTES)
+            slot = ring + Uint32((kt % STAGES) * self.layout.stage_bytes)
             wgmma_fence()
             parts = []
             for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
                 desc_a = smem_descriptor(slot + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
                 desc_b = smem_descriptor(slot + Uint32(A_BYTES + kb * BLOCK_K), 16, 1024)
-                parts.append(wgmma_e4m3_m64n32k32(desc_a, desc_b))
+                parts.append(wgmma_e4m3_m64k32(desc_a, desc_b, self.pairs))
             wgmma_commit()
             wgmma_wait(0)
             self.promote(acc, parts, slot, lane)
@@ -282,9 +349,9 @@ class GroupedMatmulFp8:
     def pair_copies(self, x: Int64, x_scale: Int64, x_rows: Int64, first: Int32, rows: Int32, tid: Int32, num_k: Int32,
                     k0: Int32, b_offset: int):
         """This thread's share of the pairs' part of every stage: chunk `tid % 8` of pair line `tid / 8` (swizzled,
-        at `b_offset` in the stage) and, for the first TILE_PAIRS threads, pair `tid`'s scale word, each pair's row
-        of `x` its own (`x_rows` 0) or `x_rows[pair]`; returns `(line live, its source, its place, scale live, its
-        source)`, sources of the stage at contraction `k0`."""
+        at `b_offset` in the stage; the first `8 pairs` threads) and, for the first `pairs` threads, pair `tid`'s
+        scale word, each pair's row of `x` its own (`x_rows` 0) or `x_rows[pair]`; returns `(line live, its source,
+        its place, scale live, its source)`, sources of the stage at contraction `k0`."""
         chunk = tid % 8
         pair = tid // 8
         line_row = first + pair
@@ -303,14 +370,13 @@ class GroupedMatmulFp8:
     def load_pairs(self, slot: Uint32, stage: Int32, tid: Int32, b_live, b_src: Int64, b_dst: Uint32, s_live,
                    s_src: Int64, x_base: Int64, s_base: Int64, x_scale_offset: int):
         """Issues this thread's pair copies of stage `stage` (`pair_copies`): 16 zero bytes naming `x_base` past the
-        tile's pairs, a zero scale word naming `s_base` past them."""
-        src = x_base
-        size = Uint32(0)
-        if b_live:
-            src = b_src + Int64(stage) * TILE_K
-            size = Uint32(16)
-        cp_async_16(slot + b_dst, src, size)
-        if tid < TILE_PAIRS:
+        tile's pairs, a zero scale word naming `s_base` past them; threads past the tile's lines copy none."""
+        if cutlass.const_expr(8 * self.pairs == THREADS):
+            self.load_line(slot, stage, b_live, b_src, b_dst, x_base)
+        else:
+            if tid < 8 * self.pairs:
+                self.load_line(slot, stage, b_live, b_src, b_dst, x_base)
+        if tid < self.pairs:
             src = s_base
             size = Uint32(0)
             if s_live:
@@ -319,18 +385,28 @@ class GroupedMatmulFp8:
             cp_async_4(slot + Uint32(x_scale_offset) + Uint32(4) * Uint32(tid), src, size)
 
     @cute.jit
+    def load_line(self, slot: Uint32, stage: Int32, b_live, b_src: Int64, b_dst: Uint32, x_base: Int64):
+        """Issues this thread's 16 bytes of a pair line (zeros naming `x_base` past the tile's pairs)."""
+        src = x_base
+        size = Uint32(0)
+        if b_live:
+            src = b_src + Int64(stage) * TILE_K
+            size = Uint32(16)
+        cp_async_16(slot + b_dst, src, size)
+
+    @cute.jit
     def promote(self, acc, parts, slot: Uint32, lane: Int32):
         """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times its pairs' scales: one FMA a
         value, the scale `2^(s - 127) * w_scale` one FP32 product (s = 0 gives 0)."""
-        ws = load_shared_f32(slot + Uint32(W_SCALE_OFFSET))
+        ws = load_shared_f32(slot + Uint32(self.layout.w_scale_offset))
         words = []
-        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+        for j in cutlass.range_constexpr(self.pairs // 8):
             for e in cutlass.range_constexpr(2):
-                words.append(load_shared_b32(slot + Uint32(X_SCALE_OFFSET) + Uint32(4 * (8 * j + e))
+                words.append(load_shared_b32(slot + Uint32(self.layout.x_scale_offset) + Uint32(4 * (8 * j + e))
                                              + Uint32(8) * Uint32(lane % 4)))
         for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
             part = parts[kb]
-            for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for j in cutlass.range_constexpr(self.pairs // 8):
                 for e in cutlass.range_constexpr(2):
                     s = (words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)
                     scale = mul_rn(f32_from_bits(s << Uint32(23)), ws)
@@ -346,34 +422,18 @@ class GroupedMatmulFp8:
         block's scale."""
         for i in cutlass.range_constexpr(A_CHUNKS):
             cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * TILE_K, Uint32(16))
-        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base, X_SCALE_OFFSET)
-        if tid == TILE_PAIRS:
-            cp_async_4(slot + Uint32(W_SCALE_OFFSET), ws_src + Int64(stage) * 4, Uint32(4))
+        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base,
+                        self.layout.x_scale_offset)
+        if tid == self.pairs:
+            cp_async_4(slot + Uint32(self.layout.w_scale_offset), ws_src + Int64(stage) * 4, Uint32(4))
 
 
-GroupedMatmulFp8.kernel.set_name_prefix(abi.GROUPED_MATMUL_FP8.symbol, remove_cutlass_symbol=True,
-                                        keep_mangled_name=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # MXFP4 weights: e2m1 codes two a byte and an E8M0 scale per 32 inputs, `[out, in]` (`experts.MXFP4`), widened to
 # e4m3 in shared memory (every e2m1 value is exact in e4m3) and multiplied on the same tensor cores, each 32-deep
 # block promoted with `2^(s_w - 127) * 2^(s_x - 127)` (one FP32 product).
-
-#: A ring stage of the MXFP4 kernel: the pairs' lines (swizzled), the weights' packed codes (64 bytes a row,
-#: linear), the pairs' scale words, the weight rows' scale words; the widened weights go to one of two tiles after
-#: the ring.
-MX_B_OFFSET = 0
-MX_PACKED_OFFSET = B_BYTES
-MX_PACKED_BYTES = TILE_N * TILE_K // 2
-MX_X_SCALE_OFFSET = MX_PACKED_OFFSET + MX_PACKED_BYTES
-MX_W_SCALE_OFFSET = MX_X_SCALE_OFFSET + 4 * TILE_PAIRS
-MX_STAGE_BYTES = (MX_W_SCALE_OFFSET + 4 * TILE_N + 1023) // 1024 * 1024
-MX_TILES_OFFSET = STAGES * MX_STAGE_BYTES
-MX_SMEM_BYTES = MX_TILES_OFFSET + 2 * A_BYTES + 1024
-#: 16-byte chunks of packed codes (32 inputs of one row) each thread copies and widens a stage.
-MX_CHUNKS = MX_PACKED_BYTES // 16 // THREADS
-
 
 class GroupedMatmulMxfp4(GroupedMatmulFp8):
     """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
@@ -382,28 +442,11 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
     stage's MMAs run; the promotion carries the 2^6 back (a power of two: exact), the tensor core's block sum
     nearly scale-free (docs/experts.md)."""
 
-    smem = MX_SMEM_BYTES
+    @property
+    def smem(self) -> int:
+        return self.layout.mx_smem_bytes
 
-    @cute.kernel
-    def kernel(
-        self,
-        x: Int64,
-        x_scale: Int64,
-        x_rows: Int64,
-        w: Int64,
-        w_scale: Int64,
-        w_second: Int64,
-        w_second_scale: Int64,
-        tiles: Int64,
-        out: Int64,
-        num_k: Int32,
-        num_n: Int32,
-        num_tiles: Int32,
-        num_rows: Int32,
-        k_per_split: Int32,
-    ):
-        self.run_tiles(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_rows,
-                       k_per_split)
+    kernel = _kernel_entry(abi.GROUPED_MATMUL_MXFP4)
 
     @cute.jit
     def run(self, ring: Uint32, x: Int64, x_scale: Int64, x_rows: Int64, w: Int64, w_scale: Int64, out: Int64,
@@ -423,23 +466,23 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             idx = tid + THREADS * i
             a_src.append(w + (Int64(group) * Int64(num_n) + Int64(n0 + idx // 4)) * Int64(num_k // 2)
                          + Int64(k0 // 2 + (idx % 4) * 16))
-            a_dst.append(Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
-        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0,
-                                                               MX_B_OFFSET)
+            a_dst.append(Uint32(self.layout.mx_packed_offset) + Uint32(idx * 16))
+        b_live, b_src, b_dst, s_live, s_src = self.pair_copies(x, x_scale, x_rows, first, rows, tid, num_k, k0, 0)
         ws_src = w_scale + (Int64(group) * Int64(num_n) + Int64(n0 + tid - 128)) * Int64(num_k // BLOCK_K) + Int64(
             k0 // BLOCK_K)
 
-        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        lay = self.layout
+        acc = cute.make_rmem_tensor(cute.make_layout(lay.acc), cutlass.Float32)
         acc.fill(0.0)
         ahead = STAGES - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
-                self.load_mx(ring + Uint32(s * MX_STAGE_BYTES), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
+                self.load_mx(ring + Uint32(s * lay.mx_stage_bytes), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
                              s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
         cp_async_wait(ahead - 1)
         cute.arch.sync_threads()
-        self.widen(ring, ring + Uint32(MX_TILES_OFFSET), tid)
+        self.widen(ring, ring + Uint32(lay.mx_tiles_offset), tid)
 
         # Invariant at the barrier of step kt: stages kt and kt + 1 are in the ring, stage kt widened into tile
         # kt % 2 (fenced for the async proxy), every MMA of step kt - 1 completed: tile (kt + 1) % 2 takes stage
@@ -449,21 +492,21 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_mx(ring + Uint32(((kt + ahead) % STAGES) * MX_STAGE_BYTES), kt + ahead, tid, a_src, a_dst,
+                self.load_mx(ring + Uint32(((kt + ahead) % STAGES) * lay.mx_stage_bytes), kt + ahead, tid, a_src, a_dst,
                              b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot = ring + Uint32((kt % STAGES) * MX_STAGE_BYTES)
-            tile = ring + Uint32(MX_TILES_OFFSET) + Uint32((kt % 2) * A_BYTES)
+            slot = ring + Uint32((kt % STAGES) * lay.mx_stage_bytes)
+            tile = ring + Uint32(lay.mx_tiles_offset) + Uint32((kt % 2) * A_BYTES)
             wgmma_fence()
             parts = []
             for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
                 desc_a = smem_descriptor(tile + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
-                desc_b = smem_descriptor(slot + Uint32(MX_B_OFFSET + kb * BLOCK_K), 16, 1024)
-                parts.append(wgmma_e4m3_m64n32k32(desc_a, desc_b))
+                desc_b = smem_descriptor(slot + Uint32(kb * BLOCK_K), 16, 1024)
+                parts.append(wgmma_e4m3_m64k32(desc_a, desc_b, self.pairs))
             wgmma_commit()
             if kt + 1 < steps:
-                self.widen(ring + Uint32(((kt + 1) % STAGES) * MX_STAGE_BYTES),
-                           ring + Uint32(MX_TILES_OFFSET) + Uint32(((kt + 1) % 2) * A_BYTES), tid)
+                self.widen(ring + Uint32(((kt + 1) % STAGES) * lay.mx_stage_bytes),
+                           ring + Uint32(lay.mx_tiles_offset) + Uint32(((kt + 1) % 2) * A_BYTES), tid)
             wgmma_wait(0)
             self.promote_mx(acc, parts, slot, tid, lane)
 
@@ -477,7 +520,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             idx = tid + THREADS * i
             row = idx // 4
             c = idx % 4
-            words = load_shared_v4(slot + Uint32(MX_PACKED_OFFSET) + Uint32(idx * 16))
+            words = load_shared_v4(slot + Uint32(self.layout.mx_packed_offset) + Uint32(idx * 16))
             wide = []
             for word in words:
                 wide.extend(e2m1x8_to_e4m3x8_scaled(word))
@@ -493,18 +536,19 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
         row_words = []
         for i in cutlass.range_constexpr(2):
-            row_words.append(load_shared_b32(slot + Uint32(MX_W_SCALE_OFFSET) + Uint32(4) * Uint32(row + 8 * i)))
+            row_words.append(load_shared_b32(slot + Uint32(self.layout.mx_w_scale_offset) + Uint32(4)
+                                             * Uint32(row + 8 * i)))
         words = []
-        for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+        for j in cutlass.range_constexpr(self.pairs // 8):
             for e in cutlass.range_constexpr(2):
-                words.append(load_shared_b32(slot + Uint32(MX_X_SCALE_OFFSET) + Uint32(4 * (8 * j + e))
+                words.append(load_shared_b32(slot + Uint32(self.layout.mx_x_scale_offset) + Uint32(4 * (8 * j + e))
                                              + Uint32(8) * Uint32(lane % 4)))
         for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
             part = parts[kb]
             w_pow = []
             for i in cutlass.range_constexpr(2):
                 w_pow.append(f32_from_bits(((row_words[i] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23)))
-            for j in cutlass.range_constexpr(TILE_PAIRS // 8):
+            for j in cutlass.range_constexpr(self.pairs // 8):
                 for e in cutlass.range_constexpr(2):
                     x_pow = f32_from_bits(((words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23))
                     for i in cutlass.range_constexpr(2):
@@ -520,18 +564,46 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         scale word."""
         for i in cutlass.range_constexpr(MX_CHUNKS):
             cp_async_16(slot + a_dst[i], a_src[i] + Int64(stage) * (TILE_K // 2), Uint32(16))
-        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base, MX_X_SCALE_OFFSET)
+        self.load_pairs(slot, stage, tid, b_live, b_src, b_dst, s_live, s_src, x_base, s_base,
+                        self.layout.mx_x_scale_offset)
         if tid >= THREADS - TILE_N:
-            cp_async_4(slot + Uint32(MX_W_SCALE_OFFSET) + Uint32(4) * Uint32(tid - (THREADS - TILE_N)),
+            cp_async_4(slot + Uint32(self.layout.mx_w_scale_offset) + Uint32(4) * Uint32(tid - (THREADS - TILE_N)),
                        ws_src + Int64(stage) * 4, Uint32(4))
 
 
-GroupedMatmulMxfp4.kernel.set_name_prefix(abi.GROUPED_MATMUL_MXFP4.symbol, remove_cutlass_symbol=True,
-                                          keep_mangled_name=False)
+# ---------------------------------------------------------------------------------------------------------
+# The small tiles: decode's few pairs an expert (`VARIANTS`).
+
+
+class GroupedMatmulFp8N8(GroupedMatmulFp8):
+    """`GroupedMatmulFp8` on tiles of `SMALL_TILE_PAIRS` pairs (`m64n8k32`): a quarter of the MMA, promotion and
+    pair copies, for about one pair an expert."""
+
+    pairs = SMALL_TILE_PAIRS
+    layout = StageLayout(SMALL_TILE_PAIRS)
+    kernel = _kernel_entry(abi.GROUPED_MATMUL_FP8_N8)
+
+
+class GroupedMatmulMxfp4N8(GroupedMatmulMxfp4):
+    """`GroupedMatmulMxfp4` on tiles of `SMALL_TILE_PAIRS` pairs (`m64n8k32`)."""
+
+    pairs = SMALL_TILE_PAIRS
+    layout = StageLayout(SMALL_TILE_PAIRS)
+    kernel = _kernel_entry(abi.GROUPED_MATMUL_MXFP4_N8)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Compile
+
+
+def compile_grouped_matmul_fp8(arch: str = "sm_90a"):
+    """Compiles the FP8 grouped matmul for `arch` (sm_90a only: `wgmma` e4m3); returns `(symbol, cubin bytes)`."""
+    return compile_cubin(abi.GROUPED_MATMUL_FP8, GroupedMatmulFp8(), arch)
+
+
+def compile_grouped_matmul_fp8_n8(arch: str = "sm_90a"):
+    """Compiles the FP8 grouped matmul of 8-pair tiles for `arch` (sm_90a only)."""
+    return compile_cubin(abi.GROUPED_MATMUL_FP8_N8, GroupedMatmulFp8N8(), arch)
 
 
 def compile_grouped_matmul_mxfp4(arch: str = "sm_90a"):
@@ -539,6 +611,6 @@ def compile_grouped_matmul_mxfp4(arch: str = "sm_90a"):
     return compile_cubin(abi.GROUPED_MATMUL_MXFP4, GroupedMatmulMxfp4(), arch)
 
 
-def compile_grouped_matmul_fp8(arch: str = "sm_90a"):
-    """Compiles the FP8 grouped matmul for `arch` (sm_90a only: `wgmma` e4m3); returns `(symbol, cubin bytes)`."""
-    return compile_cubin(abi.GROUPED_MATMUL_FP8, GroupedMatmulFp8(), arch)
+def compile_grouped_matmul_mxfp4_n8(arch: str = "sm_90a"):
+    """Compiles the MXFP4 grouped matmul of 8-pair tiles for `arch` (sm_90a only)."""
+    return compile_cubin(abi.GROUPED_MATMUL_MXFP4_N8, GroupedMatmulMxfp4N8(), arch)

@@ -43,7 +43,8 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
               "grouped_matmul_wgrad": "grouped_matmul", "grouped_matmul_fp8": "grouped_matmul_fp8",
-              "grouped_matmul_mxfp4": "grouped_matmul_fp8", "swiglu_mxfp8": "swiglu_mxfp8"}
+              "grouped_matmul_mxfp4": "grouped_matmul_fp8", "grouped_matmul_fp8_n8": "grouped_matmul_fp8",
+              "grouped_matmul_mxfp4_n8": "grouped_matmul_fp8", "swiglu_mxfp8": "swiglu_mxfp8"}
 MANIFEST_VERSION = 1
 
 
