@@ -1,44 +1,63 @@
-"""The FP8 grouped matmul kernel's build (CPU, no GPU): its signature is the ABI's, its PTX issues the e4m3 `wgmma`
-the module says (four 32-deep blocks a stage, fresh accumulators, after the async-proxy fence), promotes each with
-one FMA a value, and uses no local memory."""
+"""The FP8 / MXFP4 grouped matmul kernels' build (CPU, no GPU), each tile size: the signature is the ABI's, the PTX
+issues the e4m3 `wgmma` of its tile (four 32-deep blocks a stage, fresh accumulators, after the async-proxy fence),
+promotes each with one FMA a value, and uses no local memory."""
 
 import re
 
-from jax_latent_ep.kernels import abi, grouped_matmul_fp8
+import pytest
+
+from jax_latent_ep.kernels import abi
+from jax_latent_ep.kernels import grouped_matmul_fp8 as gm
 from jax_latent_ep.kernels.common import check_abi, kernel_ptx
 
-WGMMA = (r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1;")
+FP8 = {"grouped_matmul_fp8": gm.GroupedMatmulFp8, "grouped_matmul_fp8_n8": gm.GroupedMatmulFp8N8}
+MXFP4 = {"grouped_matmul_mxfp4": gm.GroupedMatmulMxfp4, "grouped_matmul_mxfp4_n8": gm.GroupedMatmulMxfp4N8}
+BLOCKS = gm.TILE_K // gm.BLOCK_K
 
 
-def test_signature_is_the_abi():
-    check_abi(abi.GROUPED_MATMUL_FP8, grouped_matmul_fp8.GroupedMatmulFp8())  # raises on any difference
+def _wgmma(pairs: int) -> str:
+    return (r"wgmma\.mma_async\.sync\.aligned\.m64n%dk32\.f32\.e4m3\.e4m3 \{[^}]*\}, %%rd\d+, %%rd\d+, p, 1, 1;"
+            % pairs)
 
 
-def test_ptx_wgmma_promotion_and_no_local_memory():
-    ptx = kernel_ptx(abi.GROUPED_MATMUL_FP8, grouped_matmul_fp8.GroupedMatmulFp8())
-    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_matmul_fp8.THREADS, ptx), "block differs from THREADS"
-    blocks = grouped_matmul_fp8.TILE_K // grouped_matmul_fp8.BLOCK_K
-    assert len(re.findall(WGMMA, ptx)) == blocks
-    assert "setp.ne.b32 p, 0, 0" in ptx or ptx.count("wgmma.mma_async") == blocks
+def test_variants_cover_the_kernels():
+    assert set(gm.VARIANTS) == set(FP8) | set(MXFP4) and set(gm.VARIANTS) <= set(abi.KERNELS)
+    assert {cls.pairs for cls in FP8.values()} == {abi.MATMUL_FP8_TILE_PAIRS, abi.MATMUL_FP8_SMALL_TILE_PAIRS}
+    assert all(gm.launch_shape(op) == (gm.THREADS, cls().smem) for op, cls in {**FP8, **MXFP4}.items())
+
+
+@pytest.mark.parametrize("op", list(FP8) + list(MXFP4))
+def test_signature_is_the_abi(op):
+    check_abi(abi.KERNELS[op], {**FP8, **MXFP4}[op]())  # raises on any difference
+
+
+@pytest.mark.parametrize("op", list(FP8))
+def test_ptx_wgmma_promotion_and_no_local_memory(op):
+    kernel = FP8[op]()
+    ptx = kernel_ptx(abi.KERNELS[op], kernel)
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % gm.THREADS, ptx), "block differs from THREADS"
+    assert len(re.findall(_wgmma(kernel.pairs), ptx)) == BLOCKS
+    assert "setp.ne.b32 p, 0, 0" in ptx or ptx.count("wgmma.mma_async") == BLOCKS
     assert ptx.index("fence.proxy.async.shared::cta") < ptx.index("wgmma.mma_async")
-    # One FMA per accumulator and block: ACC values x four blocks.
-    assert ptx.count("fma.rn.f32") == grouped_matmul_fp8.ACC * blocks
+    # One FMA per accumulator and block: `acc` values x four blocks.
+    assert ptx.count("fma.rn.f32") == kernel.layout.acc * BLOCKS
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert grouped_matmul_fp8.STAGE_BYTES % 1024 == 0 and grouped_matmul_fp8.SMEM_BYTES <= 227 * 1024
+    assert kernel.layout.stage_bytes % 1024 == 0 and kernel.smem <= 227 * 1024
 
 
-def test_mxfp4_signature_is_the_abi():
-    check_abi(abi.GROUPED_MATMUL_MXFP4, grouped_matmul_fp8.GroupedMatmulMxfp4())
-
-
-def test_mxfp4_ptx_widens_then_multiplies_without_local_memory():
-    ptx = kernel_ptx(abi.GROUPED_MATMUL_MXFP4, grouped_matmul_fp8.GroupedMatmulMxfp4())
-    blocks = grouped_matmul_fp8.TILE_K // grouped_matmul_fp8.BLOCK_K
-    assert len(re.findall(WGMMA, ptx)) == blocks
+@pytest.mark.parametrize("op", list(MXFP4))
+def test_mxfp4_ptx_widens_then_multiplies_without_local_memory(op):
+    kernel = MXFP4[op]()
+    ptx = kernel_ptx(abi.KERNELS[op], kernel)
+    assert len(re.findall(_wgmma(kernel.pairs), ptx)) == BLOCKS
     # A widened chunk: eight e2m1x4 conversions (one prmt each) and two 16-byte shared stores, per thread chunk,
     # in the prologue and the loop.
-    chunks = grouped_matmul_fp8.MX_CHUNKS
-    assert ptx.count("prmt.b32") == 2 * 8 * chunks and ptx.count("st.shared.v4.b32") == 2 * 2 * chunks
-    assert ptx.count("fma.rn.f32") == grouped_matmul_fp8.ACC * blocks
+    assert ptx.count("prmt.b32") == 2 * 8 * gm.MX_CHUNKS and ptx.count("st.shared.v4.b32") == 2 * 2 * gm.MX_CHUNKS
+    assert ptx.count("fma.rn.f32") == kernel.layout.acc * BLOCKS
     assert "ld.local" not in ptx and "st.local" not in ptx
-    assert grouped_matmul_fp8.MX_STAGE_BYTES % 1024 == 0 and grouped_matmul_fp8.MX_SMEM_BYTES <= 227 * 1024
+    assert kernel.layout.mx_stage_bytes % 1024 == 0 and kernel.smem <= 227 * 1024
+
+
+def test_stage_layout_refuses_other_tiles():
+    with pytest.raises(ValueError, match="pairs=12"):
+        gm.StageLayout(12)
