@@ -235,8 +235,8 @@ def test_training_is_the_same_call(mesh_shape, layout, impl):
     target = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
     loss = lambda y: jnp.sum((y.astype(jnp.float32) - target) ** 2)  # noqa: E731
     keys = ("w_gate", "w_down", "latent_down", "latent_up", "norm", "shared_up")
-    got = jax.jit(jax.grad(lambda x, p, w: loss(layer(x, p, ids, w)), argnums=(0, 1, 2)))(x, p, w)
-    with jax.default_matmul_precision("highest"):  # the FP32 reference: no TF32 on GPUs
+    with jax.default_matmul_precision("highest"):  # both in FP32: no TF32 on GPUs (CPUs have none)
+        got = jax.jit(jax.grad(lambda x, p, w: loss(layer(x, p, ids, w)), argnums=(0, 1, 2)))(x, p, w)
         ref = jax.jit(jax.grad(lambda x, p, w: loss(_jax_reference(x, p, ids, w, latent=True, norm=True,
                                                                    eps=layer.eps)), argnums=(0, 1, 2)))(x, p, w)
     for name, g, r in [("x", got[0], ref[0]), ("routing weights", got[2], ref[2])] + [(k, got[1][k], ref[1][k])
