@@ -19,6 +19,7 @@
 //     No host synchronization, no allocation on the device, no module loading in the handlers: they are safe
 //     in XLA command buffers, where their host code runs at capture / record only (so the registered
 //     pointers must outlive the executable).
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "expert_handlers.h"
 #include "handlers.h"
@@ -116,7 +118,7 @@ struct RecordTarget {
 
 // Registers each target's execute and record handler for CUDA through the XLA FFI API seen by a traced handler
 // (once per name and process); the return codes of ep_register_record_targets.
-int register_record_targets(std::initializer_list<RecordTarget> targets) {
+int register_record_targets(const std::vector<RecordTarget>& targets) {
   const XLA_FFI_Api* api = g_api.load();
   if (api == nullptr) {
     ep::fail("record stage not available yet: no XLA FFI API seen (register the traced targets with "
@@ -223,20 +225,38 @@ EP_EXPORT int ep_register_record_targets(const char* dispatch_name, const char* 
 #endif
 }
 
-// The same for the expert stage's record targets `gemm_name` / `plan_name` / `stage_name` / `row_sum_name` (the
-// grouped GEMM, the expert plan, the fused stage, the row sum): a kernel node each in XLA's command buffers, updated
-// in place, instead of a stream capture per record.
-EP_EXPORT int ep_register_expert_record_targets(const char* gemm_name, const char* plan_name, const char* stage_name,
-                                                const char* row_sum_name) {
+// The same for the expert stage's record targets: `names[i]` for expert op `ops[i]` (`runtime/ffi.py`
+// EXPERT_RECORD_TARGETS: the grouped GEMM, the plan, the fused stage, the row sum, the FP8 / MXFP4 grouped matmuls,
+// the SwiGLU), `count` of them: a kernel node each in XLA's command buffers, updated in place, instead of a stream
+// capture per record. An op it does not know is an error (rc 1), before any is registered.
+EP_EXPORT int ep_register_expert_record_targets(const char* const* ops, const char* const* names, int count) {
 #if !JAX_LATENT_EP_RECORD
-  (void)gemm_name;
-  (void)plan_name;
-  (void)stage_name;
-  (void)row_sum_name;
+  (void)ops;
+  (void)names;
+  (void)count;
   return ep::fail(kNoRecordStage);
 #else
-  return register_record_targets({{gemm_name, ep::grouped_gemm_targets()}, {plan_name, ep::expert_plan_targets()},
-                                  {stage_name, ep::expert_stage_targets()}, {row_sum_name, ep::row_sum_targets()}});
+  static const std::pair<const char*, ep::Targets (*)()> kOps[] = {
+      {"grouped_gemm", ep::grouped_gemm_targets},
+      {"expert_plan", ep::expert_plan_targets},
+      {"expert_stage", ep::expert_stage_targets},
+      {"row_sum", ep::row_sum_targets},
+      {"grouped_matmul_fp8", ep::grouped_matmul_fp8_targets},
+      {"grouped_matmul_mxfp4", ep::grouped_matmul_mxfp4_targets},
+      {"grouped_matmul_fp8_n8", ep::grouped_matmul_fp8_n8_targets},
+      {"grouped_matmul_mxfp4_n8", ep::grouped_matmul_mxfp4_n8_targets},
+      {"swiglu_mxfp8", ep::swiglu_mxfp8_targets},
+  };
+  if (count < 0 || (count > 0 && (ops == nullptr || names == nullptr))) return ep::fail("bad record target list");
+  std::vector<RecordTarget> targets;
+  for (int i = 0; i < count; ++i) {
+    const char* op = ops[i] == nullptr ? "" : ops[i];
+    auto* found = std::find_if(std::begin(kOps), std::end(kOps),
+                               [op](const auto& entry) { return std::strcmp(entry.first, op) == 0; });
+    if (found == std::end(kOps)) return ep::fail(std::string("no record target for expert op '") + op + "'");
+    targets.push_back({names[i], found->second()});
+  }
+  return register_record_targets(targets);
 #endif
 }
 

@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL:
         lib.ep_record_counts.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     if hasattr(lib, "ep_register_expert_record_targets"):  # absent from libraries built before them
         lib.ep_register_expert_record_targets.restype = ctypes.c_int
-        lib.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 4
+        lib.ep_register_expert_record_targets.argtypes = [ctypes.POINTER(ctypes.c_char_p)] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -128,18 +128,20 @@ def register_targets() -> None:
             _registered = True
         if not _record_final:
             _record_error, _record_final = _register_record(
-                lib, "ep_register_record_targets", (DISPATCH_RECORD_TARGET, COMBINE_RECORD_TARGET), "register_targets")
+                lib, "ep_register_record_targets", (DISPATCH_RECORD_TARGET.encode(), COMBINE_RECORD_TARGET.encode()),
+                "register_targets")
 
 
-def _register_record(lib, symbol: str, names: tuple[str, ...], caller: str) -> tuple[str | None, bool]:
-    """Registers record targets through the library's `symbol`: `(why not, or None; whether that is final)`.
+def _register_record(lib, symbol: str, args: tuple, caller: str) -> tuple[str | None, bool]:
+    """Registers record targets through the library's `symbol(*args)`: `(why not, or None; whether that is
+    final)`.
     Not final under the kill switch (a later call may register them) and while no XLA FFI API was seen (rc 2:
     no CUDA backend yet; NvlinkBackend and load_expert_kernels call again once their devices exist)."""
     if not _record_wanted():
         return f"not registered: {RECORD_ENV}=0 when {caller} ran", False
     if not hasattr(lib, symbol):
         return "record stage not available: this FFI library predates it (rebuild it)", True
-    rc = getattr(lib, symbol)(*(name.encode() for name in names))
+    rc = getattr(lib, symbol)(*args)
     return (None if rc == 0 else (lib.ep_last_error().decode() or f"error {rc}")), rc != _RECORD_RETRY
 
 
@@ -409,10 +411,9 @@ EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_sta
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
-EXPERT_RECORD_TARGETS = {"grouped_gemm": "jax_latent_ep_grouped_gemm_rec",
-                         "expert_plan": "jax_latent_ep_expert_plan_rec",
-                         "expert_stage": "jax_latent_ep_expert_stage_rec",
-                         "row_sum": "jax_latent_ep_row_sum_rec"}
+EXPERT_RECORD_TARGETS = {op: f"jax_latent_ep_{op}_rec" for op in (
+    "grouped_gemm", "expert_plan", "expert_stage", "row_sum", "grouped_matmul_fp8", "grouped_matmul_mxfp4",
+    "grouped_matmul_fp8_n8", "grouped_matmul_mxfp4_n8", "swiglu_mxfp8")}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
@@ -425,10 +426,11 @@ def _register_expert_record_targets(lib) -> None:
     as `register_targets` for dispatch / combine, asked again only while no XLA FFI API was seen."""
     global _expert_record_error, _expert_record_final
     if not _expert_record_final:
+        n = len(EXPERT_RECORD_TARGETS)
+        ops = (ctypes.c_char_p * n)(*(op.encode() for op in EXPERT_RECORD_TARGETS))
+        names = (ctypes.c_char_p * n)(*(name.encode() for name in EXPERT_RECORD_TARGETS.values()))
         _expert_record_error, _expert_record_final = _register_record(
-            lib, "ep_register_expert_record_targets",
-            tuple(EXPERT_RECORD_TARGETS[op] for op in ("grouped_gemm", "expert_plan", "expert_stage", "row_sum")),
-            "load_expert_kernels")
+            lib, "ep_register_expert_record_targets", (ops, names, n), "load_expert_kernels")
 
 
 def _expert_target(op: str) -> tuple[str, dict]:
@@ -517,15 +519,15 @@ def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per
     2N]`, `w`'s columns then `w_second`'s, with a second weight), the rows of the tiles' pairs written (the others
     hold whatever the buffer held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: `x` has a row a
     pair). `small_tiles`: the kernel of `abi.MATMUL_FP8_SMALL_TILE_PAIRS`-pair tiles, which `tiles` must hold."""
-    return _narrow_call("grouped_matmul_fp8_n8" if small_tiles else "grouped_matmul_fp8", x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second,
-                        w_second_scale)
+    op = "grouped_matmul_fp8_n8" if small_tiles else "grouped_matmul_fp8"
+    return _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
 
 
 def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
                               w_second=None, w_second_scale=None, small_tiles: bool = False):
     """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): as `grouped_matmul_fp8_call`."""
-    return _narrow_call("grouped_matmul_mxfp4_n8" if small_tiles else "grouped_matmul_mxfp4", x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second,
-                        w_second_scale)
+    op = "grouped_matmul_mxfp4_n8" if small_tiles else "grouped_matmul_mxfp4"
+    return _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
 
 
 def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale):
@@ -533,10 +535,11 @@ def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows,
     pairs = x.shape[0] if x_rows is None else x_rows.shape[0]
     out = jax.ShapeDtypeStruct((splits, pairs, w.shape[1] * (2 if two else 1)), jnp.float32)
     unread = tiles  # an operand the kernel does not read (no row list, no second weight)
-    return jax.ffi.ffi_call(EXPERT_TARGETS[op][0], out, has_side_effect=False)(
+    target, extra = _expert_target(op)
+    return jax.ffi.ffi_call(target, out, has_side_effect=False)(
         x, x_scale, unread if x_rows is None else x_rows, w, w_scale, unread if not two else w_second,
         unread if not two else w_second_scale, tiles, k_per_split=np.int64(k_per_split),
-        indexed=np.int64(x_rows is not None), two_weights=np.int64(two))
+        indexed=np.int64(x_rows is not None), two_weights=np.int64(two), **extra)
 
 
 def swiglu_mxfp8_call(gate, up, count):
@@ -547,8 +550,9 @@ def swiglu_mxfp8_call(gate, up, count):
     s, p, n = gate.shape
     inter = n if up is not None else n // 2
     out = (jax.ShapeDtypeStruct((p, inter), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((p, inter // 32), jnp.uint8))
-    return jax.ffi.ffi_call(EXPERT_TARGETS["swiglu_mxfp8"][0], out, has_side_effect=False)(
-        gate, gate if up is None else up, count, fused=np.int64(up is None))
+    target, extra = _expert_target("swiglu_mxfp8")
+    return jax.ffi.ffi_call(target, out, has_side_effect=False)(
+        gate, gate if up is None else up, count, fused=np.int64(up is None), **extra)
 
 
 def grouped_matmul_wgrad_call(x, dy, groups):

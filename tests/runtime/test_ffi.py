@@ -132,7 +132,10 @@ class FakeRecordLibrary:
     """Stands in for the FFI library's record registration: answers with the codes given, in order."""
 
     def __init__(self, codes):
+        from jax_latent_ep.runtime import ffi
+
         self.codes, self.calls, self.message = list(codes), [], b""
+        self.expert_ops = list(ffi.EXPERT_RECORD_TARGETS)
 
     def ep_register_record_targets(self, *names):
         self.calls.append(names)
@@ -141,8 +144,9 @@ class FakeRecordLibrary:
                         2: b"record stage not available yet: no XLA FFI API seen (test)"}[rc]
         return rc
 
-    def ep_register_expert_record_targets(self, gemm, plan, stage, row_sum):
-        return self.ep_register_record_targets(gemm, plan, stage, row_sum)
+    def ep_register_expert_record_targets(self, ops, names, count):
+        assert [ops[i] for i in range(count)] == [op.encode() for op in self.expert_ops]
+        return self.ep_register_record_targets(*(names[i] for i in range(count)))
 
     def ep_last_error(self):
         return self.message
@@ -224,8 +228,7 @@ def test_expert_record_registration_fallback(codes, path, calls, monkeypatch):
     for _ in range(3):
         ffi._register_expert_record_targets(fake)
     assert len(fake.calls) == calls
-    assert fake.calls[0] == tuple(ffi.EXPERT_RECORD_TARGETS[op].encode()
-                                  for op in ("grouped_gemm", "expert_plan", "expert_stage", "row_sum"))
+    assert fake.calls[0] == tuple(name.encode() for name in ffi.EXPERT_RECORD_TARGETS.values())
     want = "traced" if path == "traced" else "record"
     got = "record" if ffi._expert_target("grouped_gemm")[0] == ffi.EXPERT_RECORD_TARGETS["grouped_gemm"] else "traced"
     assert got == want

@@ -123,11 +123,18 @@ def _check_library(so, record_api):
         assert rc == 2 and "no XLA FFI API seen" in message, (rc, message)
     else:
         assert rc == 1 and "record stage not available" in message and "record_api.h" in message, (rc, message)
-    so.ep_register_expert_record_targets.argtypes = [ctypes.c_char_p] * 4
-    rc = so.ep_register_expert_record_targets(b"test_gemm_rec", b"test_plan_rec", b"test_stage_rec",
-                                              b"test_row_sum_rec")  # the same answers
-    message = so.ep_last_error().decode()
+    so.ep_register_expert_record_targets.argtypes = [ctypes.POINTER(ctypes.c_char_p)] * 2 + [ctypes.c_int]
+
+    def register_expert(*ops):
+        names = [f"test_{op}_rec".encode() for op in ops]
+        rc = so.ep_register_expert_record_targets((ctypes.c_char_p * len(ops))(*(op.encode() for op in ops)),
+                                                  (ctypes.c_char_p * len(ops))(*names), len(ops))
+        return rc, so.ep_last_error().decode()
+
+    rc, message = register_expert("grouped_gemm", "expert_plan", "grouped_matmul_fp8_n8", "swiglu_mxfp8")
     assert (rc, "no XLA FFI API seen" in message) == ((2, True) if record_api else (1, False)), (rc, message)
+    if record_api:  # an op without record handlers is refused by name before anything is registered
+        assert register_expert("grouped_gemm", "no_such_op") == (1, "no record target for expert op 'no_such_op'")
     for symbol in ("EpDispatch", "EpCombine", "EpGroupedGemm", "EpExpertPlan", "EpExpertStage", "EpRowSum",
                    "ep_last_error", "ep_register_rank",
                    "ep_unregister_rank", "ep_max_grid", "ep_registered_count", "ep_register_record_targets",
