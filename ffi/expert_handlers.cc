@@ -419,33 +419,40 @@ struct GroupedMatmul {
   static auto bind(Binding binding) {
     return std::move(binding)
         .template Ctx<ffi::DeviceOrdinal>()   // the device, key of the kernel registry
-        .template Arg<ffi::AnyBuffer>()       // x: bf16 [P, K] the pairs' rows, sorted by group
+        .template Arg<ffi::AnyBuffer>()       // x: bf16 [R, K] the pairs' rows, sorted by group, or x_rows'
+        .template Arg<ffi::AnyBuffer>()       // x_rows: int32 [P] the row of x of each pair (read when indexed)
         .template Arg<ffi::AnyBuffer>()       // w: bf16 [G, K, N], or [G, N, K] with w_k_major
         .template Arg<ffi::AnyBuffer>()       // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used tiles)
         .template Ret<ffi::AnyBuffer>()       // out: bf16 [P, N]; rows outside every tile untouched
-        .template Attr<int64_t>("w_k_major");  // 1: w is [G, N, K] (out = x @ w[g].T)
+        .template Attr<int64_t>("w_k_major")  // 1: w is [G, N, K] (out = x @ w[g].T)
+        .template Attr<int64_t>("indexed");   // 1: pair p reads row x_rows[p] of x, 0: row p
   }
 
-  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer tiles,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t w_k_major) {
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_rows, ffi::AnyBuffer w,
+                            ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out, int64_t w_k_major,
+                            int64_t indexed) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
-    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions();
-    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2) {
-      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul: expected x [P, K], w [G, K, N] (or [G, N, K]), "
-                                         "tiles [T, 4]");
+    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), od = out->dimensions();
+    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || od.size() != 2) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul: expected x [R, K], w [G, K, N] (or [G, N, K]), "
+                                         "tiles [T, 4], out [P, N]");
     }
-    const int64_t P = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0];
+    const int64_t R = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0], P = od[0];
     const int64_t column_tiles = N / ep_abi::kMatmulTileN;
-    if (P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK || N < ep_abi::kMatmulTileN ||
-        N % ep_abi::kMatmulTileN || P * K > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1) {
+    if (R < 1 || P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK ||
+        N < ep_abi::kMatmulTileN || N % ep_abi::kMatmulTileN || R * K > (int64_t{1} << 40) ||
+        P * N > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1 || (indexed != 0 && indexed != 1) ||
+        (!indexed && R != P)) {
       return ffi::Error::InvalidArgument(
           "jax_latent_ep grouped_matmul: K=" + std::to_string(K) + " must be a positive multiple of " +
           std::to_string(ep_abi::kMatmulTileK) + ", N=" + std::to_string(N) + " of " +
-          std::to_string(ep_abi::kMatmulTileN) + ", P=" + std::to_string(P) + ", G=" + std::to_string(G) +
-          " and T=" + std::to_string(T) + " >= 1");
+          std::to_string(ep_abi::kMatmulTileN) + ", R=" + std::to_string(R) + " (P=" + std::to_string(P) +
+          " unless indexed), G=" + std::to_string(G) + " and T=" + std::to_string(T) + " >= 1");
     }
     const std::initializer_list<int64_t> w_dims = {G, w_k_major ? N : K, w_k_major ? K : N};
-    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::BF16, {P, K}),
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::BF16, {R, K}),
+                                    indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
+                                            : ffi::Error::Success(),
                                     expect(kWhat, "w", w, ffi::DataType::BF16, w_dims),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
                                     expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})});
@@ -455,6 +462,7 @@ struct GroupedMatmul {
     l.grid = static_cast<unsigned>(T * column_tiles);
     l.params = make_params(ep_abi::GroupedMatmulParams{
         .x = address(x.untyped_data()),
+        .x_rows = indexed ? address(x_rows.untyped_data()) : 0,
         .w = address(w.untyped_data()),
         .tiles = address(tiles.untyped_data()),
         .out = address(out->untyped_data()),

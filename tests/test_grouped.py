@@ -444,3 +444,27 @@ def test_small_tiles_are_the_large_tiles_bits(kind):
     used = int(np.sum(np.asarray(gs)))
     assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_TILE_PAIRS and np.any(np.asarray(want)[:, :used] != 0)
     np.testing.assert_array_equal(np.asarray(got)[:, :used], np.asarray(want)[:, :used])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_wgmma_rows_are_the_gather(transpose_w):
+    """The bf16 grouped matmul reading each pair's row through `x_rows` (rows shuffled, repeated, more pairs than
+    rows) gives the gathered rows' bits: the same tiles, the same sums."""
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng(f"wgmma-rows/{transpose_w}")
+    g, m, k, n = 5, 300, 256, 384
+    sizes = jnp.asarray(_groups(rng, g, m))
+    x = jnp.asarray(_bf16(rng, m - 60, k))
+    w = jnp.asarray(_bf16(rng, g, n, k) if transpose_w else _bf16(rng, g, k, n))
+    rows = jnp.asarray(rng.integers(0, x.shape[0], m), jnp.int32)
+    work = experts.grouped.tiles(sizes, m)
+    got = jax.jit(lambda: ffi.grouped_matmul_call(x, w, work, w_k_major=transpose_w, x_rows=rows))()
+    want = jax.jit(lambda: ffi.grouped_matmul_call(x[rows], w, work, w_k_major=transpose_w))()
+    used = int(np.sum(np.asarray(sizes)))
+    assert np.any(np.asarray(want, np.float32)[:used] != 0)
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[:used], np.asarray(want, np.float32)[:used])

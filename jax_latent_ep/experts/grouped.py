@@ -160,12 +160,14 @@ def tiles(group_sizes, num_rows: int):
     return chunks(group_sizes, num_rows, MATMUL_TILE_M)
 
 
-def _wgmma_forward(x, w, group_sizes, transpose_w, tail=True):
+def _wgmma_forward(x, w, group_sizes, transpose_w, tail=True, rows=None):
+    """`gmm` on the grouped matmul kernel; with `rows` int32 `[P]` pair p reads row `rows[p]` of `x` (no gather)."""
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
-    y = ffi.grouped_matmul_call(x, w, tiles(group_sizes, x.shape[0]), w_k_major=transpose_w)
-    y = _vary(y, _axes(x, w))  # a custom call's result carries no shard_map type: its operands'
+    pairs = x.shape[0] if rows is None else rows.shape[0]
+    y = ffi.grouped_matmul_call(x, w, tiles(group_sizes, pairs), w_k_major=transpose_w, x_rows=rows)
+    y = _vary(y, _axes(x, w) if rows is None else _axes(x, w, rows))  # a custom call's result: its operands' type
     return _zero_tail(y, group_sizes) if tail else y  # the kernel writes the tiles' rows only
 
 
@@ -410,9 +412,13 @@ def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, cou
     """(per-pair bf16 down outputs, residuals) of `swiglu_rows`."""
     # The products' rows past the pairs are left unspecified (no zeroing pass): the row sums never read them,
     # and what the weights' gradients multiply is 0 there (`h` here, the cotangents in `_stage_bwd`).
-    xp = xb[row]
-    g = _FORWARD[impl](xp, w_gate, group_sizes, False, False)
-    u = None if w_up is None else _FORWARD[impl](xp, w_up, group_sizes, False, False)
+    if impl == "wgmma":  # each pair reads its receive row (no gather)
+        g, u = (None if w is None else _wgmma_forward(xb, w, group_sizes, False, False, rows=row)
+                for w in (w_gate, w_up))
+    else:
+        xp = xb[row]
+        g = _FORWARD[impl](xp, w_gate, group_sizes, False, False)
+        u = None if w_up is None else _FORWARD[impl](xp, w_up, group_sizes, False, False)
     h = _glu(g.astype(jnp.float32), None if u is None else u.astype(jnp.float32), w_down.shape[1])
     h = jnp.where(_live(row, count), h, jnp.zeros((), h.dtype))
     return _FORWARD[impl](h, w_down, group_sizes, False, False), (g, u, h)

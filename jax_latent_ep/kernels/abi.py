@@ -282,7 +282,8 @@ SWIGLU_MXFP8 = Kernel("swiglu_mxfp8", "ep_swiglu_mxfp8", (
 #: The grouped matmul of training and prefill sizes (`kernels/grouped_matmul.py`, sm_90a `wgmma`): for each tile of
 #: the list, `x[first:first + pairs] @ w[group]` (FP32 accumulation) rounded to BF16.
 GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
-    _address("x", "bf16 [P, num_k]: the pairs' rows, sorted by group"),
+    _address("x", "bf16 [R, num_k]: the pairs' rows, sorted by group (R = P), or rows `x_rows` names"),
+    _address("x_rows", "int32 [P]: the row of `x` of each pair, or 0: pair p reads row p"),
     _address("w", "bf16 [G, num_k, num_n] (`w_k_major` 0) or [G, num_n, num_k] (1): each group's weight"),
     _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= 128, used tiles) per tile, the used "
              "first; pairs 0: none"),

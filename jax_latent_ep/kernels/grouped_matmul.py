@@ -10,7 +10,8 @@ Parameters: `kernels.abi.GROUPED_MATMUL`, `kernels.abi.GROUPED_MATMUL_WGRAD`.
 pair, pairs)`, the used tiles first, then tiles of 0 pairs); CTA `c` computes tile `c / (num_n / TILE_N)` times the
 `TILE_N` columns `c % (num_n / TILE_N)` of its group's weight (a group's tiles run side by side, so its weight is
 read from HBM about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst
-case. Rows past the tile's pairs are zero-filled and never stored.
+case. A pair's row of `x` is its own or the one `x_rows` names (the receive rows: no gather). Rows past the tile's
+pairs are zero-filled and never stored.
 
 `GroupedMatmulWgrad`: with `C = ceil(num_n / TILE_N / tiles_per_cta)` CTAs a row of blocks, CTA `c` computes, in
 turn, the `TILE_M x TILE_N` blocks of rows `(c / C) % (num_k / TILE_M)` and columns `(c % C) tiles_per_cta ..` of
@@ -265,6 +266,7 @@ class GroupedMatmul(_Ring):
     def launch(
         self,
         x: Int64,
+        x_rows: Int64,
         w: Int64,
         tiles: Int64,
         out: Int64,
@@ -273,7 +275,7 @@ class GroupedMatmul(_Ring):
         num_tiles: Int32,
         w_k_major: Int32,
     ):
-        self.kernel(x, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(
+        self.kernel(x, x_rows, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(
             **self.launch_options([num_tiles, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
@@ -283,6 +285,7 @@ class GroupedMatmul(_Ring):
     def kernel(
         self,
         x: Int64,
+        x_rows: Int64,
         w: Int64,
         tiles: Int64,
         out: Int64,
@@ -306,7 +309,11 @@ class GroupedMatmul(_Ring):
             chunk, lines, dst = _chunks(tid)
             x_src, w_src, w_line = [], [], []
             for line in lines:
-                x_src.append(x + (Int64(first + line) * Int64(num_k) + Int64(chunk * 8)) * 2)
+                row = first + line  # the pair's row of `x`: its own, or the one `x_rows` names (no gather)
+                if x_rows != Int64(0):
+                    if line < rows:
+                        row = Int32(load_b32(x_rows + Int64(first + line) * 4))
+                x_src.append(x + (Int64(row) * Int64(num_k) + Int64(chunk * 8)) * 2)
                 # MN-major weight: line = (column block line / 64, contraction row line % 64).
                 src = w + ((Int64(group) * Int64(num_k) + Int64(line % 64)) * Int64(num_n)
                            + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2

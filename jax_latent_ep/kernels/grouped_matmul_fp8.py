@@ -311,8 +311,8 @@ class GroupedMatmulFp8:
         ahead = STAGES - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
-                self.load_stage(ring + Uint32(s * self.layout.stage_bytes), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
-                                s_live, s_src, ws_src, x, x_scale)
+                self.load_stage(ring + Uint32(s * self.layout.stage_bytes), Int32(s), tid, a_src, a_dst, b_live,
+                                b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
 
         # Invariant at the barrier of step kt: stage kt is in shared memory, and every MMA of step kt - 1 completed
@@ -322,8 +322,8 @@ class GroupedMatmulFp8:
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * self.layout.stage_bytes), kt + ahead, tid, a_src, a_dst,
-                                b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
+                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * self.layout.stage_bytes), kt + ahead, tid,
+                                a_src, a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
             slot = ring + Uint32((kt % STAGES) * self.layout.stage_bytes)
             wgmma_fence()

@@ -503,13 +503,16 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
                 max_tokens=np.int64(max_tokens), **extra)[:7]
 
 
-def grouped_matmul_call(x, w, tiles, *, w_k_major: bool):
+def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None):
     """The grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL, whose table says what each operand holds):
-    bf16 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held)."""
+    bf16 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held). `x_rows` int32
+    `[P]`: the row of `x` of each pair (None: `x` has a row a pair)."""
     n = w.shape[1] if w_k_major else w.shape[2]
-    call = jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul"][0], jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16),
+    pairs = x.shape[0] if x_rows is None else x_rows.shape[0]
+    call = jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul"][0], jax.ShapeDtypeStruct((pairs, n), jnp.bfloat16),
                             has_side_effect=False)
-    return call(x, w, tiles, w_k_major=np.int64(bool(w_k_major)))
+    return call(x, tiles if x_rows is None else x_rows, w, tiles, w_k_major=np.int64(bool(w_k_major)),
+                indexed=np.int64(x_rows is not None))
 
 
 def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
