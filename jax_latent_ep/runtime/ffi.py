@@ -133,8 +133,7 @@ def register_targets() -> None:
 
 
 def _register_record(lib, symbol: str, args: tuple, caller: str) -> tuple[str | None, bool]:
-    """Registers record targets through the library's `symbol(*args)`: `(why not, or None; whether that is
-    final)`.
+    """Registers record targets through the library's `symbol(*args)`: `(why not, or None; whether that is final)`.
     Not final under the kill switch (a later call may register them) and while no XLA FFI API was seen (rc 2:
     no CUDA backend yet; NvlinkBackend and load_expert_kernels call again once their devices exist)."""
     if not _record_wanted():
