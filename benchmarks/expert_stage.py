@@ -200,8 +200,8 @@ def child(args):
         kernel_mod.KERNEL_MIN_UNITS = args.min_units
     if args.narrow_units:  # the FP8 / MXFP4 kernels' split target (`experts.grouped.NARROW_MIN_UNITS`)
         grouped_mod.NARROW_MIN_UNITS = args.narrow_units
-    if args.small_tile_pairs is not None:  # where the FP8 / MXFP4 stage takes 8-pair tiles
-        grouped_mod.SMALL_TILE_EXPECTED_PAIRS = args.small_tile_pairs
+    if args.tile_headroom is not None:  # the FP8 / MXFP4 stage's tile size rule (`experts.grouped.tile_pairs`)
+        grouped_mod.TILE_HEADROOM = args.tile_headroom
     if args.stage_units:  # the one launch's gate / up and down split targets
         kernel_mod.KERNEL_STAGE_GATE_UNITS, kernel_mod.KERNEL_STAGE_DOWN_UNITS = args.stage_units
     if args.xla_row_sum_slots is not None:  # where the one launch's row sum is XLA's (`stage.XLA_ROW_SUM_SLOTS`)
@@ -214,8 +214,7 @@ def child(args):
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=kernel_mod.KERNEL_MIN_UNITS)
         out(backend="narrow_min_units", ranks=1, tokens=0, metric="units", value=grouped_mod.NARROW_MIN_UNITS)
-        out(backend="small_tile_expected_pairs", ranks=1, tokens=0, metric="pairs",
-            value=grouped_mod.SMALL_TILE_EXPECTED_PAIRS)
+        out(backend="tile_headroom", ranks=1, tokens=0, metric="ratio", value=grouped_mod.TILE_HEADROOM)
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units",
             value=kernel_mod.KERNEL_STAGE_GATE_UNITS)
         out(backend="kernel_stage_down_units", ranks=1, tokens=0, metric="units",
@@ -504,10 +503,10 @@ def main(argv=None):
     p.add_argument("--narrow-units", type=int, default=0,
                    help="the FP8 / MXFP4 kernels' contraction split aims at this many units (default "
                         "`experts.grouped.NARROW_MIN_UNITS`, 1: unsplit; recorded as the `narrow_min_units` row)")
-    p.add_argument("--small-tile-pairs", type=float, default=None,
-                   help="the FP8 / MXFP4 stage takes the kernels of 8-pair tiles up to this many pairs expected an "
-                        "active expert (default `experts.grouped.SMALL_TILE_EXPECTED_PAIRS`; 0: never; recorded as "
-                        "the `small_tile_expected_pairs` row)")
+    p.add_argument("--tile-headroom", type=float, default=None,
+                   help="the FP8 / MXFP4 stage's tile holds at least this many times the pairs expected an active "
+                        "expert (default `experts.grouped.TILE_HEADROOM`; 0.01: always 8 pairs, 1000: always 32; "
+                        "recorded as the `tile_headroom` row)")
     p.add_argument("--stage-units", nargs=2, type=int, default=None, metavar=("GATE", "DOWN"),
                    help="the one launch's gate / up and down split targets (default "
                         "`experts.kernel.KERNEL_STAGE_GATE_UNITS`, `KERNEL_STAGE_DOWN_UNITS`; recorded as "
@@ -523,8 +522,8 @@ def main(argv=None):
         p.error(f"--xla-row-sum-slots={args.xla_row_sum_slots}: give a number of slots >= 0")
     if args.min_units < 0:
         p.error(f"--min-units={args.min_units}: give a positive number of units, or 0 for the default")
-    if args.small_tile_pairs is not None and args.small_tile_pairs < 0:
-        p.error(f"--small-tile-pairs={args.small_tile_pairs}: give a number of pairs >= 0")
+    if args.tile_headroom is not None and not args.tile_headroom > 0:
+        p.error(f"--tile-headroom={args.tile_headroom}: give a positive ratio")
     if args.narrow_units < 0:
         p.error(f"--narrow-units={args.narrow_units}: give a positive number of units, or 0 for the default")
     if args.smoke:

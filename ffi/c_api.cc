@@ -98,6 +98,12 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8(XLA_FFI_CallFrame* call_f
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_mxfp4_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8N16(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_fp8_n16_targets().traced);
+}
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4N16(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_mxfp4_n16_targets().traced);
+}
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8N8(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_fp8_n8_targets().traced);
 }
@@ -243,6 +249,8 @@ EP_EXPORT int ep_register_expert_record_targets(const char* const* ops, const ch
       {"row_sum", ep::row_sum_targets},
       {"grouped_matmul_fp8", ep::grouped_matmul_fp8_targets},
       {"grouped_matmul_mxfp4", ep::grouped_matmul_mxfp4_targets},
+      {"grouped_matmul_fp8_n16", ep::grouped_matmul_fp8_n16_targets},
+      {"grouped_matmul_mxfp4_n16", ep::grouped_matmul_mxfp4_n16_targets},
       {"grouped_matmul_fp8_n8", ep::grouped_matmul_fp8_n8_targets},
       {"grouped_matmul_mxfp4_n8", ep::grouped_matmul_mxfp4_n8_targets},
       {"swiglu_mxfp8", ep::swiglu_mxfp8_targets},

@@ -542,15 +542,24 @@ static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGrou
               "ep_abi.h: visit_params(GroupedMatmulWgradParams) must pass every parameter once");
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_matmul_fp8 / grouped_matmul_mxfp4 (_n8: tiles of 8 pairs)(x, x_scale, x_rows, w, w_scale, w_second,
-// w_second_scale, tiles) -> out: the grouped matmul of decode sizes on FP8 or MXFP4 weights
+// grouped_matmul_fp8 / grouped_matmul_mxfp4 (_n16, _n8: tiles of 16, 8 pairs)(x, x_scale, x_rows, w, w_scale,
+// w_second, w_second_scale, tiles) -> out: the grouped matmul of decode sizes on FP8 or MXFP4 weights
 // (kernels/grouped_matmul_fp8.py, sm_90a), one or two weights (gate and up), a persistent grid over (split, tile,
 // 128 output columns).
 
-template <bool kMxfp4, bool kSmallTiles>
+// The op name of the variant (its kernel's key in the registry).
+constexpr const char* narrow_op(bool mxfp4, int tile_pairs) {
+  if (mxfp4) {
+    return tile_pairs == 8 ? "grouped_matmul_mxfp4_n8" : tile_pairs == 16 ? "grouped_matmul_mxfp4_n16"
+                                                                          : "grouped_matmul_mxfp4";
+  }
+  return tile_pairs == 8 ? "grouped_matmul_fp8_n8" : tile_pairs == 16 ? "grouped_matmul_fp8_n16" : "grouped_matmul_fp8";
+}
+
+template <bool kMxfp4, int kTilePairs>
 struct GroupedMatmulNarrow {
-  static constexpr const char* kWhat = kMxfp4 ? (kSmallTiles ? "grouped_matmul_mxfp4_n8" : "grouped_matmul_mxfp4")
-                                              : (kSmallTiles ? "grouped_matmul_fp8_n8" : "grouped_matmul_fp8");
+  static_assert(kTilePairs == 8 || kTilePairs == 16 || kTilePairs == ep_abi::kMatmulFp8TilePairs);
+  static constexpr const char* kWhat = narrow_op(kMxfp4, kTilePairs);
   using Params = std::conditional_t<kMxfp4, ep_abi::GroupedMatmulMxfp4Params, ep_abi::GroupedMatmulFp8Params>;
 
   template <typename Binding>
@@ -564,7 +573,7 @@ struct GroupedMatmulNarrow {
         .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, N / 128, K / 128] (FP8), uint8 [G, N, K / 32] (MXFP4)
         .template Arg<ffi::AnyBuffer>()      // w_second: as w (read with two_weights)
         .template Arg<ffi::AnyBuffer>()      // w_second_scale: as w_scale (read with two_weights)
-        .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 32 or 8, used)
+        .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= kTilePairs, used)
         .template Ret<ffi::AnyBuffer>()      // out: f32 [S, P, N or 2N] split partials; rows outside every tile untouched
         .template Attr<int64_t>("k_per_split")   // contraction length of each of the S splits
         .template Attr<int64_t>("indexed")       // 1: pair p reads row x_rows[p] of x, 0: row p
@@ -639,10 +648,12 @@ struct GroupedMatmulNarrow {
     return ffi::Error::Success();
   }
 };
-using GroupedMatmulFp8 = GroupedMatmulNarrow<false, false>;
-using GroupedMatmulMxfp4 = GroupedMatmulNarrow<true, false>;
-using GroupedMatmulFp8N8 = GroupedMatmulNarrow<false, true>;
-using GroupedMatmulMxfp4N8 = GroupedMatmulNarrow<true, true>;
+using GroupedMatmulFp8 = GroupedMatmulNarrow<false, ep_abi::kMatmulFp8TilePairs>;
+using GroupedMatmulMxfp4 = GroupedMatmulNarrow<true, ep_abi::kMatmulFp8TilePairs>;
+using GroupedMatmulFp8N16 = GroupedMatmulNarrow<false, 16>;
+using GroupedMatmulMxfp4N16 = GroupedMatmulNarrow<true, 16>;
+using GroupedMatmulFp8N8 = GroupedMatmulNarrow<false, 8>;
+using GroupedMatmulMxfp4N8 = GroupedMatmulNarrow<true, 8>;
 static_assert(visited_count<ep_abi::GroupedMatmulFp8Params>() == ep_abi::kGroupedMatmulFp8ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulFp8Params) must pass every parameter once");
 static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGroupedMatmulMxfp4ParamsCount,
@@ -720,6 +731,8 @@ Targets grouped_matmul_targets() { return targets<GroupedMatmul>(); }
 Targets grouped_matmul_wgrad_targets() { return targets<GroupedMatmulWgrad>(); }
 Targets grouped_matmul_fp8_targets() { return targets<GroupedMatmulFp8>(); }
 Targets grouped_matmul_mxfp4_targets() { return targets<GroupedMatmulMxfp4>(); }
+Targets grouped_matmul_fp8_n16_targets() { return targets<GroupedMatmulFp8N16>(); }
+Targets grouped_matmul_mxfp4_n16_targets() { return targets<GroupedMatmulMxfp4N16>(); }
 Targets grouped_matmul_fp8_n8_targets() { return targets<GroupedMatmulFp8N8>(); }
 Targets grouped_matmul_mxfp4_n8_targets() { return targets<GroupedMatmulMxfp4N8>(); }
 Targets swiglu_mxfp8_targets() { return targets<SwigluMxfp8>(); }

@@ -14,6 +14,8 @@ Targets grouped_matmul_targets();
 Targets grouped_matmul_wgrad_targets();
 Targets grouped_matmul_fp8_targets();
 Targets grouped_matmul_mxfp4_targets();
+Targets grouped_matmul_fp8_n16_targets();
+Targets grouped_matmul_mxfp4_n16_targets();
 Targets grouped_matmul_fp8_n8_targets();
 Targets grouped_matmul_mxfp4_n8_targets();
 Targets swiglu_mxfp8_targets();

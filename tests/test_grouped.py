@@ -416,19 +416,28 @@ def test_narrow_rows_and_second_weight_are_the_gather_and_two_calls(kind):
     np.testing.assert_array_equal(np.asarray(both)[:, :used, n:], np.asarray(two)[:, :used])
 
 
+def test_tile_pairs_follow_the_pairs_an_expert():
+    """`tile_pairs`: the smallest tile of at least `TILE_HEADROOM` times the pairs an active expert expects."""
+    rule = experts.grouped.tile_pairs
+    assert experts.grouped.TILE_HEADROOM == 2.0
+    assert [rule(pairs, 112) for pairs in (16, 448, 449, 896, 897, 2048)] == [8, 8, 16, 16, 32, 32]
+    assert rule(512, 448) == 8 and rule(2048, 448) == 16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
-def test_small_tiles_are_the_large_tiles_bits(kind):
-    """The kernels of 8-pair tiles (`m64n8k32`) give the 32-pair tiles' bits: each output is one pair's sum of the
-    same 32-deep block products in the same order; groups of 0 to over 32 pairs, rows through `x_rows`, two
-    weights, two splits."""
+@pytest.mark.parametrize("tile", [16, 8])
+def test_small_tiles_are_the_large_tiles_bits(kind, tile):
+    """The kernels of 16- and 8-pair tiles (`m64n16k32`, `m64n8k32`) give the 32-pair tiles' bits: each output is
+    one pair's sum of the same 32-deep block products in the same order; groups of 0 to over 32 pairs, rows
+    through `x_rows`, two weights, two splits."""
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("needs NVIDIA GPUs")
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
-    rng = _rng(f"small-tiles/{kind}")
+    rng = _rng(f"small-tiles/{kind}/{tile}")
     (q, sf, w, ws, gs), _ = _fp8_case(rng, k=512)
     rows = jnp.asarray(rng.permutation(q.shape[0]), jnp.int32)
     if kind == "mxfp4":
@@ -437,9 +446,9 @@ def test_small_tiles_are_the_large_tiles_bits(kind):
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
     kw = dict(x_rows=rows, w_second=jnp.flip(w, axis=1), w_second_scale=jnp.flip(ws, axis=1), splits=2,
               k_per_split=256)
-    small = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_SMALL_TILE_PAIRS)
+    small = experts.planning.chunks(gs, rows.shape[0], tile)
     large = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_TILE_PAIRS)
-    got = jax.jit(lambda: call(q, sf, w, ws, small, small_tiles=True, **kw))()
+    got = jax.jit(lambda: call(q, sf, w, ws, small, tile_pairs=tile, **kw))()
     want = jax.jit(lambda: call(q, sf, w, ws, large, **kw))()
     used = int(np.sum(np.asarray(gs)))
     assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_TILE_PAIRS and np.any(np.asarray(want)[:, :used] != 0)

@@ -242,9 +242,9 @@ def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expected_
 #: Units (split, tile, 128 columns) the FP8 / MXFP4 kernels aim for at least: two resident CTAs on each of an H200's
 #: 132 SMs, one round.
 NARROW_MIN_UNITS = 264
-#: Pairs an expert the FP8 / MXFP4 stage expects at most to take the kernels of 8-pair tiles: an expert of more
-#: than 8 pairs streams its weights once per tile, rare below a mean of 4.
-SMALL_TILE_EXPECTED_PAIRS = 4
+#: The FP8 / MXFP4 stage's tile holds at least this many times the pairs it expects an active expert (`tile_pairs`):
+#: an expert past its tile streams its weights once more per tile, rare below half the tile's pairs.
+TILE_HEADROOM = 2.0
 
 
 def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
@@ -256,6 +256,16 @@ def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
     return -(-steps // per), per * 128
 
 
+def tile_pairs(expected_pairs: float, active: int) -> int:
+    """The FP8 / MXFP4 kernels' tile for `expected_pairs` over `active` experts: the smallest of
+    `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
+    `abi.MATMUL_FP8_TILE_PAIRS` (a smaller tile: less MMA, promotion and copying a stage, the same bits)."""
+    from jax_latent_ep.kernels import abi
+
+    fits = [p for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS if p >= TILE_HEADROOM * expected_pairs / max(1, active)]
+    return min(fits) if fits else abi.MATMUL_FP8_TILE_PAIRS
+
+
 def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
     `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
@@ -264,23 +274,23 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
 
 
 def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None, rows=None, second=None,
-                  small_tiles=False):
+                  tile=None):
     """`_wgmma_narrow`'s FP32 split partials `[S, M, N]` (typed as its operands); with `rows` int32 `[M]` pair p
     reads row `rows[p]` of `x` (no gather); with `second = (w2, w2_scale)` `[S, M, 2N]`, `w`'s columns then
-    `w2`'s, one launch; with `small_tiles` the kernel of 8-pair tiles (the same bits)."""
+    `w2`'s, one launch; `tile`: the kernel of tiles of that many pairs (`tile_pairs`; the same bits), None: 32."""
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
     pairs = x.shape[0] if rows is None else rows.shape[0]
-    tiles = chunks(group_sizes, pairs,
-                   abi.MATMUL_FP8_SMALL_TILE_PAIRS if small_tiles else abi.MATMUL_FP8_TILE_PAIRS)
+    tile = tile or abi.MATMUL_FP8_TILE_PAIRS
+    tiles = chunks(group_sizes, pairs, tile)
     groups = min(group_sizes.shape[0], pairs) if expected_groups is None else expected_groups
     splits, per = narrow_splits(groups, w.shape[1] * (1 if second is None else 2), x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
     w2, w2_scale = (None, None) if second is None else second
     parts = call(x, x_scale, w, w_scale, tiles, splits=splits, k_per_split=per, x_rows=rows, w_second=w2,
-                 w_second_scale=w2_scale, small_tiles=small_tiles)
+                 w_second_scale=w2_scale, tile_pairs=tile)
     return _vary(parts, _axes(x, w) if rows is None else _axes(x, w, rows))
 
 
@@ -349,12 +359,12 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     row's FP32 sum of its pairs (`_row_sums`; on "wgmma" with `kernel_row_sums` the row-sum kernel, the same
     bits); the numerics of `docs/experts.md`'s FP8 weights. "wgmma" computes `h` and its MXFP8 in one kernel over
     the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's); its contraction splits are
-    chosen for `min(J, C, expected_pairs)` active experts (`kernel._expected_active`), its tiles of 8 pairs where
-    they expect at most `SMALL_TILE_EXPECTED_PAIRS` each. No VJP."""
+    chosen for `min(J, C, expected_pairs)` active experts (`kernel._expected_active`), its tiles by the pairs
+    they expect each (`tile_pairs`). No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
     expected = _expected_active(pl, expected_pairs)
-    small = (expected_pairs or pl.capacity) <= SMALL_TILE_EXPECTED_PAIRS * expected
+    tile = tile_pairs(expected_pairs or pl.capacity, expected)
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
         from jax_latent_ep.runtime import ffi
@@ -362,10 +372,10 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
         # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
         second = None if w_up is None else (w_up.values, w_up.scale)
         gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row, second=second,
-                                small_tiles=small)
+                                tile=tile)
         count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
         hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
-        down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, small_tiles=small)
+        down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, tile=tile)
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 
     xq, xs = x[pl.row], sf[pl.row]

@@ -66,9 +66,9 @@ MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
 #: one, the ring running on across them): enough for every SM to take several in turn.
 MATMUL_WGRAD_CTAS = 1024
-#: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n), and of its small-tile variants.
+#: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n), and of its variants' smaller tiles.
 MATMUL_FP8_TILE_PAIRS = 32
-MATMUL_FP8_SMALL_TILE_PAIRS = 8
+MATMUL_FP8_SMALL_TILE_PAIRS = (16, 8)
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -341,16 +341,14 @@ GROUPED_MATMUL_FP8 = _narrow_matmul(
 GROUPED_MATMUL_MXFP4 = _narrow_matmul(
     "grouped_matmul_mxfp4", "uint8 [G, num_n, num_k / 2]: each group's e2m1 codes, `[out, in]`, the even input low",
     "uint8 [G, num_n, num_k / 32]: an E8M0 scale per 32 inputs of an output")
-#: Their variants of `MATMUL_FP8_SMALL_TILE_PAIRS`-pair tiles (`m64n8k32`), for about one pair an expert: the same
-#: parameters, tiles of at most that many pairs.
-GROUPED_MATMUL_FP8_N8 = Kernel("grouped_matmul_fp8_n8", "ep_grouped_matmul_fp8_n8", GROUPED_MATMUL_FP8.params,
-                               params_of="grouped_matmul_fp8", archs=("sm_90a",))
-GROUPED_MATMUL_MXFP4_N8 = Kernel("grouped_matmul_mxfp4_n8", "ep_grouped_matmul_mxfp4_n8", GROUPED_MATMUL_MXFP4.params,
-                                 params_of="grouped_matmul_mxfp4", archs=("sm_90a",))
+#: Their variants of smaller tiles (`<op>_n<pairs>`, `m64n<pairs>k32`, `MATMUL_FP8_SMALL_TILE_PAIRS`), for a few
+#: pairs an expert: the same parameters, tiles of at most that many pairs.
+NARROW_VARIANTS = tuple(Kernel(f"{k.op}_n{p}", f"{k.symbol}_n{p}", k.params, params_of=k.op, archs=("sm_90a",))
+                        for k in (GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4) for p in MATMUL_FP8_SMALL_TILE_PAIRS)
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
                              GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4,
-                             GROUPED_MATMUL_FP8_N8, GROUPED_MATMUL_MXFP4_N8, SWIGLU_MXFP8)}
+                             *NARROW_VARIANTS, SWIGLU_MXFP8)}
 
 
 def c_name(op: str) -> str:
@@ -472,7 +470,6 @@ def header() -> str:
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",
         f"constexpr int kMatmulFp8TilePairs = {MATMUL_FP8_TILE_PAIRS};",
-        f"constexpr int kMatmulFp8SmallTilePairs = {MATMUL_FP8_SMALL_TILE_PAIRS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

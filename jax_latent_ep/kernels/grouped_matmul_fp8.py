@@ -3,19 +3,19 @@ block-scaled weights, `out[p] = x[p] @ w[group of p]^T` in FP32, neither operand
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
-Parameters: `kernels.abi.GROUPED_MATMUL_FP8` (and its variants, `VARIANTS`: MXFP4 weights, 8-pair tiles).
+Parameters: `kernels.abi.GROUPED_MATMUL_FP8` (and its variants, `VARIANTS`: MXFP4 weights, smaller tiles).
 
 The operands are swapped for decode's few pairs an expert: the weights, `[out, in]` as checkpoints store them, are
 `wgmma`'s 64-row side (a warpgroup's 64 output columns), a tile's at most `TILE_PAIRS` pairs its narrow side
-(`m64n32k32`; `m64n8k32` in the variants of `SMALL_TILE_PAIRS`, for about one pair an expert). A unit is (split,
-tile, 128 output columns), `u = (split * used + tile) * columns + column` over the used tiles (`(group, first pair,
-pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s) and the output's columns (`w`'s,
-then with `w_second` the second weight's: gate and up in one launch, one `out` row holding both); a pair's row of
-`x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA streams those columns' weights over the
-split's contraction `split * k_per_split ..` once for all the tile's pairs, into `out[split]`. The grid is
-persistent (at most the resident CTAs): CTA `c` computes units `c, c + stride, ..` (`common.balanced_stride`), so a
-list sized for the worst case costs no CTA per empty tile, and splits give decode's few tiles enough units. Pairs
-past a tile's are zero-filled and never stored.
+(`m64n32k32`; `m64n16k32` / `m64n8k32` in the variants of `SMALL_TILE_PAIRS`, for a few pairs an expert). A unit
+is (split, tile, 128 output columns), `u = (split * used + tile) * columns + column` over the used tiles
+(`(group, first pair, pairs, used tiles)`, the caller's list, the used first, as `GroupedMatmul`'s) and the
+output's columns (`w`'s, then with `w_second` the second weight's: gate and up in one launch, one `out` row
+holding both); a pair's row of `x` is its own or `x_rows[pair]` (the receive rows, no gather). Its CTA streams
+those columns' weights over the split's contraction `split * k_per_split ..` once for all the tile's pairs, into
+`out[split]`. The grid is persistent (at most the resident CTAs): CTA `c` computes units `c, c + stride, ..`
+(`common.balanced_stride`), so a list sized for the worst case costs no CTA per empty tile, and splits give
+decode's few tiles enough units. Pairs past a tile's are zero-filled and never stored.
 
 Numerics (`docs/experts.md`, FP8 weights): each 32-deep block of the contraction is one MMA (the exact products'
 sum in the tensor core), added to the FP32 accumulator times `2^(s - 127) * scale` (the pair's E8M0 scale of that
@@ -66,7 +66,7 @@ from jax_latent_ep.kernels.primitives import (
 
 #: Output columns of one CTA (two warpgroups of 64 weight rows; one weight scale block).
 TILE_N = 128
-#: Pairs of one tile: the MMA's n (`m64n32k32`); the small tile's (`m64n8k32`), for about one pair an expert.
+#: Pairs of one tile: the MMA's n (`m64n32k32`); the variants' smaller tiles (16, 8), for a few pairs an expert.
 TILE_PAIRS = abi.MATMUL_FP8_TILE_PAIRS
 SMALL_TILE_PAIRS = abi.MATMUL_FP8_SMALL_TILE_PAIRS
 #: Contraction elements of one stage: a 128-byte line of e4m3, four 32-deep blocks.
@@ -148,8 +148,8 @@ class StageLayout:
 
 
 #: kernel -> (its tiles' pairs, MXFP4 weights)
-VARIANTS = {"grouped_matmul_fp8": (TILE_PAIRS, False), "grouped_matmul_fp8_n8": (SMALL_TILE_PAIRS, False),
-            "grouped_matmul_mxfp4": (TILE_PAIRS, True), "grouped_matmul_mxfp4_n8": (SMALL_TILE_PAIRS, True)}
+VARIANTS = {f"{base}{'' if p == TILE_PAIRS else f'_n{p}'}": (p, base.endswith("mxfp4"))
+            for base in ("grouped_matmul_fp8", "grouped_matmul_mxfp4") for p in (TILE_PAIRS, *SMALL_TILE_PAIRS)}
 
 
 def smem_bytes() -> int:
@@ -185,7 +185,7 @@ def _kernel_entry(op: abi.Kernel):
 
 
 class GroupedMatmulFp8:
-    """The FP8 grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul_fp8` builds it."""
+    """The FP8 grouped matmul kernel (every size a run-time parameter); `compile_variant` builds it."""
 
     #: Pairs of a tile (the MMA's n) and the shared memory they set.
     pairs = TILE_PAIRS
@@ -436,7 +436,7 @@ class GroupedMatmulFp8:
 # block promoted with `2^(s_w - 127) * 2^(s_x - 127)` (one FP32 product).
 
 class GroupedMatmulMxfp4(GroupedMatmulFp8):
-    """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_grouped_matmul_mxfp4` builds
+    """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_variant` builds
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
     e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 1.4 instructions a code) into a tile of its own while the previous
     stage's MMAs run; the promotion carries the 2^6 back (a power of two: exact), the tensor core's block sum
@@ -572,45 +572,53 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The small tiles: decode's few pairs an expert (`VARIANTS`).
+# The smaller tiles: decode's few pairs an expert (`VARIANTS`).
+
+
+class GroupedMatmulFp8N16(GroupedMatmulFp8):
+    """`GroupedMatmulFp8` on tiles of 16 pairs (`m64n16k32`): half the MMA, promotion and pair copies."""
+
+    pairs = 16
+    layout = StageLayout(16)
+    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_fp8_n16"])
 
 
 class GroupedMatmulFp8N8(GroupedMatmulFp8):
-    """`GroupedMatmulFp8` on tiles of `SMALL_TILE_PAIRS` pairs (`m64n8k32`): a quarter of the MMA, promotion and
-    pair copies, for about one pair an expert."""
+    """`GroupedMatmulFp8` on tiles of 8 pairs (`m64n8k32`): a quarter of the MMA, promotion and pair copies."""
 
-    pairs = SMALL_TILE_PAIRS
-    layout = StageLayout(SMALL_TILE_PAIRS)
-    kernel = _kernel_entry(abi.GROUPED_MATMUL_FP8_N8)
+    pairs = 8
+    layout = StageLayout(8)
+    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_fp8_n8"])
+
+
+class GroupedMatmulMxfp4N16(GroupedMatmulMxfp4):
+    """`GroupedMatmulMxfp4` on tiles of 16 pairs (`m64n16k32`)."""
+
+    pairs = 16
+    layout = StageLayout(16)
+    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_mxfp4_n16"])
 
 
 class GroupedMatmulMxfp4N8(GroupedMatmulMxfp4):
-    """`GroupedMatmulMxfp4` on tiles of `SMALL_TILE_PAIRS` pairs (`m64n8k32`)."""
+    """`GroupedMatmulMxfp4` on tiles of 8 pairs (`m64n8k32`)."""
 
-    pairs = SMALL_TILE_PAIRS
-    layout = StageLayout(SMALL_TILE_PAIRS)
-    kernel = _kernel_entry(abi.GROUPED_MATMUL_MXFP4_N8)
+    pairs = 8
+    layout = StageLayout(8)
+    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_mxfp4_n8"])
+
+
+#: kernel -> its class
+CLASSES = {"grouped_matmul_fp8": GroupedMatmulFp8, "grouped_matmul_fp8_n16": GroupedMatmulFp8N16,
+           "grouped_matmul_fp8_n8": GroupedMatmulFp8N8, "grouped_matmul_mxfp4": GroupedMatmulMxfp4,
+           "grouped_matmul_mxfp4_n16": GroupedMatmulMxfp4N16, "grouped_matmul_mxfp4_n8": GroupedMatmulMxfp4N8}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Compile
 
 
-def compile_grouped_matmul_fp8(arch: str = "sm_90a"):
-    """Compiles the FP8 grouped matmul for `arch` (sm_90a only: `wgmma` e4m3); returns `(symbol, cubin bytes)`."""
-    return compile_cubin(abi.GROUPED_MATMUL_FP8, GroupedMatmulFp8(), arch)
+def compile_variant(kernel: str, arch: str = "sm_90a"):
+    """Compiles `kernel` (one of `VARIANTS`) for `arch` (sm_90a only: `wgmma` e4m3); returns `(symbol, cubin
+    bytes)`."""
+    return compile_cubin(abi.KERNELS[kernel], CLASSES[kernel](), arch)
 
-
-def compile_grouped_matmul_fp8_n8(arch: str = "sm_90a"):
-    """Compiles the FP8 grouped matmul of 8-pair tiles for `arch` (sm_90a only)."""
-    return compile_cubin(abi.GROUPED_MATMUL_FP8_N8, GroupedMatmulFp8N8(), arch)
-
-
-def compile_grouped_matmul_mxfp4(arch: str = "sm_90a"):
-    """Compiles the MXFP4 grouped matmul for `arch` (sm_90a only); returns `(symbol, cubin bytes)`."""
-    return compile_cubin(abi.GROUPED_MATMUL_MXFP4, GroupedMatmulMxfp4(), arch)
-
-
-def compile_grouped_matmul_mxfp4_n8(arch: str = "sm_90a"):
-    """Compiles the MXFP4 grouped matmul of 8-pair tiles for `arch` (sm_90a only)."""
-    return compile_cubin(abi.GROUPED_MATMUL_MXFP4_N8, GroupedMatmulMxfp4N8(), arch)

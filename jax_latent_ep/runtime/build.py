@@ -43,8 +43,8 @@ DEFAULT_RANKS = {"kimi_k3": (1, 2, 4, 7, 8, 14, 16, 28, 32), "deepseek_v3": (1, 
 SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm", "expert_stage": "grouped_gemm",
               "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
               "grouped_matmul_wgrad": "grouped_matmul", "grouped_matmul_fp8": "grouped_matmul_fp8",
-              "grouped_matmul_mxfp4": "grouped_matmul_fp8", "grouped_matmul_fp8_n8": "grouped_matmul_fp8",
-              "grouped_matmul_mxfp4_n8": "grouped_matmul_fp8", "swiglu_mxfp8": "swiglu_mxfp8"}
+              "grouped_matmul_mxfp4": "grouped_matmul_fp8", "swiglu_mxfp8": "swiglu_mxfp8",
+              **{k.op: "grouped_matmul_fp8" for k in abi.NARROW_VARIANTS}}
 MANIFEST_VERSION = 1
 
 
@@ -147,7 +147,8 @@ def compile_shape_free(kernel: str, arch: str, out_dir) -> dict:
 
     started = time.perf_counter()
     module = importlib.import_module(f"jax_latent_ep.kernels.{SHAPE_FREE[kernel]}")
-    name, cubin = getattr(module, f"compile_{kernel}")(arch)
+    compile_one = getattr(module, f"compile_{kernel}", None)  # else the module's `compile_variant(kernel, arch)`
+    name, cubin = compile_one(arch) if compile_one else module.compile_variant(kernel, arch)
     threads, smem = module.launch_shape(kernel) if hasattr(module, "launch_shape") else (module.THREADS,
                                                                                          module.smem_bytes())
     return _entry(kernel, name, cubin, out_dir, f"cubins/{kernel}_{arch}.cubin", threads, smem, {"name": "any"}, 0,

@@ -399,20 +399,22 @@ EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"
                   "grouped_matmul_wgrad": ("jax_latent_ep_grouped_matmul_wgrad", "EpGroupedMatmulWgrad"),
                   "grouped_matmul_fp8": ("jax_latent_ep_grouped_matmul_fp8", "EpGroupedMatmulFp8"),
                   "grouped_matmul_mxfp4": ("jax_latent_ep_grouped_matmul_mxfp4", "EpGroupedMatmulMxfp4"),
-                  "grouped_matmul_fp8_n8": ("jax_latent_ep_grouped_matmul_fp8_n8", "EpGroupedMatmulFp8N8"),
-                  "grouped_matmul_mxfp4_n8": ("jax_latent_ep_grouped_matmul_mxfp4_n8", "EpGroupedMatmulMxfp4N8"),
-                  "swiglu_mxfp8": ("jax_latent_ep_swiglu_mxfp8", "EpSwigluMxfp8")}
+                  "swiglu_mxfp8": ("jax_latent_ep_swiglu_mxfp8", "EpSwigluMxfp8"),
+                  **{f"{op}_n{p}": (f"jax_latent_ep_{op}_n{p}", f"Ep{name}N{p}")
+                     for op, name in (("grouped_matmul_fp8", "GroupedMatmulFp8"),
+                                      ("grouped_matmul_mxfp4", "GroupedMatmulMxfp4"))
+                     for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS}}
 GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
 EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
-                  "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4", "grouped_matmul_fp8_n8",
-                  "grouped_matmul_mxfp4_n8", "swiglu_mxfp8")
+                  "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4", "swiglu_mxfp8",
+                  *(k.op for k in abi.NARROW_VARIANTS))
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
 EXPERT_RECORD_TARGETS = {op: f"jax_latent_ep_{op}_rec" for op in (
     "grouped_gemm", "expert_plan", "expert_stage", "row_sum", "grouped_matmul_fp8", "grouped_matmul_mxfp4",
-    "grouped_matmul_fp8_n8", "grouped_matmul_mxfp4_n8", "swiglu_mxfp8")}
+    "swiglu_mxfp8", *(k.op for k in abi.NARROW_VARIANTS))}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
@@ -515,21 +517,30 @@ def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None):
 
 
 def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
-                            w_second=None, w_second_scale=None, small_tiles: bool = False):
+                            w_second=None, w_second_scale=None, tile_pairs: int = abi.MATMUL_FP8_TILE_PAIRS):
     """The FP8 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_FP8, whose table says what each operand
     holds): FP32 `[splits, P, N]` partials over the contraction's `splits` slices of `k_per_split` (`[splits, P,
     2N]`, `w`'s columns then `w_second`'s, with a second weight), the rows of the tiles' pairs written (the others
     hold whatever the buffer held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: `x` has a row a
-    pair). `small_tiles`: the kernel of `abi.MATMUL_FP8_SMALL_TILE_PAIRS`-pair tiles, which `tiles` must hold."""
-    op = "grouped_matmul_fp8_n8" if small_tiles else "grouped_matmul_fp8"
-    return _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
+    pair). `tile_pairs`: the kernel of tiles of at most that many pairs (`abi.MATMUL_FP8_TILE_PAIRS` or one of
+    `abi.MATMUL_FP8_SMALL_TILE_PAIRS`), as `tiles` holds them."""
+    return _narrow_call(_narrow_op("grouped_matmul_fp8", tile_pairs), x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
 
 
 def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
-                              w_second=None, w_second_scale=None, small_tiles: bool = False):
+                              w_second=None, w_second_scale=None, tile_pairs: int = abi.MATMUL_FP8_TILE_PAIRS):
     """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): as `grouped_matmul_fp8_call`."""
-    op = "grouped_matmul_mxfp4_n8" if small_tiles else "grouped_matmul_mxfp4"
-    return _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
+    return _narrow_call(_narrow_op("grouped_matmul_mxfp4", tile_pairs), x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
+
+
+def _narrow_op(op: str, tile_pairs: int) -> str:
+    """The op of `op`'s variant of `tile_pairs`-pair tiles."""
+    if tile_pairs == abi.MATMUL_FP8_TILE_PAIRS:
+        return op
+    if tile_pairs not in abi.MATMUL_FP8_SMALL_TILE_PAIRS:
+        raise ValueError(f"{op}: tile_pairs={tile_pairs} must be one of "
+                         f"{(abi.MATMUL_FP8_TILE_PAIRS, *abi.MATMUL_FP8_SMALL_TILE_PAIRS)}")
+    return f"{op}_n{tile_pairs}"
 
 
 def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale):

@@ -36,14 +36,14 @@ def test_smoke(tmp_path, script, must):
 
 def test_stage_units_are_set_and_recorded(tmp_path):
     """`--stage-units GATE DOWN` sets the one launch's split targets, `--narrow-units` the FP8 kernels',
-    `--small-tile-pairs` where the FP8 stage takes 8-pair tiles and `--xla-row-sum-slots` where the one launch's
+    `--tile-headroom` the FP8 stage's tile rule and `--xla-row-sum-slots` where the one launch's
     row sum is XLA's in the child and records them as rows; a non-positive target or a negative count is refused
     before anything runs."""
     out = tmp_path / "out.csv"
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
     script = os.path.join(ROOT, "benchmarks", "expert_stage.py")
     proc = subprocess.run([sys.executable, script, "--smoke", "--paths", "dense", "--stage-units", "1536", "1024",
-                           "--xla-row-sum-slots", "0", "--narrow-units", "1", "--small-tile-pairs", "9",
+                           "--xla-row-sum-slots", "0", "--narrow-units", "1", "--tile-headroom", "3",
                            "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -53,9 +53,9 @@ def test_stage_units_are_set_and_recorded(tmp_path):
     assert units == {"kernel_stage_gate_units": 1536.0, "kernel_stage_down_units": 1024.0}
     assert [float(r[7]) for r in rows if r[3] == "xla_row_sum_slots"] == [0.0]
     assert [float(r[7]) for r in rows if r[3] == "narrow_min_units"] == [1.0]
-    assert [float(r[7]) for r in rows if r[3] == "small_tile_expected_pairs"] == [9.0]
+    assert [float(r[7]) for r in rows if r[3] == "tile_headroom"] == [3.0]
     for flag in (["--stage-units", "0", "1024"], ["--xla-row-sum-slots", "-1"], ["--narrow-units", "-1"],
-                 ["--small-tile-pairs", "-1"]):
+                 ["--tile-headroom", "0"]):
         bad = subprocess.run([sys.executable, script, "--smoke", *flag, "--out", str(out)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and flag[0] in bad.stderr

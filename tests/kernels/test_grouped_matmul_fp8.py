@@ -10,8 +10,8 @@ from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels import grouped_matmul_fp8 as gm
 from jax_latent_ep.kernels.common import check_abi, kernel_ptx
 
-FP8 = {"grouped_matmul_fp8": gm.GroupedMatmulFp8, "grouped_matmul_fp8_n8": gm.GroupedMatmulFp8N8}
-MXFP4 = {"grouped_matmul_mxfp4": gm.GroupedMatmulMxfp4, "grouped_matmul_mxfp4_n8": gm.GroupedMatmulMxfp4N8}
+FP8 = {op: cls for op, cls in gm.CLASSES.items() if not gm.VARIANTS[op][1]}
+MXFP4 = {op: cls for op, cls in gm.CLASSES.items() if gm.VARIANTS[op][1]}
 BLOCKS = gm.TILE_K // gm.BLOCK_K
 
 
@@ -21,8 +21,10 @@ def _wgmma(pairs: int) -> str:
 
 
 def test_variants_cover_the_kernels():
-    assert set(gm.VARIANTS) == set(FP8) | set(MXFP4) and set(gm.VARIANTS) <= set(abi.KERNELS)
-    assert {cls.pairs for cls in FP8.values()} == {abi.MATMUL_FP8_TILE_PAIRS, abi.MATMUL_FP8_SMALL_TILE_PAIRS}
+    assert set(gm.VARIANTS) == set(gm.CLASSES) and set(gm.VARIANTS) <= set(abi.KERNELS)
+    tiles = {abi.MATMUL_FP8_TILE_PAIRS, *abi.MATMUL_FP8_SMALL_TILE_PAIRS}
+    assert {cls.pairs for cls in FP8.values()} == {cls.pairs for cls in MXFP4.values()} == tiles
+    assert all(cls.pairs == gm.VARIANTS[op][0] and cls.layout.pairs == cls.pairs for op, cls in gm.CLASSES.items())
     assert all(gm.launch_shape(op) == (gm.THREADS, cls().smem) for op, cls in {**FP8, **MXFP4}.items())
 
 
