@@ -232,3 +232,16 @@ def test_expert_record_registration_fallback(codes, path, calls, monkeypatch):
     want = "traced" if path == "traced" else "record"
     got = "record" if ffi._expert_target("grouped_gemm")[0] == ffi.EXPERT_RECORD_TARGETS["grouped_gemm"] else "traced"
     assert got == want
+
+
+def test_narrow_variant_names_and_refusal():
+    """The FP8 / MXFP4 grouped matmul's tile sizes name their variants; any other is refused by value."""
+    from jax_latent_ep.kernels import abi
+    from jax_latent_ep.runtime import ffi
+
+    assert ffi._narrow_op("grouped_matmul_fp8", abi.MATMUL_FP8_TILE_PAIRS) == "grouped_matmul_fp8"
+    for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS:
+        op = ffi._narrow_op("grouped_matmul_mxfp4", p)
+        assert op in ffi.EXPERT_TARGETS and op in ffi.EXPERT_RECORD_TARGETS and op in ffi.EXPERT_KERNELS
+    with pytest.raises(ValueError, match="tile_pairs=12 must be one of"):
+        ffi._narrow_op("grouped_matmul_fp8", 12)
