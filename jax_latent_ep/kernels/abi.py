@@ -307,10 +307,10 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
-def _narrow_matmul(op: str, w: str, w_scale: str, tile_pairs: int = MATMUL_FP8_TILE_PAIRS) -> Kernel:
+def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
     """The grouped matmul of decode sizes on FP8 tensor cores (`kernels/grouped_matmul_fp8.py`, sm_90a `wgmma`
-    e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's at most
-    `tile_pairs` pairs the narrow one; each 32-deep block's product promoted into FP32 with its two scales."""
+    e4m3) whose weights are described by `w` and `w_scale`: the weights the 64-row side, a tile's pairs the narrow
+    one; each 32-deep block's product promoted into FP32 with its two scales."""
     return Kernel(op, "ep_" + op, (
         _address("x", "float8_e4m3fn [R, num_k]: MXFP8 elements, a row a pair (sorted by group) or rows `x_rows` "
                  "names"),
@@ -320,8 +320,8 @@ def _narrow_matmul(op: str, w: str, w_scale: str, tile_pairs: int = MATMUL_FP8_T
         _address("w_scale", w_scale),
         _address("w_second", "as `w`: a second weight (up beside gate), or 0"),
         _address("w_second_scale", "as `w_scale`: its scales (unread without `w_second`)"),
-        _address("tiles", f"int32 [num_tiles, 4]: (group, first pair, pairs <= {tile_pairs}, used tiles) per tile, "
-                 "the used first; pairs 0: none"),
+        _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_TILE_PAIRS, used tiles) "
+                 "per tile, the used first; pairs 0: none"),
         _address("out", "f32 [S, P, num_n] (`w_second` 0) or [S, P, 2 num_n] (`w`'s columns, then `w_second`'s): "
                  "split s's partial (contraction `s k_per_split ..`) in `out[s]`; rows of the tiles' pairs written, "
                  "the others untouched (output)"),

@@ -575,42 +575,18 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
 # The smaller tiles: decode's few pairs an expert (`VARIANTS`).
 
 
-class GroupedMatmulFp8N16(GroupedMatmulFp8):
-    """`GroupedMatmulFp8` on tiles of 16 pairs (`m64n16k32`): half the MMA, promotion and pair copies."""
-
-    pairs = 16
-    layout = StageLayout(16)
-    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_fp8_n16"])
-
-
-class GroupedMatmulFp8N8(GroupedMatmulFp8):
-    """`GroupedMatmulFp8` on tiles of 8 pairs (`m64n8k32`): a quarter of the MMA, promotion and pair copies."""
-
-    pairs = 8
-    layout = StageLayout(8)
-    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_fp8_n8"])
-
-
-class GroupedMatmulMxfp4N16(GroupedMatmulMxfp4):
-    """`GroupedMatmulMxfp4` on tiles of 16 pairs (`m64n16k32`)."""
-
-    pairs = 16
-    layout = StageLayout(16)
-    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_mxfp4_n16"])
-
-
-class GroupedMatmulMxfp4N8(GroupedMatmulMxfp4):
-    """`GroupedMatmulMxfp4` on tiles of 8 pairs (`m64n8k32`)."""
-
-    pairs = 8
-    layout = StageLayout(8)
-    kernel = _kernel_entry(abi.KERNELS["grouped_matmul_mxfp4_n8"])
+def _smaller_tiles(base: type, op: str, pairs: int) -> type:
+    """`base` (the kernel of `op`) on tiles of `pairs` pairs (`m64n<pairs>k32`): less MMA, promotion and pair
+    copies a stage; its own cubin, `<op>_n<pairs>`."""
+    return type(f"{base.__name__}N{pairs}", (base,), {
+        "__doc__": f"`{base.__name__}` on tiles of {pairs} pairs (`m64n{pairs}k32`).", "pairs": pairs,
+        "layout": StageLayout(pairs), "kernel": _kernel_entry(abi.KERNELS[f"{op}_n{pairs}"])})
 
 
 #: kernel -> its class
-CLASSES = {"grouped_matmul_fp8": GroupedMatmulFp8, "grouped_matmul_fp8_n16": GroupedMatmulFp8N16,
-           "grouped_matmul_fp8_n8": GroupedMatmulFp8N8, "grouped_matmul_mxfp4": GroupedMatmulMxfp4,
-           "grouped_matmul_mxfp4_n16": GroupedMatmulMxfp4N16, "grouped_matmul_mxfp4_n8": GroupedMatmulMxfp4N8}
+CLASSES = {"grouped_matmul_fp8": GroupedMatmulFp8, "grouped_matmul_mxfp4": GroupedMatmulMxfp4}
+CLASSES.update({f"{op}_n{p}": _smaller_tiles(base, op, p) for op, base in tuple(CLASSES.items())
+                for p in SMALL_TILE_PAIRS})
 
 
 # ---------------------------------------------------------------------------------------------------------
