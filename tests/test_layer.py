@@ -225,20 +225,21 @@ def test_training_is_the_same_call(mesh_shape, layout, impl):
     names = {1: ("ep",), 3: ("dp", "ep", "tp")}[len(mesh_shape)]
     mesh = _mesh(mesh_shape, names)
     data = tuple(a for a in names if a == "dp") + (("ep",) if layout == "sharded" else ())
-    rng = np.random.default_rng(41)
-    p = _params(rng, latent=True, shared=True)
-    layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, latent=L, shared_intermediate=IS, norm=True,
-                     tp_axis="tp" if "tp" in names else None, token_axes=data, max_tokens=8, impl=impl)
-    x = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
-    ids = jnp.asarray(rng.integers(-1, E, (8, K)), jnp.int32)
-    w = jnp.asarray(rng.random((8, K)), jnp.float32)
-    target = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
-    loss = lambda y: jnp.sum((y.astype(jnp.float32) - target) ** 2)  # noqa: E731
-    keys = ("w_gate", "w_down", "latent_down", "latent_up", "norm", "shared_up")
-    with jax.default_matmul_precision("highest"):  # both in FP32: no TF32 on GPUs (CPUs have none)
+    # all on the CPU, in FP32: a GPU's XLA drops the reference's bf16 round trips (excess precision), uses TF32
+    with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
+        rng = np.random.default_rng(41)
+        p = _params(rng, latent=True, shared=True)
+        layer = MoELayer(mesh, hidden=D, experts=E, topk=K, intermediate=I, latent=L, shared_intermediate=IS,
+                         norm=True, tp_axis="tp" if "tp" in names else None, token_axes=data, max_tokens=8, impl=impl)
+        x = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
+        ids = jnp.asarray(rng.integers(-1, E, (8, K)), jnp.int32)
+        w = jnp.asarray(rng.random((8, K)), jnp.float32)
+        target = jnp.asarray(rng.standard_normal((8, D)), jnp.float32)
+        loss = lambda y: jnp.sum((y.astype(jnp.float32) - target) ** 2)  # noqa: E731
         got = jax.jit(jax.grad(lambda x, p, w: loss(layer(x, p, ids, w)), argnums=(0, 1, 2)))(x, p, w)
         ref = jax.jit(jax.grad(lambda x, p, w: loss(_jax_reference(x, p, ids, w, latent=True, norm=True,
                                                                    eps=layer.eps)), argnums=(0, 1, 2)))(x, p, w)
+    keys = ("w_gate", "w_down", "latent_down", "latent_up", "norm", "shared_up")
     for name, g, r in [("x", got[0], ref[0]), ("routing weights", got[2], ref[2])] + [(k, got[1][k], ref[1][k])
                                                                                      for k in keys]:
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
