@@ -384,6 +384,53 @@ def test_mxfp4_widening_bytes_are_the_codes_times_2_to_the_minus_6():
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def _run_ptx(code: str, inputs: dict) -> dict:
+    """Runs a block of 32-bit `shl` / `shr` / `and` / `lop3` / `prmt` (default mode) PTX on the host, as the PTX ISA
+    defines them (`lop3`: bit `4 a + 2 b + c` of the table; `prmt`: byte `s % 8` of `{b, a}`, its sign replicated
+    where `s` has bit 3); returns the registers."""
+    regs = dict(inputs)
+    for stmt in code.strip()[1:-1].split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        v = [int(a, 0) if a[0].isdigit() else regs[a] for a in src]
+        if op == "shl.b32":
+            out = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            out = v[0] >> v[1]
+        elif op == "and.b32":
+            out = v[0] & v[1]
+        elif op == "lop3.b32":
+            out = sum(((v[3] >> ((v[0] >> i & 1) << 2 | (v[1] >> i & 1) << 1 | (v[2] >> i & 1))) & 1) << i
+                      for i in range(32))
+        elif op == "prmt.b32":
+            out = 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 0xF
+                byte = ((v[1] << 32 | v[0]) >> (8 * (sel & 7))) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        else:
+            raise AssertionError(f"no host model of {op}")
+        regs[dst] = out
+    return regs
+
+
+def test_mxfp4_widening_ptx_is_its_model():
+    """The widening's PTX itself (`E2M1X8_TO_E4M3X8_PTX`, run by `_run_ptx`) gives `e2m1x8_to_e4m3x8_scaled_model`'s
+    words: every code in every position among random neighbours, and random words."""
+    pytest.importorskip("cutlass", reason="the kernels' primitives import the CuTe DSL")
+    from jax_latent_ep.kernels.primitives import E2M1X8_TO_E4M3X8_PTX, e2m1x8_to_e4m3x8_scaled_model
+
+    rng = np.random.default_rng(8)
+    words = [int(w) for w in rng.integers(0, 2**32, 128, dtype=np.uint64)]
+    words += [(int(rng.integers(0, 2**32)) & ~(0xF << (4 * p))) | (c << (4 * p)) for p in range(8) for c in range(16)]
+    for word in words:
+        regs = _run_ptx(E2M1X8_TO_E4M3X8_PTX, {"$2": word})
+        assert (regs["$0"], regs["$1"]) == e2m1x8_to_e4m3x8_scaled_model(word), hex(word)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
 def test_narrow_rows_and_second_weight_are_the_gather_and_two_calls(kind):

@@ -53,6 +53,7 @@ from jax_latent_ep.kernels.primitives import (
     load_shared_v4,
     mul_rn,
     smem_descriptor,
+    smem_descriptor_advance,
     store_f32,
     store_shared_v4,
     wgmma_commit,
@@ -306,6 +307,9 @@ class GroupedMatmulFp8:
         ws_src = w_scale + ((Int64(group) * Int64(num_n // TILE_N) + Int64(n0 // TILE_N)) * Int64(num_k // TILE_K)
                             + Int64(k0 // TILE_K)) * 4
 
+        # slot 0's descriptors; a slot's, one 32-bit add on (`smem_descriptor_advance`)
+        ring_a = smem_descriptor(ring + Uint32(warpgroup * 64 * LINE_BYTES), 16, 1024)
+        ring_b = smem_descriptor(ring + Uint32(A_BYTES), 16, 1024)
         acc = cute.make_rmem_tensor(cute.make_layout(self.layout.acc), cutlass.Float32)
         acc.fill(0.0)
         ahead = STAGES - 1
@@ -316,8 +320,9 @@ class GroupedMatmulFp8:
             cp_async_commit()
 
         # Invariant at the barrier of step kt: stage kt is in shared memory, and every MMA of step kt - 1 completed
-        # (each warpgroup waits for its own before its promotion), so its slot takes step kt + ahead.
-        for kt in range(steps):
+        # (each warpgroup waits for its own before its promotion), so its slot takes step kt + ahead. Not unrolled:
+        # one copy of the body (LLVM unrolled the 8-pair tile's).
+        for kt in cutlass.range(steps, unroll=1):
             cp_async_wait(ahead - 1)
             fence_proxy_async_shared()
             cute.arch.sync_threads()
@@ -325,12 +330,13 @@ class GroupedMatmulFp8:
                 self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * self.layout.stage_bytes), kt + ahead, tid,
                                 a_src, a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot = ring + Uint32((kt % STAGES) * self.layout.stage_bytes)
+            slot_units = Uint32((kt % STAGES) * (self.layout.stage_bytes // 16))
+            slot = ring + slot_units * Uint32(16)
             wgmma_fence()
             parts = []
             for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
-                desc_a = smem_descriptor(slot + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
-                desc_b = smem_descriptor(slot + Uint32(A_BYTES + kb * BLOCK_K), 16, 1024)
+                desc_a = smem_descriptor_advance(ring_a, slot_units + Uint32(kb * BLOCK_K // 16))
+                desc_b = smem_descriptor_advance(ring_b, slot_units + Uint32(kb * BLOCK_K // 16))
                 parts.append(wgmma_e4m3_m64k32(desc_a, desc_b, self.pairs))
             wgmma_commit()
             wgmma_wait(0)
@@ -433,12 +439,12 @@ class GroupedMatmulFp8:
 # ---------------------------------------------------------------------------------------------------------
 # MXFP4 weights: e2m1 codes two a byte and an E8M0 scale per 32 inputs, `[out, in]` (`experts.MXFP4`), widened to
 # e4m3 in shared memory (every e2m1 value is exact in e4m3) and multiplied on the same tensor cores, each 32-deep
-# block promoted with `2^(s_w - 127) * 2^(s_x - 127)` (one FP32 product).
+# block promoted with `(2^(s_w - 127) * 2^6) * 2^(s_x - 127)` (2^6 undoing the widening's 2^-6; one FP32 product).
 
 class GroupedMatmulMxfp4(GroupedMatmulFp8):
     """The grouped matmul on MXFP4 weights (every size a run-time parameter); `compile_variant` builds
     it. As `GroupedMatmulFp8`, but the weights arrive as packed codes through the ring and each stage is widened to
-    e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 1.4 instructions a code) into a tile of its own while the previous
+    e4m3 times 2^-6 (`e2m1x8_to_e4m3x8_scaled`, 9 instructions for 8 codes) into a tile of its own while the previous
     stage's MMAs run; the promotion carries the 2^6 back (a power of two: exact), the tensor core's block sum
     nearly scale-free (docs/experts.md)."""
 
@@ -472,6 +478,9 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             k0 // BLOCK_K)
 
         lay = self.layout
+        # slot 0's and tile 0's descriptors; the others', one 32-bit add on (`smem_descriptor_advance`)
+        ring_b = smem_descriptor(ring, 16, 1024)
+        tile_a = smem_descriptor(ring + Uint32(lay.mx_tiles_offset + warpgroup * 64 * LINE_BYTES), 16, 1024)
         acc = cute.make_rmem_tensor(cute.make_layout(lay.acc), cutlass.Float32)
         acc.fill(0.0)
         ahead = STAGES - 1
@@ -495,13 +504,14 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
                 self.load_mx(ring + Uint32(((kt + ahead) % STAGES) * lay.mx_stage_bytes), kt + ahead, tid, a_src, a_dst,
                              b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot = ring + Uint32((kt % STAGES) * lay.mx_stage_bytes)
-            tile = ring + Uint32(lay.mx_tiles_offset) + Uint32((kt % 2) * A_BYTES)
+            slot_units = Uint32((kt % STAGES) * (lay.mx_stage_bytes // 16))
+            slot = ring + slot_units * Uint32(16)
+            tile_units = Uint32((kt % 2) * (A_BYTES // 16))
             wgmma_fence()
             parts = []
             for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
-                desc_a = smem_descriptor(tile + Uint32(warpgroup * 64 * LINE_BYTES + kb * BLOCK_K), 16, 1024)
-                desc_b = smem_descriptor(slot + Uint32(kb * BLOCK_K), 16, 1024)
+                desc_a = smem_descriptor_advance(tile_a, tile_units + Uint32(kb * BLOCK_K // 16))
+                desc_b = smem_descriptor_advance(ring_b, slot_units + Uint32(kb * BLOCK_K // 16))
                 parts.append(wgmma_e4m3_m64k32(desc_a, desc_b, self.pairs))
             wgmma_commit()
             if kt + 1 < steps:
@@ -530,9 +540,9 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
 
     @cute.jit
     def promote_mx(self, acc, parts, slot: Uint32, tid: Int32, lane: Int32):
-        """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times `2^(s_w - 127) * 2^(s_x - 127)`
-        of its weight row and pair times 2^6 (the widening's 2^-6 undone; 0 where either code is 0): one FMA a
-        value."""
+        """Adds each 32-deep block's product (`parts[kb]`, ascending) to `acc` times `(2^(s_w - 127) * 2^6) *
+        2^(s_x - 127)` of its weight row and pair (the widening's 2^-6 undone; 0 where either code is 0): one FMA
+        a value."""
         row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
         row_words = []
         for i in cutlass.range_constexpr(2):
@@ -545,16 +555,16 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
                                              + Uint32(8) * Uint32(lane % 4)))
         for kb in cutlass.range_constexpr(TILE_K // BLOCK_K):
             part = parts[kb]
-            w_pow = []
+            w_pow = []  # 2^(s_w - 127) * 2^6: the 2^6 undoes the widening's 2^-6, exact below s_w = 249
             for i in cutlass.range_constexpr(2):
-                w_pow.append(f32_from_bits(((row_words[i] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23)))
+                w_pow.append(mul_rn(f32_from_bits(((row_words[i] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23)),
+                                    Float32(64.0)))
             for j in cutlass.range_constexpr(self.pairs // 8):
                 for e in cutlass.range_constexpr(2):
                     x_pow = f32_from_bits(((words[2 * j + e] >> Uint32(8 * kb)) & Uint32(0xFF)) << Uint32(23))
                     for i in cutlass.range_constexpr(2):
                         k = 4 * j + 2 * i + e
-                        # 2^6 undoes the widening's 2^-6: exact wherever the unscaled product is finite
-                        acc[k] = fma_rn(part[k], mul_rn(mul_rn(w_pow[i], x_pow), Float32(64.0)), acc[k])
+                        acc[k] = fma_rn(part[k], mul_rn(w_pow[i], x_pow), acc[k])
 
     @cute.jit
     def load_mx(self, slot: Uint32, stage: Int32, tid: Int32, a_src, a_dst, b_live, b_src: Int64, b_dst: Uint32,

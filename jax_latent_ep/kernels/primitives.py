@@ -693,6 +693,14 @@ def smem_descriptor(addr, leading_bytes: int, stride_bytes: int):
 
 
 @dsl_user_op
+def smem_descriptor_advance(desc, units, *, loc=None, ip=None):
+    """`desc` (an `smem_descriptor`) of the tile `units` 16-byte units further on (the tile below 256 KB): one 32-bit
+    add to the start address (bits 0-13; no carry out of them below 256 KB), the other fields kept."""
+    code = "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; add.u32 lo, lo, $2; mov.b64 $0, {lo, hi}; }"
+    return Int64(_asm(T.i64(), [_i64(desc, loc, ip), _u32(units, loc, ip)], code, "=l,l,r", loc, ip))
+
+
+@dsl_user_op
 def wgmma_bf16_m64n128k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *, loc=None, ip=None):
     """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`: `acc` (64 FP32 of this thread) +=
     A (64 x 16, `desc_a`) x B (16 x 128, `desc_b`), each K-major or, with `a_mn_major` / `b_mn_major`, MN-major.
@@ -755,18 +763,24 @@ def load_shared_v4(smem, *, loc=None, ip=None):
     return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))
 
 
+#: `e2m1x8_to_e4m3x8_scaled`'s PTX ($0, $1: the e4m3 words; $2: the codes), nine integer instructions for eight codes:
+#: the even codes' magnitude bits shifted to bits 2-4 and their signs to bit 7 of each byte (`e`), the odd codes'
+#: likewise (`o`), then `prmt` interleaves the two. Interpreted on the host by `tests/test_grouped.py`.
+E2M1X8_TO_E4M3X8_PTX = (
+    "{ .reg .b32 t, u, e, o; "
+    "shl.b32 t, $2, 2; shl.b32 u, $2, 4; and.b32 u, u, 0x80808080; lop3.b32 e, t, 0x1C1C1C1C, u, 0xEA; "
+    "shr.b32 t, $2, 2; and.b32 u, $2, 0x80808080; lop3.b32 o, t, 0x1C1C1C1C, u, 0xEA; "
+    "prmt.b32 $0, e, o, 0x5140; prmt.b32 $1, e, o, 0x7362; }")
+
+
 @dsl_user_op
 def e2m1x8_to_e4m3x8_scaled(codes, *, loc=None, ip=None):
     """The eight e2m1 codes of `codes` (code `i` in bits `4 i .. 4 i + 3`, bit 3 its sign) as eight e4m3 bytes, code
     `i` in byte `i % 4` of word `i // 4`, each `2^-6` times the code's value: exact, -0 kept. Guarantee: byte =
     (magnitude bits << 2) | (sign << 7), which is e2m1's exponent and mantissa in e4m3's low exponent and high
-    mantissa bits (0.5 the subnormal 2^-7, 6 = 1.5 * 2^-4). Eleven integer instructions for eight codes."""
-    code = ("{ .reg .b32 a, b, t, s; "
-            "and.b32 a, $2, 0x0F0F0F0F; shr.b32 b, $2, 4; and.b32 b, b, 0x0F0F0F0F; "
-            "shl.b32 t, a, 2; and.b32 s, t, 0x20202020; shl.b32 s, s, 2; lop3.b32 a, t, 0x1C1C1C1C, s, 0xEA; "
-            "shl.b32 t, b, 2; and.b32 s, t, 0x20202020; shl.b32 s, s, 2; lop3.b32 b, t, 0x1C1C1C1C, s, 0xEA; "
-            "prmt.b32 $0, a, b, 0x5140; prmt.b32 $1, a, b, 0x7362; }")
-    struct = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_u32(codes, loc, ip)], code, "=r,=r,r", loc, ip)
+    mantissa bits (0.5 the subnormal 2^-7, 6 = 1.5 * 2^-4); `E2M1X8_TO_E4M3X8_PTX`."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_u32(codes, loc, ip)], E2M1X8_TO_E4M3X8_PTX,
+                  "=r,=r,r", loc, ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(2))
 
 
