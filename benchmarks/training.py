@@ -50,6 +50,14 @@ BLOCKS = {"k3": dict(hidden=7168, latent=3584, shared=0, norm=True), "k2": dict(
 BLOCKS["k3n2"] = BLOCKS["k3"]
 
 
+def fit_layers(model: str, layers: int, weights_gb: float) -> int:
+    """The layers of a program at `model`: at most `layers`, and as many as keep its bf16 expert weights and their
+    gradients within `weights_gb` GiB, at least one (K3 at N = 2: one layer on an 80 GB GPU)."""
+    c = MODELS[model]
+    per_layer = 2 * 3 * c["j"] * c["lat"] * c["inter"] * 2  # the weights and their gradient, bf16
+    return max(1, min(layers, int(weights_gb * 2**30) // per_layer))
+
+
 def _routing(rng, t, j, k, ranks):
     """Rank 0's `Received` (ids and weights only matter) for `ranks * t` rows of uniform top-`k` ids over
     `ranks * j` experts."""
@@ -264,7 +272,9 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 8192])
     p.add_argument("--impls", nargs="+", default=["wgmma", "mosaic", "ragged_dot", "scan"])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4, help="layers a program (fewer where --weights-gb says)")
+    p.add_argument("--weights-gb", type=float, default=40.0,
+                   help="a program's expert weights and their gradients stay within this many GiB (`fit_layers`)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mosaic-tiles", nargs="*", default=[], help="BM,BN,STEPS: 'mosaic' with these tiles too")
     p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
@@ -290,13 +300,15 @@ def main(argv=None):
     refs = {"both": ("plain", "plain_bf16"), "xla": ("plain",), "bf16": ("plain_bf16",), "none": ()}[args.plain]
     rows = []
     for model in args.models:
+        layers = fit_layers(model, args.layers, args.weights_gb)
         for t in args.tokens:
             tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
             tag = "".join(f"+{item}" for item in args.jax_config)
             rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
-                model, t, args.impls, args.layers, args.repeats, tiles, refs, profile=args.profile)]
+                model, t, args.impls, layers, args.repeats, tiles, refs, profile=args.profile)]
+            rows.append((f"training/{model}", t, "layers", layers))
             if args.layer:
-                rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, args.layers,
+                rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, layers,
                                                                               args.repeats)]
             # written after each point: a run cut off keeps what it measured
             write_rows(args.out, device, [(b, 1 if "/layer/" in b else MODELS[b.split("/")[1]]["ranks"], tk, m, v)

@@ -19,7 +19,8 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
     ("layer_buckets.py", {"us_per_layer", "us_per_layer_b2b", "ratio", "ratio_b2b"}),
     ("mxfp8_error.py", {"rel_l2_layer_vs_bf16", "rel_l2_model_mxfp8_vs_bf16"}),
     ("stage_memory.py", {"capacity_pairs", "weights_GB", "fwd_temp_GB", "grad_temp_GB"}),
-    ("training.py", {"pairs", "fwd_ms", "fwd_bwd_ms", "fwd_of_plain", "fwd_bwd_of_plain", "fwd_bwd_temp_GB"}),
+    ("training.py", {"pairs", "layers", "fwd_ms", "fwd_bwd_ms", "fwd_of_plain", "fwd_bwd_of_plain",
+                     "fwd_bwd_temp_GB"}),
 ])
 def test_smoke(tmp_path, script, must):
     out = tmp_path / "out.csv"
@@ -59,3 +60,17 @@ def test_stage_units_are_set_and_recorded(tmp_path):
         bad = subprocess.run([sys.executable, script, "--smoke", *flag, "--out", str(out)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and flag[0] in bad.stderr
+
+
+def test_training_layers_fit_the_weights_budget():
+    """`training.fit_layers`: the weights and their gradients (bf16) of the program's layers within the budget, at
+    least one layer, at most the asked: K3 at N = 2 (2 x 19.7 GB a layer) takes one in 40 GiB, K3 at N = 8 four."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import training
+
+    assert training.fit_layers("k3n2", 4, 40.0) == 1
+    assert training.fit_layers("k3n2", 4, 1.0) == 1
+    assert training.fit_layers("k3", 4, 40.0) == 4
+    assert training.fit_layers("k3", 2, 40.0) == 2
+    per_layer = 2 * 3 * 112 * 3584 * 2048 * 2
+    assert training.fit_layers("k3", 8, 3 * per_layer / 2**30) == 3
