@@ -74,3 +74,39 @@ def test_training_layers_fit_the_weights_budget():
     assert training.fit_layers("k3", 2, 40.0) == 2
     per_layer = 2 * 3 * 112 * 3584 * 2048 * 2
     assert training.fit_layers("k3", 8, 3 * per_layer / 2**30) == 3
+
+
+def test_stage_table_reads_runs_and_scales_to_the_spec(tmp_path):
+    """`stage_table.py`: each cell is GPU / back to back / wall over the run's floor, and over the GPU's HBM spec
+    (the same times over a faster stream: larger by spec / floor_GBps); a later run's point replaces an earlier's;
+    a run without its floor or of an unknown GPU is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import stage_table
+
+    def run(path, device, floor, points):
+        with open(path, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(COLUMNS)
+            if floor:
+                w.writerow(["2026-12-06", device, "c0", "floor_GBps", 1, 0, "GBps", floor])
+            for backend, t, ratios in points:
+                for metric, v in zip(stage_table.RATIOS, ratios):
+                    w.writerow(["2026-12-06", device, path.stem, backend, 2, t, metric, v])
+        return str(path)
+
+    a = run(tmp_path / "a.csv", "NVIDIA H200", 4000.0, [("kernel/J448/I512", 1, (1.2, 1.5, 2.0)),
+                                                        ("wgmma-fp8/J448/I512", 8, (1.1, 1.2, 1.3))])
+    b = run(tmp_path / "b.csv", "NVIDIA H200", 4000.0, [("wgmma-fp8/J448/I512", 8, (1.05, 1.15, 1.25))])
+    table = stage_table.cells([stage_table.read_run(a), stage_table.read_run(b)])
+    assert table[("J448/I512", "bf16", 1)][0] == (1.2, 1.5, 2.0)
+    assert table[("J448/I512", "FP8", 8)][0] == (1.05, 1.15, 1.25) and table[("J448/I512", "FP8", 8)][2] == "b"
+    np_spec = [v * 4800.0 / 4000.0 for v in (1.2, 1.5, 2.0)]
+    assert all(abs(x - y) < 1e-12 for x, y in zip(table[("J448/I512", "bf16", 1)][1], np_spec))
+    text = stage_table.markdown(table)
+    assert "| 448 / 512 | bf16 | 1.20 / 1.50 / 2.00 | - |" in text and "| 448 / 512 | FP8 | - | 1.05 / 1.15 / 1.25 |" in text
+    assert "1.44 / 1.80 / 2.40" in text  # over 4.8 TB/s
+    with pytest.raises(SystemExit, match="floor_GBps"):
+        stage_table.cells([stage_table.read_run(run(tmp_path / "c.csv", "NVIDIA H200", None, []))])
+    with pytest.raises(SystemExit, match="no HBM spec"):
+        stage_table.cells([stage_table.read_run(run(tmp_path / "d.csv", "MI300X", 4000.0,
+                                                    [("kernel/J448/I512", 1, (1.2, 1.5, 2.0))]))])
