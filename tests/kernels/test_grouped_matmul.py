@@ -45,3 +45,22 @@ def test_descriptor_fields_follow_ptx():
         descriptor_fields(8, 1024)
     with pytest.raises(ValueError, match=r"stride_bytes=262144 must be a multiple of 16 below 256 KB"):
         descriptor_fields(16, 1 << 18)
+
+
+def test_descriptor_advance_is_the_moved_address():
+    """`smem_descriptor_advance`'s one 32-bit add to the low word (its PTX, modelled here) gives the descriptor of the
+    moved address for every 16-byte step of the FP8 / MXFP4 kernels' shared memory (below 256 KB): no carry leaves
+    the start address field."""
+    import numpy as np
+
+    from jax_latent_ep.kernels import grouped_matmul_fp8 as gm
+
+    fields = descriptor_fields(16, 1024)
+    desc = lambda addr: ((addr & 0x3FFFF) >> 4) | fields  # noqa: E731  (`smem_descriptor`)
+    advance = lambda d, u: (((d & 0xFFFFFFFF) + u) & 0xFFFFFFFF) | (d & ~0xFFFFFFFF)  # noqa: E731  (its PTX)
+    top = 227 * 1024  # an SM's shared memory: every kernel's (`smem`) lies below
+    assert all(gm.CLASSES[k]().smem <= top for k in gm.CLASSES)
+    rng = np.random.default_rng(3)
+    for base in [0, 1024, top - 16] + (rng.integers(0, top // 16, 64) * 16).tolist():
+        for units in [0, 1, 2, 6] + rng.integers(0, (top - base) // 16 + 1, 8).tolist():
+            assert advance(desc(base), units) == desc(base + 16 * units), (base, units)
