@@ -24,7 +24,7 @@ ascending k (the caller sums the splits' partials in split order).
 
 A stage is 128 contraction elements, one 128-byte line a row (`StageLayout`): the weights' 128 lines, a tile's
 lines (both K-major in the 128-byte swizzle, as `grouped_matmul`'s), the pairs' 4 scale bytes each and the weight
-block's scale, copied by `cp.async` through a `STAGES`-deep ring.
+block's scale, copied by `cp.async` through a ring of `StageLayout.stages`.
 """
 
 from __future__ import annotations
@@ -74,10 +74,13 @@ SMALL_TILE_PAIRS = abi.MATMUL_FP8_SMALL_TILE_PAIRS
 TILE_K = 128
 BLOCK_K = 32
 THREADS = 256
-#: Stages of the ring, two CTAs an SM (one's promotion runs beside the other's MMAs): `2 (STAGES - 1)` stages of
-#: weights, 16 KB each, in flight an SM.
+#: The ring's stages and CTAs an SM by default (`StageLayout`): two CTAs, one's promotion beside the other's MMAs,
+#: `2 (STAGES - 1)` stages of weights (16 KB each in FP8) in flight an SM.
 STAGES = 5
 CTAS_PER_SM = 2
+#: An SM's shared memory for CTAs (H100 / H200: 228 KB) and what the driver keeps of it for each CTA.
+SM_SHARED_BYTES = 228 * 1024
+CTA_RESERVED_BYTES = 1024
 LINE_BYTES = 128
 A_BYTES = TILE_N * LINE_BYTES
 #: 16-byte chunks of the weights' stage each thread copies.
@@ -89,7 +92,8 @@ TILE_WORDS = abi.MATMUL_TILE_WORDS
 
 @dataclasses.dataclass(frozen=True)
 class StageLayout:
-    """Byte offsets in shared memory of a CTA whose tiles hold `pairs` pairs (8, 16, 24 or 32).
+    """Byte offsets in shared memory of a CTA whose tiles hold `pairs` pairs (8, 16, 24 or 32), through a ring of
+    `stages` stages, `ctas_per_sm` CTAs an SM (the registers' cap; the launcher's grid is what resides).
 
     An FP8 stage: the weights' 128 lines, the pairs' lines (both K-major in the 128-byte swizzle), the pairs' 4
     scale bytes each, the weight block's FP32 scale. An MXFP4 stage (`mx_*`): the pairs' lines (swizzled), the
@@ -97,10 +101,16 @@ class StageLayout:
     widened weights go to one of two tiles after the ring. A stage rounds up to the 1024-byte swizzle atoms."""
 
     pairs: int
+    stages: int = STAGES
+    ctas_per_sm: int = CTAS_PER_SM
 
     def __post_init__(self):
         if self.pairs % 8 or not 8 <= self.pairs <= 32:
             raise ValueError(f"StageLayout: pairs={self.pairs} must be 8, 16, 24 or 32")
+        if not 3 <= self.stages <= 8:  # the MXFP4 loop holds two stages besides the one it fills
+            raise ValueError(f"StageLayout: stages={self.stages} must be 3 to 8")
+        if not 1 <= self.ctas_per_sm <= 4:
+            raise ValueError(f"StageLayout: ctas_per_sm={self.ctas_per_sm} must be 1 to 4")
 
     @property
     def x_scale_offset(self) -> int:
@@ -116,7 +126,7 @@ class StageLayout:
 
     @property
     def smem_bytes(self) -> int:
-        return STAGES * self.stage_bytes + 1024
+        return self.stages * self.stage_bytes + 1024
 
     @property
     def acc(self) -> int:
@@ -141,7 +151,7 @@ class StageLayout:
 
     @property
     def mx_tiles_offset(self) -> int:
-        return STAGES * self.mx_stage_bytes
+        return self.stages * self.mx_stage_bytes
 
     @property
     def mx_smem_bytes(self) -> int:
@@ -218,7 +228,7 @@ class GroupedMatmulFp8:
         self.kernel(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles, out, num_k, num_n, num_tiles,
                     num_rows, k_per_split).launch(
             grid=[num_tiles, 1, 1], block=[THREADS, 1, 1], smem=self.smem, preferred_smem_carveout=-1,
-            min_blocks_per_mp=CTAS_PER_SM if CTAS_PER_SM > 1 else 0)
+            min_blocks_per_mp=self.layout.ctas_per_sm if self.layout.ctas_per_sm > 1 else 0)
 
     # -----------------------------------------------------------------------------------------------------
     # Device code
@@ -312,7 +322,7 @@ class GroupedMatmulFp8:
         ring_b = smem_descriptor(ring + Uint32(A_BYTES), 16, 1024)
         acc = cute.make_rmem_tensor(cute.make_layout(self.layout.acc), cutlass.Float32)
         acc.fill(0.0)
-        ahead = STAGES - 1
+        ahead = self.layout.stages - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
                 self.load_stage(ring + Uint32(s * self.layout.stage_bytes), Int32(s), tid, a_src, a_dst, b_live,
@@ -327,10 +337,11 @@ class GroupedMatmulFp8:
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_stage(ring + Uint32(((kt + ahead) % STAGES) * self.layout.stage_bytes), kt + ahead, tid,
+                self.load_stage(ring + Uint32(((kt + ahead) % self.layout.stages) * self.layout.stage_bytes), kt + ahead,
+                                tid,
                                 a_src, a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot_units = Uint32((kt % STAGES) * (self.layout.stage_bytes // 16))
+            slot_units = Uint32((kt % self.layout.stages) * (self.layout.stage_bytes // 16))
             slot = ring + slot_units * Uint32(16)
             wgmma_fence()
             parts = []
@@ -483,7 +494,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         tile_a = smem_descriptor(ring + Uint32(lay.mx_tiles_offset + warpgroup * 64 * LINE_BYTES), 16, 1024)
         acc = cute.make_rmem_tensor(cute.make_layout(lay.acc), cutlass.Float32)
         acc.fill(0.0)
-        ahead = STAGES - 1
+        ahead = self.layout.stages - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
                 self.load_mx(ring + Uint32(s * lay.mx_stage_bytes), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
@@ -501,10 +512,11 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_mx(ring + Uint32(((kt + ahead) % STAGES) * lay.mx_stage_bytes), kt + ahead, tid, a_src, a_dst,
+                self.load_mx(ring + Uint32(((kt + ahead) % lay.stages) * lay.mx_stage_bytes), kt + ahead, tid, a_src,
+                             a_dst,
                              b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
-            slot_units = Uint32((kt % STAGES) * (lay.mx_stage_bytes // 16))
+            slot_units = Uint32((kt % lay.stages) * (lay.mx_stage_bytes // 16))
             slot = ring + slot_units * Uint32(16)
             tile_units = Uint32((kt % 2) * (A_BYTES // 16))
             wgmma_fence()
@@ -515,7 +527,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
                 parts.append(wgmma_e4m3_m64k32(desc_a, desc_b, self.pairs))
             wgmma_commit()
             if kt + 1 < steps:
-                self.widen(ring + Uint32(((kt + 1) % STAGES) * lay.mx_stage_bytes),
+                self.widen(ring + Uint32(((kt + 1) % lay.stages) * lay.mx_stage_bytes),
                            ring + Uint32(lay.mx_tiles_offset) + Uint32(((kt + 1) % 2) * A_BYTES), tid)
             wgmma_wait(0)
             self.promote_mx(acc, parts, slot, tid, lane)

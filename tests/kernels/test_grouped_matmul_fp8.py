@@ -63,3 +63,23 @@ def test_mxfp4_ptx_widens_then_multiplies_without_local_memory(op):
 def test_stage_layout_refuses_other_tiles():
     with pytest.raises(ValueError, match="pairs=12"):
         gm.StageLayout(12)
+    with pytest.raises(ValueError, match="stages=2"):
+        gm.StageLayout(8, stages=2)
+    with pytest.raises(ValueError, match="ctas_per_sm=5"):
+        gm.StageLayout(8, ctas_per_sm=5)
+
+
+@pytest.mark.parametrize("op", list(gm.CLASSES))
+def test_ctas_an_sm_fit_its_shared_memory_and_cap_registers(op):
+    """A variant's `ctas_per_sm` CTAs, each its shared memory and the driver's reserve, fit an SM; the PTX asks for
+    that many (`.minnctapersm`: the registers' cap) and rings its `stages` slots."""
+    import re
+
+    kernel = gm.CLASSES[op]()
+    lay = kernel.layout
+    assert (kernel.smem + gm.CTA_RESERVED_BYTES) * lay.ctas_per_sm <= gm.SM_SHARED_BYTES
+    ptx = kernel_ptx(abi.KERNELS[op], kernel)
+    assert re.search(r"\.minnctapersm\s+%d" % lay.ctas_per_sm, ptx) or lay.ctas_per_sm == 1
+    # a 4-stage ring (3 CTAs an SM at 8 pairs) is a different kernel: the PTX follows the setting
+    other = type(f"{type(kernel).__name__}S4", (type(kernel),), {"layout": gm.StageLayout(lay.pairs, stages=4)})()
+    assert kernel_ptx(abi.KERNELS[op], other) != ptx and other.smem < kernel.smem
