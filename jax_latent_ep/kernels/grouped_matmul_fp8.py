@@ -337,9 +337,8 @@ class GroupedMatmulFp8:
             fence_proxy_async_shared()
             cute.arch.sync_threads()
             if kt + ahead < steps:
-                self.load_stage(ring + Uint32(((kt + ahead) % self.layout.stages) * self.layout.stage_bytes), kt + ahead,
-                                tid,
-                                a_src, a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
+                self.load_stage(ring + Uint32(((kt + ahead) % self.layout.stages) * self.layout.stage_bytes),
+                                kt + ahead, tid, a_src, a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
             slot_units = Uint32((kt % self.layout.stages) * (self.layout.stage_bytes // 16))
             slot = ring + slot_units * Uint32(16)
