@@ -18,7 +18,9 @@ import csv
 import os
 import sys
 
-HISTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "history.csv")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import HISTORY  # noqa: E402  (benchmarks/ on the path: this script's folder)
+
 #: device name contains -> its HBM spec, GB/s
 SPEC_GBPS = {"H200": 4800.0, "H100": 3350.0}
 #: backend path -> the format's name in the table
