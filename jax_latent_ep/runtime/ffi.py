@@ -524,13 +524,15 @@ def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per
     hold whatever the buffer held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: `x` has a row a
     pair). `tile_pairs`: the kernel of tiles of at most that many pairs (`abi.MATMUL_FP8_TILE_PAIRS` or one of
     `abi.MATMUL_FP8_SMALL_TILE_PAIRS`), as `tiles` holds them."""
-    return _narrow_call(_narrow_op("grouped_matmul_fp8", tile_pairs), x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
+    return _narrow_call(_narrow_op("grouped_matmul_fp8", tile_pairs), x, x_scale, w, w_scale, tiles, splits,
+                        k_per_split, x_rows, w_second, w_second_scale)
 
 
 def grouped_matmul_mxfp4_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
                               w_second=None, w_second_scale=None, tile_pairs: int = abi.MATMUL_FP8_TILE_PAIRS):
     """The MXFP4 grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL_MXFP4): as `grouped_matmul_fp8_call`."""
-    return _narrow_call(_narrow_op("grouped_matmul_mxfp4", tile_pairs), x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows, w_second, w_second_scale)
+    return _narrow_call(_narrow_op("grouped_matmul_mxfp4", tile_pairs), x, x_scale, w, w_scale, tiles, splits,
+                        k_per_split, x_rows, w_second, w_second_scale)
 
 
 def _narrow_op(op: str, tile_pairs: int) -> str:
