@@ -225,8 +225,9 @@ def child(args):
     for j in args.local:
         n = e // j
         for inter in args.intermediate:
-            per_layer = 3 * j * lat * inter * 2
-            layers = max(1, min(args.layers, int(args.weights_gb * 2**30) // per_layer))
+            by_fmt = format_layers(paths, j, lat, inter, args.layers, args.weights_gb)
+            fit = {f: lay for f, (_, lay) in by_fmt.items()}
+            layers = max(fit.values(), default=1)
             key = jax.random.key(j * 7 + inter)
             name = f"J{j}/I{inter}"
             routings = {}  # T -> the layers' receive rows (the same for both weight formats)
@@ -242,15 +243,21 @@ def child(args):
                         out(backend=f"floor-fp8/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
                     if any(p in MXFP4_PATHS for p in paths):
                         out(backend=f"floor-mxfp4/{name}", ranks=n, tokens=t, metric="active_experts", value=active)
-            # One weight format resident at a time: the bf16 paths' weights, then each FP8 layout's.
-            for fmt in ("bf16", "fp8", "fp8-out-in", "mxfp4"):
-                fmt_paths = [p for p in paths if PATH_FORMATS.get(p, "bf16") == fmt]
-                if not fmt_paths:
-                    continue
-                ws = [_layer_weights(jax.random.fold_in(key, li), j, lat, inter, fmt) for li in range(layers)]
+            for fmt, (fmt_paths, _) in by_fmt.items():  # one weight format resident at a time
+                ws = [_layer_weights(jax.random.fold_in(key, li), j, lat, inter, fmt) for li in range(fit[fmt])]
                 for t in args.tokens:
-                    _measure(args, out, dev, fmt_paths, routings[t], ws, name, n, t, j, layers)
+                    _measure(args, out, dev, fmt_paths, routings[t][:fit[fmt]], ws, name, n, t, j, fit[fmt])
                 del ws
+
+
+def format_layers(paths, j, lat, inter, layers, weights_gb) -> dict:
+    """weight format -> (its paths of `paths`, the layers of a program): `layers`, or fewer where that format's
+    weights (`3 J L I` of them) would pass `weights_gb` GiB, at least one."""
+    by_fmt = {}
+    for p in paths:
+        by_fmt.setdefault(PATH_FORMATS.get(p, "bf16"), []).append(p)
+    per_layer = {f: 3 * j * lat * inter * _weight_bytes(ps[0]) for f, ps in by_fmt.items()}
+    return {f: (ps, max(1, min(layers, int(weights_gb * 2**30 / per_layer[f])))) for f, ps in by_fmt.items()}
 
 
 def _layer_weights(key, j, lat, inter, fmt):
@@ -331,6 +338,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
             hlo = fn.lower(recvs, ws).compile().as_text()
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="cudnn_in_hlo",
                 value=float("cudnn" in hlo.lower()))
+        out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="layers", value=layers)
         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
         if args.pipelined:
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
@@ -482,7 +490,8 @@ def main(argv=None):
     p.add_argument("--latent", type=int, default=3584)
     p.add_argument("--experts", type=int, default=896)
     p.add_argument("--topk", type=int, default=16)
-    p.add_argument("--layers", type=int, default=4, help="layers per program (fewer where weights pass --weights-gb)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="layers per program (fewer where a format's weights pass --weights-gb)")
     p.add_argument("--weights-gb", type=float, default=40.0)
     p.add_argument("--gather-gb", type=float, default=8.0)
     p.add_argument("--dense-gb", type=float, default=8.0)

@@ -76,6 +76,21 @@ def test_training_layers_fit_the_weights_budget():
     assert training.fit_layers("k3", 8, 3 * per_layer / 2**30) == 3
 
 
+def test_stage_layers_fit_each_formats_weights():
+    """`expert_stage.format_layers`: each weight format gets the layers its own bytes fit (K3 J 448 / I 2048: 19.7 GB
+    a layer in bf16, 9.9 in FP8, 5.2 in MXFP4), at least one, at most the asked; paths grouped by format."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import expert_stage
+
+    paths = ["kernel", "wgmma-fp8", "wgmma-mxfp4", "dense"]
+    got = expert_stage.format_layers(paths, 448, 3584, 2048, 12, 120.0)
+    assert got == {"bf16": (["kernel", "dense"], 6), "fp8-out-in": (["wgmma-fp8"], 12), "mxfp4": (["wgmma-mxfp4"], 12)}
+    got = expert_stage.format_layers(paths, 448, 3584, 2048, 12, 40.0)
+    assert {f: n for f, (_, n) in got.items()} == {"bf16": 2, "fp8-out-in": 4, "mxfp4": 8}
+    assert {f: n for f, (_, n) in expert_stage.format_layers(paths, 448, 3584, 2048, 12, 1.0).items()} == {
+        "bf16": 1, "fp8-out-in": 1, "mxfp4": 1}
+
+
 def test_stage_table_reads_runs_and_scales_to_the_spec(tmp_path):
     """`stage_table.py`: each cell is GPU / back to back / wall over the run's floor, and over the GPU's HBM spec
     (the same times over a faster stream: larger by spec / floor_GBps); a later run's point replaces an earlier's;
