@@ -101,26 +101,28 @@ def _time(fn, args, repeats):
 
 
 def _time_pipelined(fn, args, repeats, calls=4):
-    """Seconds per call of `calls` calls issued back to back (JAX's asynchronous dispatch: the host prepares a call
-    while the GPU runs the one before, as in a decode loop without a host sync per step), the median of
-    `repeats` such runs; `fn` is warm."""
+    """`(seconds per call, host seconds per call)` of `calls` calls issued back to back (JAX's asynchronous
+    dispatch: the host prepares a call while the GPU runs the one before, as in a decode loop without a host sync
+    per step), and of the host's share alone (the calls' return, before the wait: the GPU starves where it is the
+    larger), the medians of `repeats` such runs; `fn` is warm."""
     import jax
 
-    samples = []
+    samples, host = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         outs = [fn(*args) for _ in range(calls)]
+        host.append((time.perf_counter() - start) / calls)
         jax.block_until_ready(outs)
         samples.append((time.perf_counter() - start) / calls)
         del outs
-    return _median(samples)
+    return _median(samples), _median(host)
 
 
 def device_times(fn, args, per_kernel=None):
-    """`(busy, span)` of one call of `fn` on the GPU, microseconds, from a profiler trace: the sum of its kernel
-    events, and first kernel start to last kernel end (the busy time plus the gaps between kernels). Both leave
-    out the program's host-side dispatch and synchronization. A dict `per_kernel` gets each kernel name's summed
-    time, microseconds."""
+    """`(busy, span, launches)` of one call of `fn` on the GPU, microseconds, from a profiler trace: the sum of its
+    kernel events, first kernel start to last kernel end (the busy time plus the gaps between kernels), and its
+    kernel events. All leave out the program's host-side dispatch and synchronization. A dict `per_kernel` gets
+    each kernel name's summed time, microseconds."""
     import glob
     import shutil
     import tempfile
@@ -143,7 +145,7 @@ def device_times(fn, args, per_kernel=None):
             for e in events:
                 per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.duration_ns / 1e3
         span = (max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)) / 1e3
-        return busy, span
+        return busy, span, len(events)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
@@ -341,11 +343,13 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="layers", value=layers)
         out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="us_per_layer", value=1e6 * sec / layers)
         if args.pipelined:
-            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer",
-                value=1e6 * _time_pipelined(fn, (recvs, ws), args.repeats) / layers)
+            b2b, host = _time_pipelined(fn, (recvs, ws), args.repeats)
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="pipelined_us_per_layer", value=1e6 * b2b / layers)
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="host_us_per_layer", value=1e6 * host / layers)
         if args.device_time and dev.platform == "gpu":
             kernels = {} if args.kernel_times else None
-            busy, span = device_times(fn, (recvs, ws), kernels)
+            busy, span, launches = device_times(fn, (recvs, ws), kernels)
+            out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="launches_per_layer", value=launches / layers)
             for kname, us in sorted((kernels or {}).items()):  # each kernel's share of a layer, by its name
                 out(backend=f"{path}/{name}", ranks=n, tokens=t, metric=f"kernel_us:{kname}", value=us / layers)
             out(backend=f"{path}/{name}", ranks=n, tokens=t, metric="device_us_per_layer",

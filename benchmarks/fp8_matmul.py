@@ -59,7 +59,7 @@ def measure(j, inter, t, impl, layers, repeats, best_gbps, seed=0):
     fn = jax.jit(program)
     args = (x, sf, ws)
     wall = _time(fn, args, repeats) / layers
-    pipelined = _time_pipelined(fn, args, repeats) / layers
+    pipelined = _time_pipelined(fn, args, repeats)[0] / layers
     on_gpu = any(d.platform == "gpu" for d in jax.devices())
     busy = device_times(fn, args)[0] / layers / 1e6 if on_gpu else float("nan")
     nbytes = active * 3 * inter * LATENT * (1 + 4 / 128 / 128)

@@ -96,7 +96,7 @@ def main(argv=None):
         for name, lay in (("served", served), ("alone", layer(t)), ("unbucketed", unbucketed)):
             fn = program(lay)
             waited = 1e6 * _time(fn, (params, x), args.repeats) / args.layers
-            b2b = 1e6 * _time_pipelined(fn, (params, x), args.repeats) / args.layers
+            b2b = 1e6 * _time_pipelined(fn, (params, x), args.repeats)[0] / args.layers
             res[name] = (waited, b2b)
             rows += [(f"layer_buckets/{name}/{impl}", t, "us_per_layer", waited),
                      (f"layer_buckets/{name}/{impl}", t, "us_per_layer_b2b", b2b)]

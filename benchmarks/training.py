@@ -205,7 +205,7 @@ def print_profile(fn, args, layers, top):
         print("  profile: needs a GPU", flush=True)
         return
     per_kernel = {}
-    busy, span = device_times(fn, args, per_kernel)
+    busy, span, _ = device_times(fn, args, per_kernel)
     print(f"  profile, per layer: GPU busy {busy / layers / 1e3:.2f} ms, span {span / layers / 1e3:.2f} ms",
           flush=True)
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]:
