@@ -596,18 +596,12 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
 # The smaller tiles: decode's few pairs an expert (`VARIANTS`).
 
 
-#: The smaller tiles' ring: at 8 pairs a thread needs at most 80 registers, so three CTAs an SM (more warps to
-#: issue from) on a 4-stage ring; wider tiles keep the defaults.
-SMALL_TILE_LAYOUTS = {8: StageLayout(8, stages=4, ctas_per_sm=3)}
-
-
 def _smaller_tiles(base: type, op: str, pairs: int) -> type:
     """`base` (the kernel of `op`) on tiles of `pairs` pairs (`m64n<pairs>k32`): less MMA, promotion and pair
     copies a stage; its own cubin, `<op>_n<pairs>`."""
     return type(f"{base.__name__}N{pairs}", (base,), {
         "__doc__": f"`{base.__name__}` on tiles of {pairs} pairs (`m64n{pairs}k32`).", "pairs": pairs,
-        "layout": SMALL_TILE_LAYOUTS.get(pairs, StageLayout(pairs)),
-        "kernel": _kernel_entry(abi.KERNELS[f"{op}_n{pairs}"])})
+        "layout": StageLayout(pairs), "kernel": _kernel_entry(abi.KERNELS[f"{op}_n{pairs}"])})
 
 
 #: kernel -> its class
