@@ -271,7 +271,8 @@ def _layer_weights(key, j, lat, inter, fmt):
     kg, ku, kd = jax.random.split(key, 3)
     shapes = ((kg, (j, lat, inter), 60), (ku, (j, lat, inter), 60), (kd, (j, inter, lat), 45))
     if fmt == "bf16":
-        return tuple((jax.random.normal(kk, sh, jnp.float32) / d).astype(jnp.bfloat16) for kk, sh, d in shapes)
+        return tuple(_by_expert(kk, sh, lambda k_, s_, d=d: (jax.random.normal(k_, s_, jnp.float32) / d).astype(
+            jnp.bfloat16)) for kk, sh, d in shapes)
     from jax_latent_ep import experts
 
     if fmt == "mxfp4":  # random codes, the scale of each 32 inputs 2^-6 (weights ~ 1.7 / 64)
@@ -283,15 +284,24 @@ def _layer_weights(key, j, lat, inter, fmt):
 
 def fp8_normal(key, shape, std):
     """`experts.BlockScaled` weights `[J, K, N]` ~ N(0, std^2), made in FP8 on the device (no full-size FP32 or bf16
-    copy): values ~ N(0, 64^2) in float8_e4m3fn, one scale `std / 64` in every 128 x 128 block."""
+    copy): values ~ N(0, 64^2) in float8_e4m3fn (`_by_expert`), one scale `std / 64` in every 128 x 128 block."""
     import jax
     import jax.numpy as jnp
 
     from jax_latent_ep import experts
 
     j, k, n = shape
-    return experts.BlockScaled((jax.random.normal(key, shape, jnp.float32) * 64).astype(jnp.float8_e4m3fn),
-                               jnp.full((j, k // 128, n // 128), std / 64, jnp.float32))
+    values = _by_expert(key, shape, lambda k_, s_: (jax.random.normal(k_, s_, jnp.float32) * 64).astype(
+        jnp.float8_e4m3fn))
+    return experts.BlockScaled(values, jnp.full((j, k // 128, n // 128), std / 64, jnp.float32))
+
+
+def _by_expert(key, shape, make):
+    """`[J, ...]` of `make(key_e, shape[1:])` for each expert e, one at a time (no full-size FP32 temporary: a
+    program's weights fill the device)."""
+    import jax
+
+    return jax.jit(lambda key: jax.lax.map(lambda k_: make(k_, shape[1:]), jax.random.split(key, shape[0])))(key)
 
 
 def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
