@@ -37,6 +37,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -389,20 +391,28 @@ def parent(args, argv):
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
         cmd = [sys.executable, os.path.abspath(__file__), "--child", group] + argv
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-        except subprocess.TimeoutExpired as exc:  # keep what it measured before the bound
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            proc = subprocess.CompletedProcess(cmd, 124, out, f"timed out after {args.child_timeout} s")
-        for line in proc.stdout.splitlines():
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-            elif line.startswith("DEVICE "):
-                device = line[7:]
-            elif line.startswith("FAIL "):
-                notes.append(line)
-        if proc.returncode:
-            notes.append(f"FAIL group {group} (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: a child's long stderr never blocks it
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            late = []
+            bound = threading.Timer(args.child_timeout, lambda: (late.append(True), proc.kill()))
+            bound.start()
+            try:
+                for line in proc.stdout:
+                    if line.startswith("ROW "):
+                        rows.append(json.loads(line[4:]))
+                        _write(args, rows, device)  # each row on disk as it comes: a run cut short keeps them
+                    elif line.startswith("DEVICE "):
+                        device = line[7:].strip()
+                    elif line.startswith("FAIL "):
+                        notes.append(line.strip())
+            finally:
+                bound.cancel()
+                proc.kill()
+                rc = proc.wait()
+            err.seek(0)
+            if rc:
+                why = f"timed out after {args.child_timeout} s" if late else ""
+                notes.append(f"FAIL group {group} (rc {rc}): {why or err.read().strip()[-500:]}")
         print(f"# group {group}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
         _write(args, rows, device)  # what the groups so far measured, should a later one not come back
     return report(args, rows, device, notes)

@@ -248,6 +248,7 @@ def main(argv=None):
                 name = f"k3_layer/{case}/{used}/I{args.intermediate}/{fmt}/dense-{args.dense}" + (
                     "-fused" if args.fuse_router else "") + (f"/topk-{args.topk}" if args.topk != "top_k" else "")
                 rows += [(name, ranks, t, m, v) for m, v in res.items()]
+                _write_csv(args.out, rows, device, commit)  # each point on disk as it comes: a run cut short keeps it
                 kind = "_device" if "layer_device_us" in res else ""
                 split = " + ".join(f"{part} {res[f'{part}{kind}_us']:.1f}" for part in ("comm", "experts", "rest"))
                 print(f"{case:5s} {fmt:5s} {impl:10s} T={t:4d}: layer {res['layer_us']:8.1f} us waited, "
@@ -256,14 +257,20 @@ def main(argv=None):
             del params
             jax.clear_caches()  # the format's weights and programs go before the next format's are made
             gc.collect()
+    date = _write_csv(args.out, rows, device, commit)
+    print(f"wrote {args.out} ({len(rows)} rows; {device}, commit {commit}, {date})")
+    return 0
+
+
+def _write_csv(path, rows, device, commit) -> str:
+    """Writes `rows` `(backend, ranks, tokens, metric, value)` to the CSV at `path`; returns the date written."""
     date = datetime.date.today().isoformat()
-    with open(args.out, "w", newline="") as fh:
+    with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["date", "device", "commit", "backend", "ranks", "tokens", "metric", "value"])
         for name, n, t, m, v in rows:
             w.writerow([date, device, commit, name, n, t, m, f"{v:.6g}"])
-    print(f"wrote {args.out} ({len(rows)} rows; {device}, commit {commit}, {date})")
-    return 0
+    return date
 
 
 if __name__ == "__main__":
