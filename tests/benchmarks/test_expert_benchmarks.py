@@ -76,6 +76,43 @@ def test_training_layers_fit_the_weights_budget():
     assert training.fit_layers("k3", 8, 3 * per_layer / 2**30) == 3
 
 
+def test_stage_child_past_its_bound_is_reported_and_its_csv_written(tmp_path):
+    """A measuring child that passes `--child-timeout` is killed and named in a FAIL line; the CSV is still written
+    (each row goes to disk as it comes), and the run exits non-zero."""
+    out = tmp_path / "out.csv"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "expert_stage.py"), "--smoke",
+                           "--child-timeout", "1", "--out", str(out)],  # jax alone takes longer to import
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAIL group default (rc -9): timed out after 1 s" in proc.stdout
+    with open(out) as fh:
+        assert next(csv.reader(fh)) == COLUMNS
+
+
+def test_back_to_back_samples_span_the_steady_state():
+    """`expert_stage._time_pipelined`: without `calls`, a sample spans `PIPELINED_SECONDS` of calls, 8 to 64 (one
+    call first to size it); the host's share is at most the whole."""
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import expert_stage
+    import jax.numpy as jnp
+
+    (jnp.ones(4) + 1).block_until_ready()  # warm, as the benchmark's programs are
+    for pause, calls in ((0.0, 64), (0.02, 8)):
+        count = []
+
+        def fn(x, pause=pause, count=count):
+            count.append(1)
+            time.sleep(pause)
+            return x + 1
+
+        b2b, host = expert_stage._time_pipelined(fn, (jnp.ones(4),), repeats=2)
+        assert len(count) == 1 + 2 * calls
+        assert 0 < host <= b2b and b2b >= pause
+
+
 def test_stage_layers_fit_each_formats_weights():
     """`expert_stage.format_layers`: each weight format gets the layers its own bytes fit (K3 J 448 / I 2048: 19.7 GB
     a layer in bf16, 9.9 in FP8, 5.2 in MXFP4), at least one, at most the asked; paths grouped by format."""
