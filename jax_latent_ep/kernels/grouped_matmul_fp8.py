@@ -493,7 +493,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
         tile_a = smem_descriptor(ring + Uint32(lay.mx_tiles_offset + warpgroup * 64 * LINE_BYTES), 16, 1024)
         acc = cute.make_rmem_tensor(cute.make_layout(lay.acc), cutlass.Float32)
         acc.fill(0.0)
-        ahead = self.layout.stages - 1
+        ahead = lay.stages - 1
         for s in cutlass.range_constexpr(ahead):
             if s < steps:
                 self.load_mx(ring + Uint32(s * lay.mx_stage_bytes), Int32(s), tid, a_src, a_dst, b_live, b_src, b_dst,
@@ -512,8 +512,7 @@ class GroupedMatmulMxfp4(GroupedMatmulFp8):
             cute.arch.sync_threads()
             if kt + ahead < steps:
                 self.load_mx(ring + Uint32(((kt + ahead) % lay.stages) * lay.mx_stage_bytes), kt + ahead, tid, a_src,
-                             a_dst,
-                             b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
+                             a_dst, b_live, b_src, b_dst, s_live, s_src, ws_src, x, x_scale)
             cp_async_commit()
             slot_units = Uint32((kt % lay.stages) * (lay.mx_stage_bytes // 16))
             slot = ring + slot_units * Uint32(16)

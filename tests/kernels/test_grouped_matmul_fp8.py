@@ -74,8 +74,6 @@ def test_stage_layout_refuses_other_tiles():
 def test_ctas_an_sm_fit_its_shared_memory_and_cap_registers(op):
     """A variant's `ctas_per_sm` CTAs, each its shared memory and the driver's reserve, fit an SM; the PTX asks for
     that many (`.minnctapersm`: the registers' cap) and rings its `stages` slots."""
-    import re
-
     kernel = gm.CLASSES[op]()
     lay = kernel.layout
     assert (kernel.smem + gm.CTA_RESERVED_BYTES) * lay.ctas_per_sm <= gm.SM_SHARED_BYTES
