@@ -288,8 +288,9 @@ def _layer_weights(key, j, lat, inter, fmt):
     from jax_latent_ep import experts
 
     if fmt == "mxfp4":  # random codes, the scale of each 32 inputs 2^-6 (weights ~ 1.7 / 64)
-        return tuple(experts.MXFP4(jax.random.bits(kk, (sh[0], sh[2], sh[1] // 2), jnp.uint8),
-                                   jnp.full((sh[0], sh[2], sh[1] // 32), 121, jnp.uint8)) for kk, sh, _ in shapes)
+        # codes one expert at a time: `random.bits` draws 32-bit words, 4x the uint8 codes' bytes
+        return tuple(experts.MXFP4(_by_expert(kk, (sh[0], sh[2], sh[1] // 2), lambda k_, s_: jax.random.bits(
+            k_, s_, jnp.uint8)), jnp.full((sh[0], sh[2], sh[1] // 32), 121, jnp.uint8)) for kk, sh, _ in shapes)
     convert = experts.fp8_out_in if fmt == "fp8-out-in" else (lambda w: w)
     return tuple(convert(fp8_normal(kk, sh, 1 / d)) for kk, sh, d in shapes)
 

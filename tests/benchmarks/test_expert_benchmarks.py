@@ -128,6 +128,22 @@ def test_stage_layers_fit_each_formats_weights():
         "bf16": 1, "fp8-out-in": 1, "mxfp4": 1}
 
 
+def test_layer_weights_need_no_temporary_beyond_their_bytes():
+    """`expert_stage._layer_weights` makes each format's weights one expert at a time: the program's temporaries stay
+    within the weights' own bytes (1.25x for XLA's loop buffers), where drawing MXFP4's uint8 codes for every expert
+    at once took 32-bit words, 10x (an H100 ran out of memory at K3's J = 448)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import expert_stage
+    import jax
+
+    for fmt in ("bf16", "fp8-out-in", "mxfp4"):
+        make = lambda key, fmt=fmt: expert_stage._layer_weights(key, 16, 256, 512, fmt)  # noqa: E731
+        key = jax.random.key(0)
+        temp = jax.jit(make).lower(key).compile().memory_analysis().temp_size_in_bytes
+        out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(make, key)))
+        assert temp <= 1.25 * out, (fmt, temp, out)
+
+
 def test_stage_table_reads_runs_and_scales_to_the_spec(tmp_path):
     """`stage_table.py`: each cell is GPU / back to back / wall over the run's floor, and over the GPU's HBM spec
     (the same times over a faster stream: larger by spec / floor_GBps); a later run's point replaces an earlier's;
