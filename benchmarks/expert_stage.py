@@ -322,7 +322,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
     import jax
 
     from jax_latent_ep import experts
-    from jax_latent_ep.experts.kernel import work_items
+    from jax_latent_ep.experts.planning import work_items
     from jax_latent_ep.experts.planning import capacity
     from jax_latent_ep.layout import stride
 

@@ -53,7 +53,8 @@ struct ExpertPlan {
         .template Ret<ffi::AnyBuffer>()             // work: int32 [W, 4]
         .template Ret<ffi::AnyBuffer>()             // scratch: int32 [3, R*K]
         .template Attr<int64_t>("rows_per_source")  // S: rows of one source block
-        .template Attr<int64_t>("max_tokens");      // rows t >= max_tokens of a block are not planned
+        .template Attr<int64_t>("max_tokens")       // rows t >= max_tokens of a block are not planned
+        .template Attr<int64_t>("work_pairs");      // pairs of one work item at most, a power of two
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer src,
@@ -61,8 +62,15 @@ struct ExpertPlan {
                             ffi::Result<ffi::AnyBuffer> pair_expert, ffi::Result<ffi::AnyBuffer> pair_weight,
                             ffi::Result<ffi::AnyBuffer> group_sizes, ffi::Result<ffi::AnyBuffer> count,
                             ffi::Result<ffi::AnyBuffer> row_pairs, ffi::Result<ffi::AnyBuffer> work,
-                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens) {
+                            ffi::Result<ffi::AnyBuffer> scratch, int64_t rows_per_source, int64_t max_tokens,
+                            int64_t work_pairs) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    if (work_pairs < ep_abi::kPlanMinWorkPairs || work_pairs > ep_abi::kPlanMaxWorkPairs ||
+        (work_pairs & (work_pairs - 1))) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: work_pairs=" + std::to_string(work_pairs) +
+                                         " must be a power of two in [" + std::to_string(ep_abi::kPlanMinWorkPairs) +
+                                         ", " + std::to_string(ep_abi::kPlanMaxWorkPairs) + "]");
+    }
     auto id = ids.dimensions(), pd = pair_row->dimensions(), gd = group_sizes->dimensions();
     auto rd = row_pairs->dimensions(), wd = work->dimensions();
     if (id.size() != 2 || pd.size() != 1 || gd.size() != 1 || rd.size() != 2 || wd.size() != 2) {
@@ -80,6 +88,11 @@ struct ExpertPlan {
           "<= " + std::to_string(ep_abi::kPlanBitmapWords) + ", R=" +
           std::to_string(R) + " whole source blocks of S=" + std::to_string(rows_per_source) + " rows, max_tokens=" +
           std::to_string(max_tokens) + " in [1, S], C=" + std::to_string(C) + " and W=" + std::to_string(W) + " >= 1");
+    }
+    // every pair's items fit the list: a group of s pairs takes ceil(s / work_pairs) <= 1 + (s - 1) / work_pairs
+    if (const int64_t items = (J < C ? J : C) + C / work_pairs; W < items) {
+      return ffi::Error::InvalidArgument("jax_latent_ep expert_plan: W=" + std::to_string(W) + " work items, fewer " +
+                                         "than min(J, C) + C / work_pairs = " + std::to_string(items));
     }
     if (ffi::Error e = first_error({expect(kWhat, "ids", ids, ffi::DataType::S32, {R, K}),
                                     expect(kWhat, "weights", weights, ffi::DataType::F32, {R, K}),
@@ -117,6 +130,7 @@ struct ExpertPlan {
         .max_tokens = static_cast<int32_t>(max_tokens),
         .capacity = static_cast<int32_t>(C),
         .num_work = static_cast<int32_t>(W),
+        .work_shift = static_cast<int32_t>(__builtin_ctzll(static_cast<uint64_t>(work_pairs))),
     });
     return ffi::Error::Success();
   }

@@ -350,12 +350,15 @@ class MoELayer:
         recv, latent = ep.dispatch(xl, ids, weights, dequantize=True)
         rank = lax.axis_index(self.ep_axis).astype(jnp.int32)
         w = (params["w_gate"], params["w_up"], params["w_down"])
+        cap = experts.capacity(n, bucket, k, self.local_experts, self.capacity_factor)
+        expected = bucket * k if self.impl in experts.READS_RECEIVED else None  # as the `swiglu` call below
         pl = experts.plan(recv, rank, self.local_experts, max_tokens=bucket, ranks=n,
                           capacity_factor=self.capacity_factor, overflow=self.overflow,
-                          impl=experts.default_plan_impl(recv, self.impl, w[2], self.capacity_factor))
+                          impl=experts.default_plan_impl(recv, self.impl, w[2], self.capacity_factor),
+                          work_pairs=experts.work_pairs(self.impl, w[2], cap, expected))
         out_dtype = jnp.float32 if self.tp_axis else jnp.bfloat16
         if self.impl in experts.READS_RECEIVED:  # the kernel reads the MXFP8 rows themselves (no VJP)
-            out = experts.swiglu(recv, pl, *w, impl=self.impl, expected_pairs=bucket * k, out_dtype=out_dtype)
+            out = experts.swiglu(recv, pl, *w, impl=self.impl, expected_pairs=expected, out_dtype=out_dtype)
         else:  # the differentiable path: the dequantized rows (the FP8 tensor cores take the MXFP8 rows themselves)
             out = experts.swiglu_rows(pl, latent.astype(jnp.bfloat16), *w, impl=self.impl, out_dtype=out_dtype,
                                       mx=(recv.x, recv.sf))

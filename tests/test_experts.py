@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from jax_latent_ep import experts
-from jax_latent_ep.experts.kernel import KERNEL_BLOCK_M, KERNEL_MIN_UNITS, _kernel_splits, _stage_fits, work_items
-from jax_latent_ep.experts.planning import plan_kernel_fits
+from jax_latent_ep.experts.kernel import KERNEL_BLOCK_M, KERNEL_MIN_UNITS, _kernel_splits, _stage_fits
+from jax_latent_ep.experts.planning import plan_kernel_fits, work_items, work_list
 from jax_latent_ep.experts.xla import activations
+from jax_latent_ep.kernels import abi
 from jax_latent_ep.received import Received
 from jax_latent_ep.testing.experts import (dequantized, random_fp8_weights, random_int8_weights, random_mxfp4_weights,
                                           random_received, reference_swiglu)
@@ -149,6 +150,10 @@ def test_plan_kernel_is_the_xla_plan(case):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32), err_msg=name)
     np.testing.assert_array_equal(np.asarray(got.work), np.asarray(jax.jit(work_items)(want)))
+    for pairs in abi.PLAN_WORK_PAIRS:  # each item size the stage's kernels read: `work_items` at that size
+        got = jax.jit(lambda r, rk, p=pairs: experts.plan(r, rk, j, max_tokens=mt, ranks=n, impl="kernel",
+                                                          work_pairs=p))(recv, jnp.int32(rank))
+        np.testing.assert_array_equal(np.asarray(got.work), np.asarray(work_items(want, pairs)), err_msg=str(pairs))
 
 
 def test_plan_kernel_refusals():
@@ -164,6 +169,42 @@ def test_plan_kernel_refusals():
     if not any(d.platform == "gpu" for d in jax.devices()):
         with pytest.raises(ValueError, match=r"experts.plan\(impl='kernel'\) runs on NVIDIA GPUs"):
             experts.plan(recv, 0, 16, impl="kernel")
+
+
+def test_work_list_takes_the_plans_list_of_its_length():
+    """`work_list`: the plan's own list where it has the asked list's length, else `work_items`; lists of one
+    length from two item sizes have the same non-empty items (the kernels read no more: word 3), on random
+    group sizes. `plan` refuses an item size the kernel has not; `work_pairs` asks the FP8 / MXFP4 stage's tile."""
+    rng = np.random.default_rng(7)
+    for cap in (5, 12, 40, 200):
+        for _ in range(20):
+            j = int(rng.integers(1, 9))
+            gs = np.bincount(rng.integers(0, j, int(rng.integers(0, cap + 1))), minlength=j).astype(np.int32)
+            pl = experts.Plan(*(jnp.zeros(s, jnp.int32) for s in ((cap,), (cap,), (cap,))), jnp.asarray(gs),
+                              jnp.int32(gs.sum()), jnp.zeros((1, 1), jnp.int32))
+            lists = {b: np.asarray(work_items(pl, b)) for b in abi.PLAN_WORK_PAIRS}
+            for a in abi.PLAN_WORK_PAIRS:
+                own = pl._replace(work=jnp.asarray(lists[a]))
+                for b in abi.PLAN_WORK_PAIRS:
+                    got = np.asarray(work_list(own, b))
+                    if len(lists[a]) == len(lists[b]):
+                        assert work_list(own, b) is own.work
+                        items = lists[b][0, 3]
+                        np.testing.assert_array_equal(got[:items], lists[b][:items])
+                        assert items == 0 or np.all(got[:, 3] == items)
+                    else:
+                        np.testing.assert_array_equal(got, lists[b])
+    recv, _ = _case("plan-work-pairs", *CASES[0])
+    with pytest.raises(ValueError, match=r"work_pairs=12 must be one of \(8, 16, 32, 64\)"):
+        experts.plan(jax.tree.map(jnp.asarray, recv), 0, 16, work_pairs=12)
+    assert {abi.GEMM_BLOCK_M, abi.MATMUL_FP8_TILE_PAIRS, *abi.MATMUL_FP8_SMALL_TILE_PAIRS} <= set(abi.PLAN_WORK_PAIRS)
+    k, n, j = 256, 256, 4
+    fp8 = experts.BlockScaledOutIn(jnp.zeros((j, n, k), jnp.float8_e4m3fn), jnp.ones((j, n // 128, k // 128)))
+    mx = experts.MXFP4(jnp.zeros((j, n, k // 2), jnp.uint8), jnp.full((j, n, k // 32), 127, jnp.uint8))
+    for w in (fp8, mx):  # decode: a few pairs an expert, the 8-pair tiles; a hot stage, the 32-pair tiles
+        assert experts.work_pairs("wgmma", w, 32, 8) == 8 and experts.work_pairs("wgmma", w, 4096, 4096) == 32
+        assert experts.work_pairs("gmm", w, 32, 8) == abi.GEMM_BLOCK_M
+    assert experts.work_pairs("kernel", jnp.zeros((j, k, n), jnp.bfloat16), 32, 8) == abi.GEMM_BLOCK_M
 
 
 def test_default_plan_impl_is_the_kernel_only_without_a_vjp():

@@ -36,7 +36,7 @@ from jax_latent_ep.experts.planning import (NO_EXPERT, OVERFLOW_POLICIES, PLAN_I
                                            capacity, plan)
 from jax_latent_ep.experts.grouped import GMM_IMPLEMENTATIONS, gmm
 from jax_latent_ep.experts.stage import (GPU_ONLY, IMPL_FORMATS, IMPLEMENTATIONS, READS_RECEIVED, default_plan_impl,
-                                     expert_stage, swiglu, takes)
+                                     expert_stage, swiglu, takes, work_pairs)
 from jax_latent_ep.experts.stage import swiglu_rows  # noqa: F401  (the level under `swiglu`; not in `__all__`)
 
 __all__ = [
@@ -70,4 +70,5 @@ __all__ = [
     "quantize_mxfp4",
     "swiglu",
     "takes",
+    "work_pairs",
 ]

@@ -23,7 +23,7 @@ from jax import lax
 from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
 from jax_latent_ep.experts.kernel import _expected_active, _kernel_row_sums, _split_sum
-from jax_latent_ep.experts.planning import chunks
+from jax_latent_ep.experts.planning import chunks, work_list
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
 from jax_latent_ep.numerics import mxfp8_quantize
 
@@ -266,6 +266,13 @@ def tile_pairs(expected_pairs: float, active: int) -> int:
     return min(fits) if fits else abi.MATMUL_FP8_TILE_PAIRS
 
 
+def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None) -> int:
+    """The tile (`tile_pairs`) of the FP8 / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs over
+    `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
+    active = min(num_local_experts, capacity, expected_pairs or capacity)  # `_expected_active`
+    return tile_pairs(expected_pairs or capacity, active)
+
+
 def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
     `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
@@ -274,17 +281,18 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
 
 
 def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None, rows=None, second=None,
-                  tile=None):
+                  tile=None, tiles=None):
     """`_wgmma_narrow`'s FP32 split partials `[S, M, N]` (typed as its operands); with `rows` int32 `[M]` pair p
     reads row `rows[p]` of `x` (no gather); with `second = (w2, w2_scale)` `[S, M, 2N]`, `w`'s columns then
-    `w2`'s, one launch; `tile`: the kernel of tiles of that many pairs (`tile_pairs`; the same bits), None: 32."""
+    `w2`'s, one launch; `tile`: the kernel of tiles of that many pairs (`tile_pairs`; the same bits), None: 32;
+    `tiles`: their list, `chunks(group_sizes, M, tile)`, where the caller has it (None: built here)."""
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
     pairs = x.shape[0] if rows is None else rows.shape[0]
     tile = tile or abi.MATMUL_FP8_TILE_PAIRS
-    tiles = chunks(group_sizes, pairs, tile)
+    tiles = chunks(group_sizes, pairs, tile) if tiles is None else tiles
     groups = min(group_sizes.shape[0], pairs) if expected_groups is None else expected_groups
     splits, per = narrow_splits(groups, w.shape[1] * (1 if second is None else 2), x.shape[1])
     call = ffi.grouped_matmul_fp8_call if kind == "fp8" else ffi.grouped_matmul_mxfp4_call
@@ -364,18 +372,19 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
     expected = _expected_active(pl, expected_pairs)
-    tile = tile_pairs(expected_pairs or pl.capacity, expected)
+    tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs)
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
         from jax_latent_ep.runtime import ffi
 
         # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
         second = None if w_up is None else (w_up.values, w_up.scale)
+        tiles = work_list(pl, tile)  # the plan kernel's where `expert_stage` asked it for this tile
         gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row, second=second,
-                                tile=tile)
+                                tile=tile, tiles=tiles)
         count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
         hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
-        down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, tile=tile)
+        down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, tile=tile, tiles=tiles)
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 
     xq, xs = x[pl.row], sf[pl.row]

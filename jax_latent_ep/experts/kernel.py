@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import FP8_BLOCK, BlockScaled
-from jax_latent_ep.experts.planning import Plan, _gpus, work_items
+from jax_latent_ep.experts.planning import Plan, _gpus, work_list
 from jax_latent_ep.experts.xla import _glu
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -91,7 +91,7 @@ def _kernel_setup(pl: Plan, expected_pairs):
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels(_gpus("experts.swiglu(impl='kernel')"))
-    work = pl.work if pl.work is not None else work_items(pl)
+    work = work_list(pl, KERNEL_BLOCK_M)
     return work, _expected_active(pl, expected_pairs)
 
 

@@ -94,8 +94,27 @@ def _check_capacity_host(count, rank, cap: int, factor):
 PLAN_IMPLEMENTATIONS = ("xla", "kernel")
 
 
+def plan_blocks(rows: int, num_local_experts: int, max_tokens: int | None = None, ranks: int | None = None):
+    """`(N, S, max_tokens)`: the source blocks, their rows and the planned rows of each of `plan`'s `rows` receive
+    rows, from its arguments of the same names (checked)."""
+    from jax_latent_ep.layout import stride
+
+    if int(num_local_experts) < 1:
+        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
+    if ranks is None:
+        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
+    if rows % ranks:
+        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
+    s_rows = rows // ranks
+    mt = s_rows if max_tokens is None else int(max_tokens)
+    if not 1 <= mt <= s_rows:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
+    return ranks, s_rows, mt
+
+
 def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None = None, ranks: int | None = None,
-         impl: str = "xla", capacity_factor: float | None = None, overflow: str = "error") -> Plan:
+         impl: str = "xla", capacity_factor: float | None = None, overflow: str = "error",
+         work_pairs: int = abi.GEMM_BLOCK_M) -> Plan:
     """The plan of this rank's received rows (traced inside the `shard_map`, or anywhere on a `Received`).
 
     Args:
@@ -111,25 +130,16 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
       capacity_factor: None (the worst case: nothing can overflow), or the capacity as a multiple of the uniform
         expectation of `max_tokens * K` pairs a rank (`capacity`): every buffer of the stage follows it.
       overflow: one of `OVERFLOW_POLICIES`, what the pairs past a `capacity_factor`'s capacity meet.
+      work_pairs: the pairs of one item of the kernel's work list, one of `abi.PLAN_WORK_PAIRS`: that of the
+        kernel that reads it (`work_list`); `impl="kernel"` only.
 
     Returns:
       A `Plan` of capacity `capacity(N, max_tokens, K, J, capacity_factor)` (with its work list when
       `impl="kernel"`; with `capacity_factor`, `dropped`).
     """
-    from jax_latent_ep.layout import stride
-
     rows, k = recv.ids.shape
     j = int(num_local_experts)
-    if j < 1:
-        raise ValueError(f"num_local_experts={num_local_experts} must be >= 1")
-    if ranks is None:
-        ranks = rows // stride(max_tokens) if max_tokens is not None else 1
-    if rows % ranks:
-        raise ValueError(f"{rows} receive rows do not split into ranks={ranks} source blocks")
-    s_rows = rows // ranks
-    mt = s_rows if max_tokens is None else int(max_tokens)
-    if not 1 <= mt <= s_rows:
-        raise ValueError(f"max_tokens={max_tokens} must be in [1, S={s_rows}]")
+    ranks, s_rows, mt = plan_blocks(rows, num_local_experts, max_tokens, ranks)
     m = min(k, j)
     if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
         raise ValueError(f"experts.plan: capacity_factor={capacity_factor!r} must be a positive number or None")
@@ -139,11 +149,13 @@ def plan(recv: Received, rank, num_local_experts: int, *, max_tokens: int | None
     worst = cap == capacity(ranks, mt, k, j)
     if impl not in PLAN_IMPLEMENTATIONS:
         raise ValueError(f"experts.plan: impl={impl!r} must be one of {PLAN_IMPLEMENTATIONS}")
+    if work_pairs not in abi.PLAN_WORK_PAIRS:
+        raise ValueError(f"experts.plan: work_pairs={work_pairs!r} must be one of {abi.PLAN_WORK_PAIRS}")
     if impl == "kernel":
         if not worst:
             raise ValueError(f"experts.plan(impl='kernel') plans the worst case's {capacity(ranks, mt, k, j)} pairs; "
                              f"capacity_factor={capacity_factor} ({cap} pairs) needs impl='xla'")
-        return _plan_kernel(recv, rank, j, s_rows, mt, cap)
+        return _plan_kernel(recv, rank, j, s_rows, mt, cap, work_pairs)
     ids, w = recv.ids, recv.weights.astype(jnp.float32)
     rank = jnp.asarray(rank, jnp.int32)
 
@@ -193,6 +205,15 @@ def work_items(pl: Plan, block_m: int = abi.GEMM_BLOCK_M):
     return chunks(pl.group_sizes, pl.capacity, block_m)
 
 
+def work_list(pl: Plan, block_m: int):
+    """`work_items(pl, block_m)` for a kernel: the plan kernel's list where it is one of that length (no launch),
+    else built in XLA. Two blocks of one length `W` make the same non-empty items (`W` equal for blocks `a < b`
+    means `C < a`: every group one item under either), and the kernels read no item past those (word 3)."""
+    if pl.work is not None and pl.work.shape[0] == min(pl.num_local_experts, pl.capacity) + pl.capacity // block_m:
+        return pl.work
+    return work_items(pl, block_m)
+
+
 def chunks(group_sizes, num_rows: int, block_m: int):
     """int32 `[W, 4]`: `(group, first row, rows <= block_m, items)` for each `block_m`-chunk of each non-empty group
     of `group_sizes` (int32 `[G]`, rows sorted by group, `sum <= num_rows`) in group order, then `(., ., 0, items)`
@@ -231,8 +252,8 @@ def plan_kernel_fits(rows: int, topk: int, num_local_experts: int) -> bool:
     return j <= abi.NUM_MAX_PLAN_EXPERTS and topk <= abi.NUM_MAX_TOPK and j * -(-rows // 32) <= abi.NUM_PLAN_BITMAP_WORDS
 
 
-def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -> Plan:
-    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list)."""
+def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int, work_pairs: int) -> Plan:
+    """`plan` by the plan kernel (one launch; the XLA plan's words, and the work list of `work_pairs`-pair items)."""
     from jax_latent_ep.runtime import ffi
 
     rows, k = recv.ids.shape
@@ -241,11 +262,12 @@ def _plan_kernel(recv: Received, rank, j: int, s_rows: int, mt: int, cap: int) -
                          f"{abi.NUM_MAX_TOPK} ids and J * ceil(R / 32) <= {abi.NUM_PLAN_BITMAP_WORDS}, got J={j}, "
                          f"K={k}, R={rows}: use impl='xla'")
     ffi.load_expert_kernels(_gpus("experts.plan(impl='kernel')"))
-    num_work = min(j, cap) + cap // abi.GEMM_BLOCK_M  # `work_items`' bound
+    num_work = min(j, cap) + cap // work_pairs  # `chunks`' bound
     rank = jnp.asarray(rank, jnp.int32).reshape(1)
     row, expert, weight, sizes, count, row_pairs, work = ffi.expert_plan_call(
         recv.ids.astype(jnp.int32), recv.weights.astype(jnp.float32), recv.src.astype(jnp.int32), rank,
-        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt)
+        capacity=cap, num_local_experts=j, num_work=num_work, rows_per_source=s_rows, max_tokens=mt,
+        work_pairs=work_pairs)
     from jax_latent_ep.autodiff import _axes, _vary
 
     # a custom call's results take its operands' varying axes (as the XLA plan's would, in a checked shard_map)

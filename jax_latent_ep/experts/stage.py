@@ -12,8 +12,9 @@ from jax_latent_ep.experts.formats import (_BF16, _FORMATS, _FP8_OUT_IN, _MXFP4,
 from jax_latent_ep.experts import grouped
 from jax_latent_ep.experts.grouped import swiglu_pairs
 from jax_latent_ep.experts.kernel import _kernel, _kernel_row_sums, _kernel_stage, _split_sum, _stage_fits
-from jax_latent_ep.experts.planning import Plan, plan, plan_kernel_fits
+from jax_latent_ep.experts.planning import Plan, capacity, plan, plan_blocks, plan_kernel_fits
 from jax_latent_ep.experts.xla import _dense, _gather, _ragged_dot, _row_sums, _scan, activations
+from jax_latent_ep.kernels import abi
 from jax_latent_ep.received import Received
 
 #: The implementations on `grouped.gmm`, and the `gmm` implementation each runs.
@@ -125,13 +126,25 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
     """`swiglu(recv, plan(recv, rank, J, max_tokens=..., ranks=..., impl=plan_impl), ...)` with `J =
     w_down.shape[0]`; `plan_impl` defaults to `default_plan_impl`'s (the same plan either way); `expected_pairs =
     max_tokens * K` (each of the N sources sends `max_tokens * K` slots, 1 / N of them here under uniform
-    routing)."""
+    routing). The plan kernel writes its work list in the items the stage's kernels take (`work_pairs`), so
+    they build none."""
     if plan_impl is None:
         plan_impl = default_plan_impl(recv, impl, w_down)
-    pl = plan(recv, rank, w_down.shape[0], max_tokens=max_tokens, ranks=ranks, impl=plan_impl)
     rows, k = recv.ids.shape
-    mt = max_tokens if max_tokens is not None else rows // (ranks or 1)
+    j = w_down.shape[0]
+    n, _, mt = plan_blocks(rows, j, max_tokens, ranks)
+    pl = plan(recv, rank, j, max_tokens=max_tokens, ranks=ranks, impl=plan_impl,
+              work_pairs=work_pairs(impl, w_down, capacity(n, mt, k, j), mt * k))
     return swiglu(recv, pl, w_gate, w_up, w_down, impl=impl, expected_pairs=mt * k)
+
+
+def work_pairs(impl: str, w_down, capacity: int, expected_pairs: int | None = None) -> int:
+    """The pairs of one item of the work list the stage's kernels read (`plan`'s `work_pairs`): the FP8 / MXFP4
+    tiles on "wgmma" (`grouped.narrow_tile`), else the grouped GEMM's; `w_down` the stage's down weights
+    (`[J, ...]`), `capacity` the plan's pairs, `expected_pairs` as `swiglu`'s."""
+    if isinstance(w_down, (BlockScaledOutIn, MXFP4)) and GMM_STAGE.get(impl) == "wgmma":
+        return grouped.narrow_tile(w_down.shape[0], capacity, expected_pairs)
+    return abi.GEMM_BLOCK_M
 
 
 def default_plan_impl(recv: Received, impl: str, w_down, capacity_factor=None) -> str:

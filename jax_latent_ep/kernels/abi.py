@@ -55,6 +55,9 @@ NUM_MAX_PLAN_EXPERTS = 2048
 NUM_PLAN_BITMAP_WORDS = 24576
 #: Threads of the expert plan kernel's one CTA.
 PLAN_THREADS = 1024
+#: Pairs of one item of the plan kernel's work list it takes (powers of two): the grouped GEMM's `GEMM_BLOCK_M` and
+#: the FP8 grouped matmul's tiles, so either reads the plan's list with no list of its own to build.
+PLAN_WORK_PAIRS = (8, 16, 32, 64)
 #: Columns of one CTA of the row-sum kernel (`num_l` is a multiple of 4; a row takes `ceil(num_l / 512)` CTAs).
 ROW_SUM_COLUMNS = 512
 #: The grouped matmul (`kernels/grouped_matmul.py`): pairs of one tile, columns of one CTA, contraction of a stage,
@@ -237,7 +240,7 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("group_sizes", "int32 [J]: pairs per local expert (output)"),
     _address("count", "int32 [1]: pairs used (output)"),
     _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or C (output)"),
-    _address("work", "int32 [num_work, 4]: the grouped GEMM's work list (output)"),
+    _address("work", "int32 [num_work, 4]: the work list, items of at most 2^work_shift pairs (output)"),
     _address("scratch", "int32 [3, R*K]: each slot's local expert (or -1: no pair), rank in its row, weight (output, "
              "unused)"),
     Param("num_rows", "i32", False, "R, receive rows"),
@@ -247,6 +250,7 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     Param("max_tokens", "i32", False, "rows t >= max_tokens of a source block are never planned"),
     Param("capacity", "i32", False, "C, pairs"),
     Param("num_work", "i32", False, "work items"),
+    Param("work_shift", "i32", False, "log2 of the pairs of one work item, one of PLAN_WORK_PAIRS"),
 ))
 
 #: The expert stage's last step (`kernels/row_sum.py`): each receive row's sum over its pairs of the pair's
@@ -463,6 +467,8 @@ def header() -> str:
         f"constexpr int kPlanMaxExperts = {NUM_MAX_PLAN_EXPERTS};",
         f"constexpr int kPlanThreads = {PLAN_THREADS};",
         f"constexpr int kPlanBitmapWords = {NUM_PLAN_BITMAP_WORDS};",
+        f"constexpr int kPlanMinWorkPairs = {min(PLAN_WORK_PAIRS)};",
+        f"constexpr int kPlanMaxWorkPairs = {max(PLAN_WORK_PAIRS)};",
         f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
         f"constexpr int kMatmulTileM = {MATMUL_TILE_M};",
         f"constexpr int kMatmulTileN = {MATMUL_TILE_N};",

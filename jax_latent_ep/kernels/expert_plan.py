@@ -12,8 +12,9 @@ Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters
      adds one to its expert's count and sets its row's bit in the expert's bitmap; each slot leaves (expert or
      -1, rank among its row's pairs, weight) in its thread's registers when the rows take one pass of the CTA
      (`R * P <= THREADS`: decode), else in `scratch`; the row's unused `row_pairs` entries get `C`.
-  2. scan: exclusive prefix sums of the pairs and of the 64-pair work items per expert (warp shuffles, then one
-     warp over the warp totals); `group_sizes`, `count` and the work list are written from them.
+  2. scan: exclusive prefix sums of the pairs and of the work items (`2^work_shift` pairs at most) per expert
+     (warp shuffles, then one warp over the warp totals); `group_sizes`, `count` and the work list are written
+     from them.
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
      has one pair per expert): the XLA plan's order, expert then row. Unused pairs get row 0, expert J, weight 0.
 Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
@@ -58,8 +59,6 @@ NUM_MAX_EXPERTS = abi.NUM_MAX_PLAN_EXPERTS
 BITMAP_WORDS = abi.NUM_PLAN_BITMAP_WORDS
 #: Experts each thread scans in phase 2.
 EXPERTS_PER_THREAD = NUM_MAX_EXPERTS // THREADS
-#: Pairs of one work item.
-BLOCK_M = abi.GEMM_BLOCK_M
 #: Shared words: counts, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals, the bitmaps.
 SMEM_WORDS = 3 * NUM_MAX_EXPERTS + 2 * 32 + BITMAP_WORDS
 SMEM_BYTES = 4 * SMEM_WORDS
@@ -102,10 +101,11 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
+        work_shift: Int32,
     ):
         self.kernel(ids, weights, src, rank, pair_row, pair_expert, pair_weight, group_sizes, count, row_pairs, work,
                     scratch, num_rows, topk, num_local_experts, rows_per_source, max_tokens, capacity,
-                    num_work).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
+                    num_work, work_shift).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES,
                                      preferred_smem_carveout=-1)
 
     # -----------------------------------------------------------------------------------------------------
@@ -133,6 +133,7 @@ class ExpertPlan:
         max_tokens: Int32,
         capacity: Int32,
         num_work: Int32,
+        work_shift: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
@@ -245,13 +246,14 @@ class ExpertPlan:
         cute.arch.sync_threads()
 
         # ---- Phase 2: exclusive prefix sums of pairs and work items per expert.
+        block_m = Int32(1) << work_shift
         first_e = tid * EXPERTS_PER_THREAD
         mine_pairs = Int32(0)
         mine_items = Int32(0)
         for i in cutlass.range_constexpr(EXPERTS_PER_THREAD):
             c = Int32(load_shared_b32(s_count + Uint32(4 * (first_e + i))))
             mine_pairs = mine_pairs + c
-            mine_items = mine_items + (c + (BLOCK_M - 1)) // BLOCK_M
+            mine_items = mine_items + ((c + (block_m - 1)) >> work_shift)
         inc_pairs = mine_pairs
         inc_items = mine_items
         for sh in cutlass.range_constexpr(5):
@@ -288,15 +290,16 @@ class ExpertPlan:
             store_shared_b32(s_offset + Uint32(4 * (first_e + i)), Uint32(run_pairs))
             store_shared_b32(s_chunk + Uint32(4 * (first_e + i)), Uint32(run_items))
             run_pairs = run_pairs + c
-            run_items = run_items + (c + (BLOCK_M - 1)) // BLOCK_M
+            run_items = run_items + ((c + (block_m - 1)) >> work_shift)
         cute.arch.sync_threads()
         total_pairs = Int32(load_shared_b32(s_offset + Uint32(4 * (NUM_MAX_EXPERTS - 1)))) + Int32(
             load_shared_b32(s_count + Uint32(4 * (NUM_MAX_EXPERTS - 1))))
         last_items = Int32(load_shared_b32(s_chunk + Uint32(4 * (j - 1))))
         last_offset = Int32(load_shared_b32(s_offset + Uint32(4 * (j - 1))))
-        total_items = last_items + (Int32(load_shared_b32(s_count + Uint32(4 * (j - 1)))) + (BLOCK_M - 1)) // BLOCK_M
+        total_items = last_items + ((Int32(load_shared_b32(s_count + Uint32(4 * (j - 1)))) + (block_m - 1))
+                                    >> work_shift)
 
-        # The work list: each expert's 64-pair chunks in expert order, then items of no pairs (the XLA form:
+        # The work list: each expert's `block_m`-pair chunks in expert order, then items of no pairs (the XLA form:
         # expert J - 1, first pair continuing its chunks).
         for g in range(tid, j, THREADS):
             c = Int32(load_shared_b32(s_count + Uint32(4 * g)))
@@ -306,14 +309,14 @@ class ExpertPlan:
             left = c
             while left > 0:
                 rows = left
-                if rows > BLOCK_M:
-                    rows = BLOCK_M
+                if rows > block_m:
+                    rows = block_m
                 store_v4(work + Int64(item) * 16, (Uint32(g), Uint32(first_pair), Uint32(rows), Uint32(total_items)))
                 item = item + 1
-                first_pair = first_pair + BLOCK_M
-                left = left - BLOCK_M
+                first_pair = first_pair + block_m
+                left = left - block_m
         for item in range(total_items + tid, num_work, THREADS):
-            first_pair = last_offset + (item - last_items) * BLOCK_M
+            first_pair = last_offset + (item - last_items) * block_m
             store_v4(work + Int64(item) * 16, (Uint32(j - 1), Uint32(first_pair), zero, Uint32(total_items)))
 
         # ---- Phase 3: every pair at its place (expert, then row); unused pairs empty.

@@ -490,9 +490,10 @@ def load_expert_kernels(devices) -> None:
 
 
 def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_experts: int, num_work: int,
-                     rows_per_source: int, max_tokens: int):
+                     rows_per_source: int, max_tokens: int, work_pairs: int = abi.GEMM_BLOCK_M):
     """The expert plan custom call (`kernels/abi.py` EXPERT_PLAN, whose table says what each operand holds):
-    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`."""
+    `(pair_row, pair_expert, pair_weight, group_sizes, count [1], row_pairs, work)`; `rank` int32 `[1]`; `work`'s
+    items of at most `work_pairs` (one of `abi.PLAN_WORK_PAIRS`) pairs."""
     rows, k = ids.shape
     m = min(k, num_local_experts)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -501,7 +502,7 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
     target, extra = _expert_target("expert_plan")
     call = jax.ffi.ffi_call(target, out_types, has_side_effect=False)
     return call(ids, weights, src, rank, rows_per_source=np.int64(rows_per_source),
-                max_tokens=np.int64(max_tokens), **extra)[:7]
+                max_tokens=np.int64(max_tokens), work_pairs=np.int64(work_pairs), **extra)[:7]
 
 
 def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None):
