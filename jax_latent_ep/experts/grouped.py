@@ -22,7 +22,7 @@ from jax import lax
 
 from jax_latent_ep.autodiff import _axes, _vary
 from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
-from jax_latent_ep.experts.kernel import _expected_active, _kernel_row_sums, _split_sum
+from jax_latent_ep.experts.kernel import _expected_active, _kernel_row_sums, _split_sum, expected_active
 from jax_latent_ep.experts.planning import chunks, work_list
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
 from jax_latent_ep.numerics import mxfp8_quantize
@@ -269,8 +269,7 @@ def tile_pairs(expected_pairs: float, active: int) -> int:
 def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None) -> int:
     """The tile (`tile_pairs`) of the FP8 / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs over
     `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
-    active = min(num_local_experts, capacity, expected_pairs or capacity)  # `_expected_active`
-    return tile_pairs(expected_pairs or capacity, active)
+    return tile_pairs(expected_pairs or capacity, expected_active(num_local_experts, capacity, expected_pairs))
 
 
 def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):

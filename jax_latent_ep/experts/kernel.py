@@ -82,8 +82,13 @@ def _split_sum(parts):
 
 
 def _expected_active(pl: Plan, expected_pairs) -> int:
-    """The local experts a kernel call's contraction splits are chosen for: `min(J, C, expected_pairs)`."""
-    return min(pl.num_local_experts, pl.capacity, expected_pairs or pl.capacity)
+    """The local experts a kernel call's contraction splits are chosen for: `expected_active` of the plan's."""
+    return expected_active(pl.num_local_experts, pl.capacity, expected_pairs)
+
+
+def expected_active(num_local_experts: int, capacity: int, expected_pairs: int | None) -> int:
+    """`min(J, C, expected_pairs)` (`expected_pairs` None: the capacity `C`)."""
+    return min(num_local_experts, capacity, expected_pairs or capacity)
 
 
 def _kernel_setup(pl: Plan, expected_pairs):
