@@ -130,11 +130,12 @@ def _time_pipelined(fn, args, repeats, calls=None):
     return _median(samples), _median(host)
 
 
-def device_times(fn, args, per_kernel=None):
-    """`(busy, span, launches)` of one call of `fn` on the GPU, microseconds, from a profiler trace: the sum of its
-    kernel events, first kernel start to last kernel end (the busy time plus the gaps between kernels), and its
-    kernel events. All leave out the program's host-side dispatch and synchronization. A dict `per_kernel` gets
-    each kernel name's summed time, microseconds."""
+def device_times(fn, args, per_kernel=None, per_op=None):
+    """`(busy, span, launches)` of one call of `fn` on the GPU (off GPUs, XLA:CPU's thunks), microseconds, from a
+    profiler trace: the sum of its kernel events, first kernel start to last kernel end (the busy time plus the
+    gaps between kernels), and its kernel events. All leave out the program's host-side dispatch and
+    synchronization. A dict `per_kernel` gets each kernel name's summed time, microseconds; `per_op` each HLO
+    instruction's (`event_ops`; `op_sources` says which JAX operations and source lines an instruction is)."""
     import glob
     import shutil
     import tempfile
@@ -149,17 +150,75 @@ def device_times(fn, args, per_kernel=None):
         finally:
             jax.profiler.stop_trace()
         path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
-        planes = sorted((p for p in jax.profiler.ProfileData.from_file(path).planes if p.name.startswith("/device:GPU:")),
-                        key=lambda p: p.name)
-        events = [e for line in planes[0].lines for e in line.events]
+        all_planes = list(jax.profiler.ProfileData.from_file(path).planes)
+        planes = sorted((p for p in all_planes if p.name.startswith("/device:GPU:")), key=lambda p: p.name)
+        if planes:
+            events = [e for line in planes[0].lines for e in line.events]
+        else:  # XLA:CPU: its thunks, the host plane's events of an HLO instruction
+            events = [e for p in all_planes if p.name.startswith("/host:CPU") for line in p.lines
+                      for e in line.events if any(k == "hlo_op" for k, _ in e.stats)]
         busy = sum(e.duration_ns for e in events) / 1e3
         if per_kernel is not None:
             for e in events:
                 per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.duration_ns / 1e3
+        if per_op is not None:
+            for op, us in event_ops(events).items():
+                per_op[op] = per_op.get(op, 0.0) + us
         span = (max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)) / 1e3
         return busy, span, len(events)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def event_ops(events) -> dict[str, float]:
+    """Microseconds of profiler `events` summed by the HLO instruction each ran (its `hlo_op` statistic; the
+    event's own name where it has none)."""
+    out: dict[str, float] = {}
+    for e in events:
+        op = next((str(v) for k, v in e.stats if k == "hlo_op"), e.name)
+        out[op] = out.get(op, 0.0) + e.duration_ns / 1e3
+    return out
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+    """Each instruction's JAX operations in a compiled module's text (`compiled.as_text()`): its name -> its
+    distinct operations in order, each with the file and line that traced it (`"dot_general@k3_layer.py:83
+    slice@k3_layer.py:84"`), a fusion's from the computation it calls."""
+    import re
+
+    tables = {}
+    for table, pattern in (("FileNames", r'^(\d+) "(.*)"$'),
+                           ("FileLocations", r"^(\d+) \{file_name_id=(\d+) function_name_id=\d+ line=(\d+)"),
+                           ("StackFrames", r"^(\d+) \{file_location_id=(\d+)")):
+        block = re.search(rf"^{table}\n((?:\d+ .*\n)*)", hlo_text, re.M)
+        tables[table] = [re.match(pattern, line).groups() for line in (block.group(1).splitlines() if block else [])
+                         if re.match(pattern, line)]
+    files = {i: os.path.basename(name) for i, name in tables["FileNames"]}
+    locations = {i: f"{files.get(f, '?')}:{line}" for i, f, line in tables["FileLocations"]}
+    frames = {i: locations.get(loc, "?") for i, loc in tables["StackFrames"]}
+
+    def ops(lines):
+        found = []
+        for line in lines:
+            meta = re.search(r'metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
+            if meta:
+                where = f"@{frames[meta.group(2)]}" if meta.group(2) in frames else ""
+                name = meta.group(1).rsplit("/", 1)[-1] + where
+                if name not in found:
+                    found.append(name)
+        return found
+
+    bodies = {m.group(1): m.group(2).splitlines() for m in
+              re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \([^\n]*\) -> [^\n]*\{\n(.*?)^\}", hlo_text, re.M | re.S)}
+    fused = set(re.findall(r"\bfusion\(.*\bcalls=%?([\w.\-]+)", hlo_text))
+    out = {}
+    for body in (lines for name, lines in bodies.items() if name not in fused):  # what runs: no fused body's
+        for line in body:
+            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+            if m:
+                called = re.search(r"\bfusion\(.*\bcalls=%?([\w.\-]+)", line)
+                out[m.group(1)] = " ".join(ops(bodies.get(called.group(1), []) if called else []) or ops([line]))
+    return out
 
 
 def device_us(fn, args):

@@ -24,8 +24,10 @@ median of `--repeats` runs, per layer): `layer` (everything) waited for (`layer_
 (`layer_pipelined_us`, as a serving loop dispatches them), `experts` (the expert stage alone on the layer's
 received rows), `comm` (dispatch + combine with the dequantized rows as the expert output); `rest` = layer -
 experts - comm (router, top-16, projections; the plan's share is in `experts`). With `--device-time` the same as
-the GPU's kernel time, `*_device_us`. The floor: the bytes of every weight the layer reads (router, projections,
-the active local experts of each layer's routing in the format's bytes with their scales) over the best stream
+the GPU's kernel time, `*_device_us`; with `--ops K` the whole layer's K costliest HLO instructions
+(`op_us:<instruction>`), printed with the JAX operations and source lines each runs. The floor: the bytes of
+every weight the layer reads (router, projections, the active local experts of each layer's routing in the
+format's bytes with their scales) over the best stream
 measured in the same run (`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` /
 `ratio_spec` are the back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
 with backend `k3_layer/<case>/<backend>/I<I>/<format>/dense-<impl>[-fused][/topk-<method>]`.
@@ -45,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 from expert_stage import (  # noqa: E402  (benchmarks/ is on the path when run as a script)
-    _layer_weights, _time, _time_pipelined, device_us, hbm_gbps)
+    _layer_weights, _time, _time_pipelined, device_times, device_us, hbm_gbps, op_sources)
 
 #: The expert weight formats: (`_layer_weights`' format, the implementation on a GPU, off GPUs).
 FORMATS = {"bf16": ("bf16", None, None), "fp8": ("fp8-out-in", "wgmma", "gmm"), "mxfp4": ("mxfp4", "wgmma", "gmm")}
@@ -137,6 +139,13 @@ def run_case(j, backend, shape, args, t, params, impl):
             res["experts_device_us"] = device_us(experts_fn, (recvs, params)) / layers
             res["comm_device_us"] = device_us(comm_fn, (params, xs, idss, ws)) / layers
             res["rest_device_us"] = res["layer_device_us"] - res["experts_device_us"] - res["comm_device_us"]
+        if args.ops:  # where the layer's time goes: each HLO instruction, its JAX operations and their lines
+            ops = {}
+            device_times(full_fn, (params, h), per_op=ops)
+            sources = op_sources(full_fn.lower(params, h).compile().as_text())
+            for op, us in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
+                res[f"op_us:{op}"] = us / layers
+                print(f"    {us / layers:8.2f} us  {op}: {sources.get(op, '')[:160]}", flush=True)
         return ep.backend, res
 
 
@@ -176,6 +185,9 @@ def main(argv=None):
                    help="router and down projection as one [H, E + L] weight, one matmul")
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
+    p.add_argument("--ops", type=int, default=0, metavar="K",
+                   help="the whole layer's K costliest HLO instructions (GPU kernels; XLA:CPU's thunks): their time "
+                        "a layer (`op_us:<instruction>`) and the JAX operations and lines they run")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
     p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
     p.add_argument("--layers", type=int, default=12)
@@ -199,6 +211,7 @@ def main(argv=None):
         # FP8 blocks are 128 x 128 and the wgmma kernels' sizes multiples of 128: the smallest that all formats take
         shape = LatentMoEShape(latent=128, experts=32, topk=4)
         args.hidden, args.intermediate, args.tokens, args.layers, args.repeats = 64, 128, [2], 2, 1
+        args.ops = args.ops or 3
         args.hbm_bytes = 1 << 22
         local = {"N1": None, "J448": 16, "J112": 8}  # N = 2 and N = 4 of the 32 experts
     device = dev.device_kind if gpu else "cpu"

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,9 @@ def test_smoke(tmp_path, script, must):
     assert rows[0] == COLUMNS
     assert must <= {r[6] for r in rows[1:]}, proc.stdout
     assert all(float(r[7]) == float(r[7]) for r in rows[1:])  # numbers, no NaN
+    if script == "k3_layer.py":  # the layer's costliest instructions, each printed with its operations' lines
+        assert any(r[6].startswith("op_us:") for r in rows[1:]), proc.stdout
+        assert re.search(r"us  [\w.\-]+: \w+@\w+\.py:\d+", proc.stdout), proc.stdout
 
 
 def test_stage_units_are_set_and_recorded(tmp_path):
@@ -142,6 +146,43 @@ def test_layer_weights_need_no_temporary_beyond_their_bytes():
         temp = jax.jit(make).lower(key).compile().memory_analysis().temp_size_in_bytes
         out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(make, key)))
         assert temp <= 1.25 * out, (fmt, temp, out)
+
+
+def test_profile_names_each_instruction_and_its_source_lines():
+    """`event_ops` sums a trace's events by the HLO instruction each ran and `op_sources` names that instruction's
+    JAX operations with the lines that traced them: on XLA:CPU the host plane's events carry the same `hlo_op`
+    statistic as the GPU's kernels. A slice, a conversion and an add fused into one instruction name their lines."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import glob
+    import tempfile
+
+    import expert_stage
+    import jax
+    import jax.numpy as jnp
+
+    def layer(x, w):
+        y = jnp.tanh(x @ w)
+        return y[:, :8].astype(jnp.bfloat16) + 1  # the fused tail: slice, convert, add
+
+    first = layer.__code__.co_firstlineno
+    fn = jax.jit(layer)
+    args = (jax.random.normal(jax.random.key(1), (4, 64)), jax.random.normal(jax.random.key(2), (64, 32)))
+    jax.block_until_ready(fn(*args))
+    sources = expert_stage.op_sources(fn.lower(*args).compile().as_text())
+    tail = [v for v in sources.values() if "slice@" in v]
+    assert len(tail) == 1 and f"slice@test_expert_benchmarks.py:{first + 2}" in tail[0], sources
+    assert f"convert_element_type@test_expert_benchmarks.py:{first + 2}" in tail[0]
+    assert any(f"dot_general@test_expert_benchmarks.py:{first + 1}" in v for v in sources.values()), sources
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        path = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+        events = [e for p in jax.profiler.ProfileData.from_file(path).planes if p.name.startswith("/host:CPU")
+                  for line in p.lines for e in line.events if any(k == "hlo_op" for k, _ in e.stats)]
+    ops = expert_stage.event_ops(events)
+    assert ops and set(ops) <= set(sources), (ops, sources)
+    assert all(us >= 0 for us in ops.values())
 
 
 def test_stage_table_reads_runs_and_scales_to_the_spec(tmp_path):
