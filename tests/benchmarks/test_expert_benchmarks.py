@@ -148,6 +148,7 @@ def test_layer_weights_need_no_temporary_beyond_their_bytes():
         assert temp <= 1.25 * out, (fmt, temp, out)
 
 
+@pytest.mark.filterwarnings("ignore:builtin type event_stats:DeprecationWarning")  # the profiler's C++ type
 def test_profile_names_each_instruction_and_its_source_lines():
     """`event_ops` sums a trace's events by the HLO instruction each ran and `op_sources` names that instruction's
     JAX operations with the lines that traced them: on XLA:CPU the host plane's events carry the same `hlo_op`
