@@ -381,8 +381,7 @@ def _measure(args, out, dev, paths, recvs, ws, name, n, t, j, layers):
     import jax
 
     from jax_latent_ep import experts
-    from jax_latent_ep.experts.planning import work_items
-    from jax_latent_ep.experts.planning import capacity
+    from jax_latent_ep.experts.planning import capacity, work_items
     from jax_latent_ep.layout import stride
 
     lat, k = args.latent, args.topk

@@ -134,14 +134,15 @@ def run_case(j, backend, shape, args, t, params, impl):
         res = {"layer_us": layer_us, "layer_pipelined_us": 1e6 * b2b / layers, "layer_host_us": 1e6 * host / layers,
                "experts_us": experts_us, "comm_us": comm_us, "rest_us": layer_us - experts_us - comm_us,
                "active_experts": active, "layers": float(layers)}
+        ops = {} if args.ops else None  # where the layer's time goes: each HLO instruction's, from the same trace
         if args.device_time and dev.platform == "gpu":  # the GPU's kernel time: no host dispatch or sync in it
-            res["layer_device_us"] = device_us(full_fn, (params, h)) / layers
+            res["layer_device_us"] = device_times(full_fn, (params, h), per_op=ops)[0] / layers
             res["experts_device_us"] = device_us(experts_fn, (recvs, params)) / layers
             res["comm_device_us"] = device_us(comm_fn, (params, xs, idss, ws)) / layers
             res["rest_device_us"] = res["layer_device_us"] - res["experts_device_us"] - res["comm_device_us"]
-        if args.ops:  # where the layer's time goes: each HLO instruction, its JAX operations and their lines
-            ops = {}
+        elif ops is not None:  # `--ops` alone (or off GPUs, XLA:CPU's thunks): a trace of its own
             device_times(full_fn, (params, h), per_op=ops)
+        if ops is not None:  # each instruction with its JAX operations and their lines
             sources = op_sources(full_fn.lower(params, h).compile().as_text())
             for op, us in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
                 res[f"op_us:{op}"] = us / layers
