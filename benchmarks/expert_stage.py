@@ -200,10 +200,15 @@ def op_sources(hlo_text: str) -> dict[str, str]:
     def ops(lines):
         found = []
         for line in lines:
-            meta = re.search(r'metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
-            if meta:
-                where = f"@{frames[meta.group(2)]}" if meta.group(2) in frames else ""
-                name = meta.group(1).rsplit("/", 1)[-1] + where
+            meta = re.search(r"metadata=\{([^}]*)\}", line)
+            op = re.search(r'op_name="([^"]*)"', meta.group(1)) if meta else None
+            if op:
+                frame = re.search(r"stack_frame_id=(\d+)", meta.group(1))
+                src = re.search(r'source_file="([^"]*)" source_line=(\d+)', meta.group(1))
+                where = (f"@{frames[frame.group(1)]}" if frame and frame.group(1) in frames else
+                         f"@{os.path.basename(src.group(1))}:{src.group(2)}" if src else "")
+                target = re.search(r'custom_call_target="([^"]*)"', line)  # an FFI call: which kernel
+                name = (f"{target.group(1)}:" if target else "") + op.group(1).rsplit("/", 1)[-1] + where
                 if name not in found:
                     found.append(name)
         return found

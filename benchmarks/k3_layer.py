@@ -11,25 +11,26 @@ the expert stage (`experts.expert_stage`, SwiGLU, intermediate `--intermediate`)
 (`experts.MXFP4`), both on `wgmma` (`gmm` off GPUs); `ep.combine` with RMSNorm; up projection 3584 -> 7168 and the
 residual.
 
-Cases, one GPU each:
-- `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: the xla backend on a one-device mesh (its dispatch /
-  combine are N = 1's: nothing crosses a link, so "communication" is a lower bound of N's), and an expert stage
-  built for rank 0's J local experts (ids >= J are not local: their pairs go to other ranks, not computed here), so
-  the expert work and weight bytes are a real rank's for the rows of its own tokens only;
-- `N1`: N = 1, all 896 experts local, the nvlink backend (named: "auto" would pick xla at N = 1) where it is
-  available, else xla.
+Cases, one GPU each, dispatch / combine on a one-device mesh (`--comm`: the nvlink backend's kernels, named since
+"auto" would pick xla at N = 1, where they are available, else xla; or xla): they are N = 1's, nothing crosses a link,
+so "communication" is a lower bound of N's:
+- `J448` / `J112`: rank 0 of N = 2 / N = 8 modelled on one GPU: an expert stage built for rank 0's J local experts
+  (ids >= J are not local: their pairs go to other ranks, not computed here), so the expert work and weight bytes
+  are a real rank's for the rows of its own tokens only;
+- `N1`: N = 1, all 896 experts local.
 
 Timed (each a jitted program of `--layers` layers with their own weights, fewer where they pass `--weights-gb`; the
 median of `--repeats` runs, per layer): `layer` (everything) waited for (`layer_us`) and issued back to back
 (`layer_pipelined_us`, as a serving loop dispatches them), `experts` (the expert stage alone on the layer's
 received rows), `comm` (dispatch + combine with the dequantized rows as the expert output); `rest` = layer -
 experts - comm (router, top-16, projections; the plan's share is in `experts`). With `--device-time` the same as
-the GPU's kernel time, `*_device_us`; with `--ops K` the whole layer's K costliest HLO instructions
-(`op_us:<instruction>`), printed with the JAX operations and source lines each runs. The floor: the bytes of
-every weight the layer reads (router, projections, the active local experts of each layer's routing in the
-format's bytes with their scales) over the best stream
-measured in the same run (`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` /
-`ratio_spec` are the back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
+the GPU's kernel time, `*_device_us`; with `--ops K` where the layer's kernel time goes: each HLO
+instruction's events (its kernels outside command buffers; off GPUs XLA:CPU's thunks) summed over the layers'
+copies by the JAX operations and source lines it runs, the K costliest (`op_us:<operations>`, with events a
+layer). The floor: the bytes of every weight the layer reads (router, projections, the active local experts of
+each layer's routing in the format's bytes with their scales) over the best stream measured in the same run
+(`floor_us`, `hbm_GBps`) and over the H200's 4.8 TB/s (`floor_spec_us`); `ratio` / `ratio_spec` are the
+back-to-back layer over each. CSV rows `date,device,commit,backend,ranks,tokens,metric,value`
 with backend `k3_layer/<case>/<backend>/I<I>/<format>/dense-<impl>[-fused][/topk-<method>]`.
 """
 
@@ -40,6 +41,7 @@ import csv
 import datetime
 import gc
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,19 +136,24 @@ def run_case(j, backend, shape, args, t, params, impl):
         res = {"layer_us": layer_us, "layer_pipelined_us": 1e6 * b2b / layers, "layer_host_us": 1e6 * host / layers,
                "experts_us": experts_us, "comm_us": comm_us, "rest_us": layer_us - experts_us - comm_us,
                "active_experts": active, "layers": float(layers)}
-        ops = {} if args.ops else None  # where the layer's time goes: each HLO instruction's, from the same trace
         if args.device_time and dev.platform == "gpu":  # the GPU's kernel time: no host dispatch or sync in it
-            res["layer_device_us"] = device_times(full_fn, (params, h), per_op=ops)[0] / layers
+            res["layer_device_us"] = device_us(full_fn, (params, h)) / layers
             res["experts_device_us"] = device_us(experts_fn, (recvs, params)) / layers
             res["comm_device_us"] = device_us(comm_fn, (params, xs, idss, ws)) / layers
             res["rest_device_us"] = res["layer_device_us"] - res["experts_device_us"] - res["comm_device_us"]
-        elif ops is not None:  # `--ops` alone (or off GPUs, XLA:CPU's thunks): a trace of its own
-            device_times(full_fn, (params, h), per_op=ops)
-        if ops is not None:  # each instruction with its JAX operations and their lines
-            sources = op_sources(full_fn.lower(params, h).compile().as_text())
-            for op, us in sorted(ops.items(), key=lambda kv: -kv[1])[:args.ops]:
-                res[f"op_us:{op}"] = us / layers
-                print(f"    {us / layers:8.2f} us  {op}: {sources.get(op, '')[:160]}", flush=True)
+        if args.ops:  # where the layer's time goes, each HLO instruction's: its own kernels, not one command buffer
+            ops_fn = full_fn.lower(params, h).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+            ops: dict[str, float] = {}
+            device_times(ops_fn, (params, h), per_op=ops)
+            sources = op_sources(ops_fn.as_text())
+            by_source: dict[str, list] = {}  # each layer's copy of an instruction has its own name: sum by source
+            for op, us in ops.items():
+                entry = by_source.setdefault(sources.get(op) or re.sub(r"\.\d+$", "", op), [0.0, 0])
+                entry[0] += us
+                entry[1] += 1
+            for src, (us, count) in sorted(by_source.items(), key=lambda kv: -kv[1][0])[:args.ops]:
+                res[f"op_us:{src}"] = us / layers
+                print(f"    {us / layers:8.2f} us  x{count / layers:g}  {src[:180]}", flush=True)
         return ep.backend, res
 
 
@@ -187,10 +194,12 @@ def main(argv=None):
     p.add_argument("--device-time", action="store_true",
                    help="also the GPU's kernel time per layer of each program (a profiler trace): `*_device_us`")
     p.add_argument("--ops", type=int, default=0, metavar="K",
-                   help="the whole layer's K costliest HLO instructions (GPU kernels; XLA:CPU's thunks): their time "
-                        "a layer (`op_us:<instruction>`) and the JAX operations and lines they run")
+                   help="the layer's K costliest sources of kernel time (GPU kernels outside command buffers; "
+                        "XLA:CPU's thunks): `op_us:<JAX operations and their lines>`, microseconds a layer")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
     p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
+    p.add_argument("--comm", default="nvlink", choices=["nvlink", "xla"],
+                   help="dispatch / combine backend on a GPU (nvlink falls back to xla where unavailable)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--weights-gb", type=float, default=None,
                    help="expert weights' GiB a program may hold (default: 70 %% of the device's memory, 100 off GPUs)")
@@ -242,7 +251,7 @@ def main(argv=None):
             per_layer = j * expert_bytes(fmt, shape.latent, args.intermediate)
             layers = max(1, min(args.layers, int(args.weights_gb * 2**30 // per_layer)))
             params = make_params(shape, j, args, layers, fmt)
-            backend = "nvlink" if (case == "N1" and gpu) else "xla"
+            backend = "nvlink" if (args.comm == "nvlink" and gpu) else "xla"
             for t in args.tokens:
                 try:
                     used, res = run_case(j, backend, shape, args, t, params, impl)

@@ -36,7 +36,7 @@ def test_smoke(tmp_path, script, must):
     assert all(float(r[7]) == float(r[7]) for r in rows[1:])  # numbers, no NaN
     if script == "k3_layer.py":  # the layer's costliest instructions, each printed with its operations' lines
         assert any(r[6].startswith("op_us:") for r in rows[1:]), proc.stdout
-        assert re.search(r"us  [\w.\-]+: \w+@\w+\.py:\d+", proc.stdout), proc.stdout
+        assert re.search(r"us  x[\d.]+  \w+@\w+\.py:\d+", proc.stdout), proc.stdout
 
 
 def test_stage_units_are_set_and_recorded(tmp_path):
