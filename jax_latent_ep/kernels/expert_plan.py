@@ -182,72 +182,67 @@ class ExpertPlan:
         kept_row = Int32(0)
         cute.arch.sync_threads()
 
-        # ---- Phase 1 (4 passes' loads issued together)
-        rank_word = Int32(load_b32(rank))
-        pass_rows = WARPS * rows_per_warp
-        for base in range(warp * rows_per_warp, num_rows, 4 * pass_rows):
-            loaded = []
-            for u in cutlass.range_constexpr(4):
-                r = base + u * pass_rows + seg
-                holds = Int32(0)
-                if r < num_rows and slot < topk:
-                    holds = Int32(1)
-                src_word = Int32(-1)
-                slot_id = Int32(-1)
-                w_bits = Uint32(0)
-                if holds != 0:
-                    at = (Int64(r) * Int64(topk) + Int64(slot)) * 4
-                    src_word = Int32(load_b32(src + Int64(r) * 4))
-                    slot_id = Int32(load_b32(ids + at))
-                    w_bits = load_b32(weights + at)
-                loaded.append((r, holds, src_word, slot_id, w_bits))
-            for u in cutlass.range_constexpr(4):
-                r, holds, src_word, slot_id, w_bits = loaded[u]
-                first_id = rank_word * j
-                same = match_any(slot_id) & row_slots
-                is_pair = Int32(0)
-                repeats = Int32(0)
-                if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
-                    if slot_id >= first_id and slot_id < first_id + j:
-                        if (same & below) == zero:
-                            is_pair = Int32(1)
-                        # Only a live local id's weight is used: an empty row's repeated id (the contract's filler) or
-                        # another rank's repeats take no per-slot adds.
-                        if popc(same) > Uint32(1):
-                            repeats = Int32(1)
-                pairs = ballot(is_pair) & row_slots
-                # The weight, as the XLA plan adds it: 0 + w for an id named once (adding +0.0 after it changes
-                # nothing: the sum is never -0.0), else one add per slot in ascending order.
-                coef = add_rn(Float32(0.0), f32_from_bits(w_bits))
-                if ballot(repeats) != zero:  # warp-uniform
-                    coef = Float32(0.0)
-                    for k in range(topk):
-                        other = Int32(shfl_idx(slot_id, seg * lanes + k))
-                        w_k = f32_from_bits(shfl_idx(w_bits, seg * lanes + k))
-                        add = Float32(0.0)
-                        if other == slot_id:
-                            add = w_k
-                        coef = add_rn(coef, add)
-                e = slot_id - first_id
-                m = Int32(popc(pairs & below))
-                if holds != 0:
-                    at = Int64(r) * Int64(topk) + Int64(slot)
-                    expert_or_none = Int32(-1)
-                    if is_pair != 0:
-                        expert_or_none = e
-                        atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
-                        atomic_or_shared(s_bits + Uint32(4 * (e * row_words + r // 32)), Uint32(1) << Uint32(r % 32))
-                    if one_pass != 0:
-                        kept_expert = expert_or_none
-                        kept_rank = m
-                        kept_weight = bits_from_f32(coef)
-                        kept_row = r
-                    else:
-                        store_b32(scratch + at * 4, Uint32(expert_or_none))
-                        store_b32(scratch + (Int64(entries) + at) * 4, Uint32(m))
-                        store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
-                    if slot >= Int32(popc(pairs)) and slot < m_slots:
-                        store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(slot)) * 4, Uint32(capacity))
+        # ---- Phase 1: each slot of each row; count each expert's pairs and set their rows' bits.
+        for base in range(warp * rows_per_warp, num_rows, WARPS * rows_per_warp):
+            r = base + seg
+            holds = Int32(0)
+            if r < num_rows and slot < topk:
+                holds = Int32(1)
+            # Every load first (they are in flight together), then their uses.
+            src_word = Int32(-1)
+            slot_id = Int32(-1)
+            w_bits = Uint32(0)
+            if holds != 0:
+                at = (Int64(r) * Int64(topk) + Int64(slot)) * 4
+                src_word = Int32(load_b32(src + Int64(r) * 4))
+                slot_id = Int32(load_b32(ids + at))
+                w_bits = load_b32(weights + at)
+            # The rank's word with the row's loads (in flight together; before them it was a round trip alone).
+            first_id = Int32(load_b32(rank)) * j
+            same = match_any(slot_id) & row_slots
+            is_pair = Int32(0)
+            repeats = Int32(0)
+            if holds != 0 and src_word != Int32(-1) and r % rows_per_source < max_tokens:
+                if slot_id >= first_id and slot_id < first_id + j:
+                    if (same & below) == zero:
+                        is_pair = Int32(1)
+                    # Only a live local id's weight is used: an empty row's repeated id (the contract's filler) or
+                    # another rank's repeats take no per-slot adds.
+                    if popc(same) > Uint32(1):
+                        repeats = Int32(1)
+            pairs = ballot(is_pair) & row_slots
+            # The weight, as the XLA plan adds it: 0 + w for an id named once (adding +0.0 after it changes
+            # nothing: the sum is never -0.0), else one add per slot in ascending order.
+            coef = add_rn(Float32(0.0), f32_from_bits(w_bits))
+            if ballot(repeats) != zero:  # warp-uniform
+                coef = Float32(0.0)
+                for k in range(topk):
+                    other = Int32(shfl_idx(slot_id, seg * lanes + k))
+                    w_k = f32_from_bits(shfl_idx(w_bits, seg * lanes + k))
+                    add = Float32(0.0)
+                    if other == slot_id:
+                        add = w_k
+                    coef = add_rn(coef, add)
+            e = slot_id - first_id
+            m = Int32(popc(pairs & below))
+            if holds != 0:
+                at = Int64(r) * Int64(topk) + Int64(slot)
+                expert_or_none = Int32(-1)
+                if is_pair != 0:
+                    expert_or_none = e
+                    atomic_add_shared(s_count + Uint32(4 * e), Uint32(1))
+                    atomic_or_shared(s_bits + Uint32(4 * (e * row_words + r // 32)), Uint32(1) << Uint32(r % 32))
+                if one_pass != 0:
+                    kept_expert = expert_or_none
+                    kept_rank = m
+                    kept_weight = bits_from_f32(coef)
+                    kept_row = r
+                else:
+                    store_b32(scratch + at * 4, Uint32(expert_or_none))
+                    store_b32(scratch + (Int64(entries) + at) * 4, Uint32(m))
+                    store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
+                if slot >= Int32(popc(pairs)) and slot < m_slots:
+                    store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(slot)) * 4, Uint32(capacity))
         cute.arch.sync_threads()
 
         # ---- Phase 2: exclusive prefix sums of pairs and work items per expert.
@@ -330,23 +325,13 @@ class ExpertPlan:
                 self.place_pair(kept_expert, kept_row, kept_rank, kept_weight, s_bits, s_offset, row_words, m_slots,
                                 pair_row, pair_expert, pair_weight, row_pairs)
         else:
-            for x0 in range(tid, entries, 4 * THREADS):
-                loaded = []
-                for u in cutlass.range_constexpr(4):
-                    x = x0 + u * THREADS
-                    e = Int32(-1)
-                    m = Int32(0)
-                    w_bits = Uint32(0)
-                    if x < entries:
-                        e = Int32(load_b32(scratch + Int64(x) * 4))
-                        m = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
-                        w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
-                    loaded.append((x, e, m, w_bits))
-                for u in cutlass.range_constexpr(4):
-                    x, e, m, w_bits = loaded[u]
-                    if e >= 0:
-                        self.place_pair(e, x // topk, m, w_bits, s_bits, s_offset, row_words, m_slots, pair_row,
-                                        pair_expert, pair_weight, row_pairs)
+            for x in range(tid, entries, THREADS):
+                e = Int32(load_b32(scratch + Int64(x) * 4))
+                m = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
+                w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
+                if e >= 0:
+                    self.place_pair(e, x // topk, m, w_bits, s_bits, s_offset, row_words, m_slots, pair_row,
+                                    pair_expert, pair_weight, row_pairs)
         for p in range(total_pairs + tid, capacity, THREADS):
             store_b32(pair_row + Int64(p) * 4, zero)
             store_b32(pair_expert + Int64(p) * 4, Uint32(j))
