@@ -18,8 +18,11 @@ from jax_latent_ep.kernels import abi
 IMPLEMENTATIONS = ("auto", "xla", "kernel")
 #: Rows up to which "auto" takes the kernel on a GPU: there the expert stage's kernel streams its weights at
 #: 1.0-1.3x their floor (docs/experts.md); past them its FP32 split partials grow and the weights are re-read per
-#: 64-row tile (the crossover against XLA's GEMM not yet timed: docs/performance.md, "What is left").
+#: 64-row tile (the crossover against XLA's GEMM: `benchmarks/dense_projections.py --impls kernel xla`).
 KERNEL_MAX_ROWS = 32
+#: Units the kernel's contraction split aims for (`experts.kernel._kernel_splits`); None: the expert stage's
+#: `KERNEL_MIN_UNITS` (`benchmarks/dense_projections.py --min-units` sweeps it).
+KERNEL_MIN_UNITS: int | None = None
 
 
 def check_matmul(x, w, impl: str):
@@ -89,7 +92,7 @@ def _kernel_matmul(x, w):
     num_work = -(-t // block)
     # one work item per 64 rows of the one group: (group, first row, rows, items), a constant of the shape
     work = np.array([(0, i * block, min(block, t - i * block), num_work) for i in range(num_work)], np.int32)
-    splits, per = _kernel_splits(num_work, n, k)
+    splits, per = _kernel_splits(num_work, n, k, min_units=KERNEL_MIN_UNITS)
     rows = jnp.zeros((t,), jnp.int32)  # unread: the rows are the pairs themselves
     parts = ffi.grouped_gemm_call(x, rows, w[None], None, jnp.asarray(work), indexed=False, fuse_glu=False,
                                   splits=splits, k_per_split=per)

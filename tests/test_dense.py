@@ -37,6 +37,16 @@ def test_matmul_against_float64(impl, t, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("units", [1, 264, 4096])
+def test_kernel_at_any_split_target(monkeypatch, units):
+    """`dense.KERNEL_MIN_UNITS` changes only how the contraction is split (one split up to the rule's most): every
+    target meets the same float64 bound."""
+    monkeypatch.setattr(dense, "KERNEL_MIN_UNITS", units)
+    test_matmul_against_float64("kernel", 1, 7168, 896)
+    test_matmul_against_float64("kernel", 8, 3584, 7168)
+
+
+@pytest.mark.gpu
 def test_kernel_gradient_is_xlas():
     x, w = _data(3, 4, 512, 256)
     loss = lambda impl: lambda x, w: jnp.sum(dense.matmul(x, w, impl=impl, out_dtype=jnp.float32) ** 2)  # noqa: E731

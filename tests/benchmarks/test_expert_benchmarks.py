@@ -14,6 +14,8 @@ COLUMNS = ["date", "device", "commit", "backend", "ranks", "tokens", "metric", "
 
 @pytest.mark.parametrize("script,must", [
     ("expert_stage.py", {"us_per_layer", "ratio", "active_experts", "us", "GBps"}),
+    ("dense_projections.py", {"us_per_layer", "pipelined_us_per_layer", "floor_us", "floor_spec_us", "ratio",
+                              "hbm_GBps"}),
     ("fp8_matmul.py", {"wall_us", "pipelined_us", "floor_us", "floor_spec_us", "active_experts", "best_GBps"}),
     ("k3_layer.py", {"layer_us", "layer_pipelined_us", "experts_us", "comm_us", "rest_us", "floor_us", "ratio",
                      "ratio_spec", "active_experts", "hbm_GBps"}),
