@@ -7,7 +7,7 @@ and its up projection (3584 -> 7168), bf16, each layer its own weights, against 
 
 Each point is a jitted program of `--layers` layers, `h += up(bf16(y[:, E:]))` with `y = h @ router_down` in FP32 (the
 logits `y[:, :E]` summed into a second output so that nothing is dropped), through `dense.matmul(impl=...)`; for
-`kernel` each `--min-units` value sets `dense.KERNEL_MIN_UNITS` (0: the default rule), so the contraction splits
+`kernel` each `--min-units` value sets `dense.KERNEL_MIN_UNITS` (0: its default), so the contraction splits
 and the split partials' sum are what the layer runs. Timed as `k3_layer.py` times the layer: waited for
 (`us_per_layer`), issued back to back (`pipelined_us_per_layer`), with `--device-time` the GPU's kernel time
 (`device_us_per_layer`); the floor is the weights' bytes over the best stream measured in the same run
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128])
     p.add_argument("--impls", nargs="+", default=["kernel", "xla"], choices=["kernel", "xla"])
     p.add_argument("--min-units", nargs="+", type=int, default=[0],
-                   help="kernel: `dense.KERNEL_MIN_UNITS` values to time (0: the default rule)")
+                   help="kernel: `dense.KERNEL_MIN_UNITS` values to time (0: its default)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--latent", type=int, default=3584)
     p.add_argument("--experts", type=int, default=896)
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     from jax_latent_ep import dense
     from jax_latent_ep.experts.kernel import KERNEL_MIN_UNITS, _kernel_splits
 
+    default_units = dense.KERNEL_MIN_UNITS
     gpu = jax.devices()[0].platform == "gpu"
     if args.smoke:
         args.hidden, args.latent, args.experts, args.tokens, args.layers, args.repeats = 128, 64, 64, [2], 2, 1
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
         h = jax.random.normal(jax.random.key(t), (t, hid), jnp.float32).astype(jnp.bfloat16)
         for impl in impls:
             for units in (args.min_units if impl == "kernel" else [0]):
-                dense.KERNEL_MIN_UNITS = units or None
+                dense.KERNEL_MIN_UNITS = units or default_units
                 fn = program(t, e, impl)
                 fargs = (router_downs, ups, h)
                 res = {"us_per_layer": 1e6 * _time(fn, fargs, args.repeats) / args.layers,
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
                     res["device_us_per_layer"] = device_us(fn, fargs) / args.layers
                 res["floor_us"], res["floor_spec_us"] = 1e6 * nbytes / bw, 1e6 * nbytes / SPEC_BYTES_PER_S
                 res["ratio"] = res["pipelined_us_per_layer"] / res["floor_us"]
-                target = units or KERNEL_MIN_UNITS
+                target = units or default_units or KERNEL_MIN_UNITS
                 if impl == "kernel":
                     res["splits_router_down"] = _kernel_splits(-(-t // 64), e + lat, hid, min_units=target)[0]
                     res["splits_up"] = _kernel_splits(-(-t // 64), hid, lat, min_units=target)[0]
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
                 print(f"T={t:4d} {name:22s} {res['us_per_layer']:8.1f} us waited, {res['pipelined_us_per_layer']:8.1f}"
                       f" back to back{gpu_part} ({res['ratio']:.2f}x floor)", flush=True)
                 jax.clear_caches()
-    dense.KERNEL_MIN_UNITS = None
+    dense.KERNEL_MIN_UNITS = default_units
     print(f"wrote {args.out} ({len(rows)} rows; {device}, commit {_commit()})")
     return 0
 
