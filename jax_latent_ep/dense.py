@@ -21,9 +21,9 @@ IMPLEMENTATIONS = ("auto", "xla", "kernel")
 #: 64-row tile (the crossover against XLA's GEMM: `benchmarks/dense_projections.py --impls kernel xla`).
 KERNEL_MAX_ROWS = 32
 #: Units the kernel's contraction split aims for (`experts.kernel._kernel_splits`; None: the expert stage's 528).
-#: K3's projections (70 and 112 column tiles) then take 3 and 2 splits: one round of the resident grid (two CTAs
-#: an SM of 132), 8 % faster at T = 1 and 12 % at T = 32 than 528's three rounds (H100,
-#: `benchmarks/dense_projections.py --min-units`; docs/performance.md).
+#: K3's projections (70 and 112 column tiles) then take 3 and 2 splits, 210 and 224 units: one round of the
+#: resident grid (three CTAs an SM), 8 % faster at T = 1 and 12 % at T = 32 than 528's 560 units in two rounds
+#: (H100, `benchmarks/dense_projections.py --min-units`; docs/performance.md).
 KERNEL_MIN_UNITS: int | None = 200
 
 
