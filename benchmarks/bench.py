@@ -661,18 +661,24 @@ def check_commands(out, commit, gpus):
 
 
 def expert_commands(out, commit, gpus):
-    """The `experts` steps (one GPU): the expert stage's tests on the GPU, `expert_stage.py` over every path, point and
-    shape (its CSV beside `out`, `<out>.expert_stage.csv`), and the Kimi K3 layer end to end with the kernel
-    implementation (`<out>.k3_layer.csv`)."""
+    """The `experts` steps (one GPU): the expert stage's tests on the GPU (the plan kernel, the grouped GEMMs in bf16,
+    FP8 and MXFP4, the stage at Kimi K3's sizes, the dense projections), then `expert_stage.py` over every format's
+    path, `k3_layer.py` in every format, `dense_projections.py` and `training.py`, each CSV beside `out`
+    (`<out>.expert_stage.csv`, ...). Each benchmark sizes its programs to the device's memory."""
     base = os.path.splitext(out)[0]
+    bench_script = lambda name, *argv: [sys.executable, os.path.join(HERE, f"{name}.py"), *argv,  # noqa: E731
+                                        "--out", f"{base}.{name}.csv"]
     return [
-        ("expert stage tests", [sys.executable, "-m", "pytest", "-q", "tests/test_experts.py",
-                                "tests/gpu/test_experts_gpu.py"], {}, 600),
-        ("expert stage, every path", [sys.executable, os.path.join(HERE, "expert_stage.py"), "--layers", "12",
-                                      "--weights-gb", "60", "--device-time", "--out", f"{base}.expert_stage.csv"],
-         {}, 2400),
-        ("K3 layer, kernel", [sys.executable, os.path.join(HERE, "k3_layer.py"), "--impl", "kernel", "--device-time",
-                              "--weights-gb", "60", "--out", f"{base}.k3_layer.csv"], {}, 900),
+        ("expert stage tests", [sys.executable, "-m", "pytest", "-q", "tests/test_experts.py", "tests/test_grouped.py",
+                                "tests/test_dense.py", "tests/gpu/test_experts_gpu.py"], {}, 900),
+        ("expert stage, every format", bench_script("expert_stage", "--paths", "kernel", "wgmma-fp8", "wgmma-mxfp4",
+                                                    "--layers", "12", "--pipelined", "--device-time"), {}, 2400),
+        ("K3 layer, every format", bench_script("k3_layer", "--fuse-router", "--topk", "auto", "--device-time"), {},
+         1200),
+        ("dense projections", bench_script("dense_projections", "--min-units", "0", "132", "264", "528",
+                                           "--device-time"), {}, 600),
+        ("training step", bench_script("training", "--models", "k3", "k3n2", "k2", "--impls", "wgmma", "--plain",
+                                       "both", "--weights-gb", "60"), {}, 2400),
     ]
 
 
@@ -701,8 +707,9 @@ SUITES = {
                   [], check_commands),
     "profile": ("where a jitted layer's time goes: the profiler's kernel timeline at T = 1, N = 1 and 2",
                 [], lambda out, commit, gpus: profile_commands(gpus)),
-    "experts": ("the expert stage on one GPU: its GPU tests, every path against the HBM floor (expert_stage.py), the "
-                "Kimi K3 layer end to end with impl='kernel' (k3_layer.py)", [], expert_commands),
+    "experts": ("the expert stage on one GPU: its GPU tests, every format against the HBM floor (expert_stage.py), "
+                "the Kimi K3 layer in every format (k3_layer.py), its projections (dense_projections.py), the "
+                "training step (training.py)", [], expert_commands),
 }
 
 

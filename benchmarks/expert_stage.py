@@ -286,6 +286,9 @@ def child(args):
         stage_mod.XLA_ROW_SUM_SLOTS = args.xla_row_sum_slots
     dev = jax.devices()[0]
     print(f"DEVICE {dev.device_kind if dev.platform == 'gpu' else 'cpu'}", flush=True)  # first: a child cut short has it
+    if args.weights_gb is None:  # a stage's temporaries are small beside its weights
+        limit = (dev.memory_stats() or {}).get("bytes_limit") if dev.platform == "gpu" else None
+        args.weights_gb = 0.85 * limit / 2**30 if limit else 40.0
     out = lambda **row: print("ROW " + json.dumps(row), flush=True)  # noqa: E731
     lat, e, k = args.latent, args.experts, args.topk
     if args.group == "default":
@@ -591,7 +594,8 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--layers", type=int, default=4,
                    help="layers per program (fewer where a format's weights pass --weights-gb)")
-    p.add_argument("--weights-gb", type=float, default=40.0)
+    p.add_argument("--weights-gb", type=float, default=None,
+                   help="GiB of weights a program may hold (default: 85 %% of the device's memory, 40 off GPUs)")
     p.add_argument("--gather-gb", type=float, default=8.0)
     p.add_argument("--dense-gb", type=float, default=8.0)
     p.add_argument("--repeats", type=int, default=5)

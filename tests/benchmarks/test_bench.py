@@ -195,14 +195,16 @@ def test_readme_suite_writes_the_backends_of_latest_csv():
 
 
 def test_experts_suite_steps():
-    """The experts suite: the expert stage's GPU tests, then the two benchmarks, their CSVs beside `out`."""
+    """The experts suite: the expert stage's GPU tests, then the four benchmarks, their CSVs beside `out`."""
     steps = bench.SUITES["experts"][2]("/tmp/run.csv", "abc1234", 1)
-    assert [name for name, *_ in steps] == ["expert stage tests", "expert stage, every path", "K3 layer, kernel"]
-    assert steps[0][1][-2:] == ["tests/test_experts.py", "tests/gpu/test_experts_gpu.py"]
-    assert steps[1][1][-2:] == ["--out", "/tmp/run.expert_stage.csv"] and steps[1][1][1].endswith("expert_stage.py")
-    assert "--device-time" in steps[1][1] and "--device-time" in steps[2][1]
-    k3 = steps[2][1]
-    assert k3[k3.index("--impl") + 1] == "kernel" and k3[-2:] == ["--out", "/tmp/run.k3_layer.csv"]
+    assert [name for name, *_ in steps] == ["expert stage tests", "expert stage, every format",
+                                           "K3 layer, every format", "dense projections", "training step"]
+    assert "tests/test_grouped.py" in steps[0][1] and steps[0][1][-1] == "tests/gpu/test_experts_gpu.py"
+    for (_, argv, _, _), name in zip(steps[1:], ("expert_stage", "k3_layer", "dense_projections", "training")):
+        assert argv[1].endswith(f"{name}.py") and argv[-2:] == ["--out", f"/tmp/run.{name}.csv"]
+        assert os.path.exists(argv[1])
+    assert all("--device-time" in argv for _, argv, _, _ in steps[1:4])
+    assert {"wgmma-fp8", "wgmma-mxfp4", "kernel"} <= set(steps[1][1])
 
 
 def test_suite_options_and_command_line():
