@@ -188,6 +188,32 @@ def test_profile_names_each_instruction_and_its_source_lines():
     assert all(us >= 0 for us in ops.values())
 
 
+def test_op_sources_name_ffi_targets_and_source_lines():
+    """A custom call is named by its FFI target; metadata with a source file and line but no stack frame still
+    gives the line; a fusion lists its computation's operations, each once."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import expert_stage
+
+    hlo = "\n".join([
+        "%fused_add (p0: f32[4]) -> f32[4] {",
+        '  %p0 = f32[4]{0} parameter(0), metadata={op_name="jit(f)/add" source_file="/x/k3_layer.py" source_line=7}',
+        '  ROOT %add.1 = f32[4]{0} add(%p0, %p0), metadata={op_name="jit(f)/add" source_file="/x/k3_layer.py" '
+        'source_line=7}',
+        "}",
+        "",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        "  %a = f32[4]{0} parameter(0)",
+        '  %custom-call.3 = f32[4]{0} custom-call(%a), custom_call_target="jax_latent_ep_expert_plan_rec", '
+        'metadata={op_name="jit(f)/ffi_call" source_file="/y/ffi.py" source_line=504}',
+        "  ROOT %fusion.2 = f32[4]{0} fusion(%custom-call.3), kind=kLoop, calls=%fused_add",
+        "}",
+        "",
+    ])
+    sources = expert_stage.op_sources(hlo)
+    assert sources["custom-call.3"] == "jax_latent_ep_expert_plan_rec:ffi_call@ffi.py:504", sources
+    assert sources["fusion.2"] == "add@k3_layer.py:7", sources
+
+
 def test_stage_table_reads_runs_and_scales_to_the_spec(tmp_path):
     """`stage_table.py`: each cell is GPU / back to back / wall over the run's floor, and over the GPU's HBM spec
     (the same times over a faster stream: larger by spec / floor_GBps); a later run's point replaces an earlier's;
