@@ -70,6 +70,7 @@ def main(argv=None) -> int:
 
     from jax_latent_ep import dense
     from jax_latent_ep.experts.kernel import KERNEL_MIN_UNITS, _kernel_splits
+    from jax_latent_ep.kernels import abi
 
     default_units = dense.KERNEL_MIN_UNITS
     gpu = jax.devices()[0].platform == "gpu"
@@ -103,8 +104,9 @@ def main(argv=None) -> int:
                 res["ratio"] = res["pipelined_us_per_layer"] / res["floor_us"]
                 target = units or default_units or KERNEL_MIN_UNITS
                 if impl == "kernel":
-                    res["splits_router_down"] = _kernel_splits(-(-t // 64), e + lat, hid, min_units=target)[0]
-                    res["splits_up"] = _kernel_splits(-(-t // 64), hid, lat, min_units=target)[0]
+                    items = -(-t // abi.GEMM_BLOCK_M)  # `dense`'s work items: one per 64 rows
+                    res["splits_router_down"] = _kernel_splits(items, e + lat, hid, min_units=target)[0]
+                    res["splits_up"] = _kernel_splits(items, hid, lat, min_units=target)[0]
                 name = f"dense/{impl}" + (f"/units{target}" if impl == "kernel" else "")
                 rows += [(name, 1, t, m, v) for m, v in res.items()]
                 _write_csv(args.out, rows, device, _commit())  # each point on disk as it comes

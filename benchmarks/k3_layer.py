@@ -45,11 +45,10 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 from expert_stage import (  # noqa: E402  (benchmarks/ is on the path when run as a script)
-    _layer_weights, _time, _time_pipelined, device_times, device_us, hbm_gbps, op_sources)
+    _commit, _layer_weights, _time, _time_pipelined, device_times, device_us, hbm_gbps, op_sources)
 
 #: The expert weight formats: (`_layer_weights`' format, the implementation on a GPU, off GPUs).
 FORMATS = {"bf16": ("bf16", None, None), "fp8": ("fp8-out-in", "wgmma", "gmm"), "mxfp4": ("mxfp4", "wgmma", "gmm")}
@@ -225,14 +224,7 @@ def main(argv=None):
         args.hbm_bytes = 1 << 22
         local = {"N1": None, "J448": 16, "J112": 8}  # N = 2 and N = 4 of the 32 experts
     device = dev.device_kind if gpu else "cpu"
-    try:
-        import subprocess
-
-        commit = os.environ.get("GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or "unknown"
-    except Exception:
-        commit = "unknown"
+    commit = _commit()
     if args.weights_gb is None:  # room for the programs' temporaries: 100 GB of weights did not fit an H100
         limit = (dev.memory_stats() or {}).get("bytes_limit") if gpu else None
         args.weights_gb = 0.7 * limit / 2**30 if limit else 100.0
