@@ -125,8 +125,9 @@ def top_k_softmax(logits, topk: int, method: str = "top_k"):
         beats = (other > mine) | ((other == mine) & (idx[None, None, :] < idx[None, :, None]))
         rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [T, E]
         slot = rank[:, None, :] == jnp.arange(topk, dtype=jnp.int32)[None, :, None]  # [T, K, E]
-        ids = jnp.sum(jnp.where(slot, idx, 0), axis=-1)
-        top = jnp.sum(jnp.where(slot, logits[:, None, :], 0.0), axis=-1)
+        # one variadic reduce: ids and values in one kernel with the softmax after it (two sums: two kernels)
+        ids, top = lax.reduce((jnp.where(slot, idx, 0), jnp.where(slot, logits[:, None, :], 0.0)),
+                              (jnp.int32(0), jnp.float32(0.0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (2,))
     else:
         raise ValueError(f"top_k_softmax: method must be 'top_k', 'rank' or 'auto', got {method!r}")
     return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(jnp.float32)
