@@ -278,8 +278,6 @@ def child(args):
         kernel_mod.KERNEL_MIN_UNITS = args.min_units
     if args.narrow_units:  # the FP8 / MXFP4 kernels' split target (`experts.grouped.NARROW_MIN_UNITS`)
         grouped_mod.NARROW_MIN_UNITS = args.narrow_units
-    if args.narrow_rounding:
-        grouped_mod.NARROW_ROUNDING = args.narrow_rounding
     if args.tile_headroom is not None:  # the FP8 / MXFP4 stage's tile size rule (`experts.grouped.tile_pairs`)
         grouped_mod.TILE_HEADROOM = args.tile_headroom
     if args.stage_units:  # the one launch's gate / up and down split targets
@@ -297,8 +295,6 @@ def child(args):
         out(backend="hbm_GBps", ranks=1, tokens=0, metric="GBps", value=hbm_gbps(args.hbm_bytes, args.repeats))
         out(backend="kernel_min_units", ranks=1, tokens=0, metric="units", value=kernel_mod.KERNEL_MIN_UNITS)
         out(backend="narrow_min_units", ranks=1, tokens=0, metric="units", value=grouped_mod.NARROW_MIN_UNITS)
-        out(backend="narrow_rounding_up", ranks=1, tokens=0, metric="flag",
-            value=float(grouped_mod.NARROW_ROUNDING == "up"))
         out(backend="tile_headroom", ranks=1, tokens=0, metric="ratio", value=grouped_mod.TILE_HEADROOM)
         out(backend="kernel_stage_gate_units", ranks=1, tokens=0, metric="units",
             value=kernel_mod.KERNEL_STAGE_GATE_UNITS)
@@ -619,9 +615,6 @@ def main(argv=None):
     p.add_argument("--narrow-units", type=int, default=0,
                    help="the FP8 / MXFP4 kernels' contraction split aims at this many units (default "
                         "`experts.grouped.NARROW_MIN_UNITS`, 1: unsplit; recorded as the `narrow_min_units` row)")
-    p.add_argument("--narrow-rounding", choices=("up", "down"), default=None,
-                   help="how the FP8 / MXFP4 split meets its target (default `experts.grouped.NARROW_ROUNDING`; "
-                        "recorded as the `narrow_rounding_up` row, 1 or 0)")
     p.add_argument("--tile-headroom", type=float, default=None,
                    help="the FP8 / MXFP4 stage's tile holds at least this many times the pairs expected an active "
                         "expert (default `experts.grouped.TILE_HEADROOM`; 0.01: always 8 pairs, 1000: always 32; "

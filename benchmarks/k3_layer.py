@@ -199,8 +199,6 @@ def main(argv=None):
     p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
     p.add_argument("--comm", default="nvlink", choices=["nvlink", "xla"],
                    help="dispatch / combine backend on a GPU (nvlink falls back to xla where unavailable)")
-    p.add_argument("--narrow-rounding", choices=("up", "down"), default=None,
-                   help="how the FP8 / MXFP4 kernels' split meets its target (default `experts.grouped.NARROW_ROUNDING`)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--weights-gb", type=float, default=None,
                    help="expert weights' GiB a program may hold (default: 70 %% of the device's memory, 100 off GPUs)")
@@ -213,10 +211,6 @@ def main(argv=None):
     if args.pallas:
         jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     from jax_latent_ep import KIMI_K3, LatentMoEShape
-    from jax_latent_ep.experts import grouped
-
-    if args.narrow_rounding:
-        grouped.NARROW_ROUNDING = args.narrow_rounding
 
     shape = KIMI_K3
     dev = jax.devices()[0]
@@ -236,8 +230,7 @@ def main(argv=None):
         args.weights_gb = 0.7 * limit / 2**30 if limit else 100.0
     bw = hbm_gbps(args.hbm_bytes, args.repeats) * 1e9  # bytes a second, the run's best stream
     dense_bytes = 2.0 * (args.hidden * shape.experts + 2 * args.hidden * shape.latent)
-    rows = [("k3_layer/hbm", 1, 0, "hbm_GBps", bw / 1e9),
-            ("k3_layer/narrow_rounding_up", 1, 0, "flag", float(grouped.NARROW_ROUNDING == "up"))]
+    rows = [("k3_layer/hbm", 1, 0, "hbm_GBps", bw / 1e9)]
     print(f"best stream {bw / 1e9:.0f} GB/s; router and projections {dense_bytes / 1e6:.1f} MB a layer", flush=True)
     for case in args.cases:
         j = local[case] or shape.experts

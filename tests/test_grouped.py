@@ -3,7 +3,6 @@ float64 NumPy models and against `jax.grad` of the other implementations, on fre
 rows past the groups holding garbage). One test body per check, parametrized over the implementations."""
 
 import zlib
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -354,25 +353,17 @@ def test_gmm_mxfp4_against_numpy(impl, k, expected):
 
 
 def test_narrow_splits():
-    """The FP8 / MXFP4 kernel's contraction splits: about `NARROW_MIN_UNITS` units for the expected groups (the fewest
-    splits reaching it, or the most within it, `NARROW_ROUNDING`), at least 4 stages a split, every split non-empty
-    and the splits covering K."""
-    from jax_latent_ep.experts import grouped
+    """The FP8 / MXFP4 kernel's contraction splits: about `NARROW_MIN_UNITS` units for the expected groups, at least
+    4 stages a split, every split non-empty and the splits covering K."""
+    from jax_latent_ep.experts.grouped import NARROW_MIN_UNITS, narrow_splits
 
-    for rounding, gate in (("up", (5, 768)), ("down", (4, 896))):
-        with mock.patch.object(grouped, "NARROW_ROUNDING", rounding):
-            assert grouped.narrow_splits(16, 512, 3584) == gate  # K3 T = 1, J = 448, I = 512: gate, 4 column tiles
-            assert grouped.narrow_splits(16, 3584, 512) == (1, 512)  # its down: 28 column tiles
-            assert grouped.narrow_splits(1, 128, 256) == (1, 256)  # too short to split
-            for groups, n, k in [(1, 128, 7168), (3, 1024, 3584), (40, 2048, 7168), (448, 7168, 2048)]:
-                s, per = grouped.narrow_splits(groups, n, k)
-                units = groups * (n // 128)
-                assert per % 128 == 0 and per >= min(k, 512) and (s - 1) * per < k <= s * per
-                if rounding == "up":
-                    assert s == 1 or units * (s - 1) < grouped.NARROW_MIN_UNITS
-                else:
-                    assert s == 1 or units * s <= grouped.NARROW_MIN_UNITS
-                    assert s == k // 512 or units * (s + 1) > grouped.NARROW_MIN_UNITS
+    assert narrow_splits(16, 512, 3584) == (5, 768)  # K3 T = 1, J = 448, I = 512: gate, 4 column tiles
+    assert narrow_splits(16, 3584, 512) == (1, 512)  # its down: 28 column tiles
+    assert narrow_splits(1, 128, 256) == (1, 256)  # too short to split
+    for groups, n, k in [(1, 128, 7168), (3, 1024, 3584), (40, 2048, 7168), (448, 7168, 2048)]:
+        s, per = narrow_splits(groups, n, k)
+        assert per % 128 == 0 and per >= min(k, 512) and (s - 1) * per < k <= s * per
+        assert s == 1 or groups * (n // 128) * (s - 1) < NARROW_MIN_UNITS
 
 
 def test_mxfp4_widening_bytes_are_the_codes_times_2_to_the_minus_6():

@@ -239,12 +239,9 @@ def gmm_fp8(x, x_scale, w, w_scale, group_sizes, *, impl: str = "xla", expected_
     return _xla_gmm_fp8(x, x_scale, w, w_scale, group_sizes)
 
 
-#: Units (split, tile, 128 columns) the FP8 / MXFP4 kernels aim for: two resident CTAs on each of an H200's 132 SMs,
-#: one round.
+#: Units (split, tile, 128 columns) the FP8 / MXFP4 kernels aim for at least: two resident CTAs on each of an H200's
+#: 132 SMs, one round.
 NARROW_MIN_UNITS = 264
-#: How `narrow_splits` meets `NARROW_MIN_UNITS`: "up", the fewest splits that reach it (a second, partial round where
-#: a split's units do not divide it); "down", the most that stay within it (one round, longer splits).
-NARROW_ROUNDING = "up"
 #: The FP8 / MXFP4 stage's tile holds at least this many times the pairs it expects an active expert (`tile_pairs`):
 #: an expert past its tile streams its weights once more per tile, rare below half the tile's pairs.
 TILE_HEADROOM = 2.0
@@ -252,12 +249,9 @@ TILE_HEADROOM = 2.0
 
 def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
     """(splits, k_per_split) of the FP8 / MXFP4 kernel over `groups` non-empty groups of a `[N, K]` weight: the
-    contraction split until about `NARROW_MIN_UNITS` units have work (`NARROW_ROUNDING`), each split at least 4
-    stages of 128."""
+    contraction split until about `NARROW_MIN_UNITS` units have work, each split at least 4 stages of 128."""
     steps = k // 128
-    units = max(1, groups * (n // 128))
-    want = -(-NARROW_MIN_UNITS // units) if NARROW_ROUNDING == "up" else NARROW_MIN_UNITS // units
-    splits = max(1, min(want, steps // 4))
+    splits = max(1, min(-(-NARROW_MIN_UNITS // max(1, groups * (n // 128))), steps // 4))
     per = -(-steps // splits)
     return -(-steps // per), per * 128
 
