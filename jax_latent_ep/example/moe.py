@@ -125,7 +125,7 @@ def top_k_softmax(logits, topk: int, method: str = "top_k"):
         beats = (other > mine) | ((other == mine) & (idx[None, None, :] < idx[None, :, None]))
         rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [T, E]
         slot = rank[:, None, :] == jnp.arange(topk, dtype=jnp.int32)[None, :, None]  # [T, K, E]
-        # one variadic reduce: ids and values in one kernel with the softmax after it (two sums: two kernels)
+        # one variadic reduce: ids and values in one kernel (two sums made two; the softmax stays apart)
         ids, top = lax.reduce((jnp.where(slot, idx, 0), jnp.where(slot, logits[:, None, :], 0.0)),
                               (jnp.int32(0), jnp.float32(0.0)), lambda a, b: (a[0] + b[0], a[1] + b[1]), (2,))
     else:
