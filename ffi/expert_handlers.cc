@@ -424,7 +424,7 @@ static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelPara
 
 // ---------------------------------------------------------------------------------------------------------
 // grouped_matmul(x, w, tiles) -> out: the grouped matmul of training sizes (kernels/grouped_matmul.py, sm_90a), a CTA
-// per (tile, 128 columns); a CTA of an empty tile returns at once.
+// per (tile, kMatmulForwardTileN columns); a CTA of an empty tile returns at once.
 
 struct GroupedMatmul {
   static constexpr const char* kWhat = "grouped_matmul";
@@ -452,7 +452,7 @@ struct GroupedMatmul {
                                          "tiles [T, 4], out [P, N]");
     }
     const int64_t R = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0], P = od[0];
-    const int64_t column_tiles = N / ep_abi::kMatmulTileN;
+    const int64_t column_tiles = (N + ep_abi::kMatmulForwardTileN - 1) / ep_abi::kMatmulForwardTileN;
     if (R < 1 || P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK ||
         N < ep_abi::kMatmulTileN || N % ep_abi::kMatmulTileN || R * K > (int64_t{1} << 40) ||
         P * N > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1 || (indexed != 0 && indexed != 1) ||

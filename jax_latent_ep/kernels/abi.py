@@ -64,6 +64,9 @@ ROW_SUM_COLUMNS = 512
 #: words of a tile of the list.
 MATMUL_TILE_M = 128
 MATMUL_TILE_N = 128
+#: Columns of one CTA of the grouped matmul's forward (`num_n` a multiple of `MATMUL_TILE_N`: the last CTA of a row
+#: may have half).
+MATMUL_FORWARD_TILE_N = 256
 MATMUL_TILE_K = 64
 MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
@@ -472,6 +475,7 @@ def header() -> str:
         f"constexpr int kRowSumColumns = {ROW_SUM_COLUMNS};",
         f"constexpr int kMatmulTileM = {MATMUL_TILE_M};",
         f"constexpr int kMatmulTileN = {MATMUL_TILE_N};",
+        f"constexpr int kMatmulForwardTileN = {MATMUL_FORWARD_TILE_N};",
         f"constexpr int kMatmulTileK = {MATMUL_TILE_K};",
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",

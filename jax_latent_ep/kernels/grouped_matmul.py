@@ -7,22 +7,25 @@ Reading order: settings, the host-side launch signatures, the device code, compi
 Parameters: `kernels.abi.GROUPED_MATMUL`, `kernels.abi.GROUPED_MATMUL_WGRAD`.
 
 `GroupedMatmul`: a tile is at most `TILE_M` consecutive pairs of one group (the caller lists them: `(group, first
-pair, pairs)`, the used tiles first, then tiles of 0 pairs); CTA `c` computes tile `c / (num_n / TILE_N)` times the
-`TILE_N` columns `c % (num_n / TILE_N)` of its group's weight (a group's tiles run side by side, so its weight is
-read from HBM about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst
-case. A pair's row of `x` is its own or the one `x_rows` names (the receive rows: no gather). Rows past the tile's
-pairs are zero-filled and never stored.
+pair, pairs)`, the used tiles first, then tiles of 0 pairs); with `C = ceil(num_n / FORWARD_TILE_N)` CTAs a tile,
+CTA `c` computes tile `c / C` times the `FORWARD_TILE_N` columns `c % C` of its group's weight (the last CTA's
+columns past `num_n` zero-filled and never stored; a group's tiles run side by side, so its weight is read from HBM
+about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst case. A pair's
+row of `x` is its own or the one `x_rows` names (the receive rows: no gather). Rows past the tile's pairs are
+zero-filled and never stored.
 
 `GroupedMatmulWgrad`: with `C = ceil(num_n / TILE_N / tiles_per_cta)` CTAs a row of blocks, CTA `c` computes, in
 turn, the `TILE_M x TILE_N` blocks of rows `(c / C) % (num_k / TILE_M)` and columns `(c % C) tiles_per_cta ..` of
 group `c / (C num_k / TILE_M)`'s gradient, each contracting over the group's pairs `TILE_K` at a time (rows past the
-group zero-filled; the ring runs on from one block to the next); an empty group's blocks are 0.
+group zero-filled; the ring runs on from one block to the next); an empty group's blocks are 0. Each block leaves
+through the ring slot its last stage freed, in 16-byte stores of whole rows.
 
-Both run the contraction through a `STAGES`-deep ring of `cp.async` copies into shared memory laid out as `wgmma`
-reads it with the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at chunk `c ^ (l % 8)`, 1024-byte
-atoms): a K-major operand a line per row (64 contraction elements), an MN-major one a line per contraction row and
-64-column block, the blocks `MN_BLOCK_BYTES` apart. Each of the two warpgroups multiplies its 64 rows by the 128
-columns with `wgmma.mma_async.m64n128k16` (four a stage) while the next stages' copies land; two CTAs share an SM.
+Both run the contraction through a ring of `cp.async` copies into shared memory laid out as `wgmma` reads it with
+the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at chunk `c ^ (l % 8)`, 1024-byte atoms): a K-major
+operand a line per row (64 contraction elements), an MN-major one a line per contraction row and 64-column block,
+the blocks `MN_BLOCK_BYTES` apart. Each of the two warpgroups multiplies its 64 rows by the block's columns with
+`wgmma.mma_async.m64n<256 | 128>k16` (four a stage) while the next stages' copies land: the forward one CTA an SM
+of `FORWARD_STAGES`, the weights' gradient two CTAs an SM of `STAGES`.
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ from jax_latent_ep.kernels.primitives import (
     cp_async_commit,
     cp_async_wait,
     fence_proxy_async_shared,
+    bf16x2,
     griddepcontrol_wait,
     load_b32,
+    load_shared_v4,
     smem_descriptor,
     store_b32_bf16x2,
-    wgmma_bf16_m64n128k16,
+    store_shared_b32,
+    store_v4,
+    wgmma_bf16_m64k16,
     wgmma_commit,
     wgmma_fence,
     wgmma_wait,
@@ -53,52 +60,45 @@ from jax_latent_ep.kernels.primitives import (
 
 #: Rows of one CTA's block: two warpgroups of 64 (the forward: pairs of a tile; the gradient: rows of `dw[g]`).
 TILE_M = abi.MATMUL_TILE_M
-#: Columns of one CTA: one `wgmma` n128.
+#: Columns of one block of the weights' gradient (one `wgmma` n128), and of the forward (one n256).
 TILE_N = abi.MATMUL_TILE_N
+FORWARD_TILE_N = abi.MATMUL_FORWARD_TILE_N
 #: Contraction step of one stage: a 128-byte line of BF16.
 TILE_K = abi.MATMUL_TILE_K
 THREADS = 256
-#: Stages of the ring, and the stages of MMAs a warpgroup leaves in flight when it moves on (0 or 1): copies for
-#: `STAGES - 1 - MMA_PENDING` stages ahead are in flight while one stage's MMAs run. Two CTAs an SM of three stages
-#: each: one CTA's MMAs run while the other waits at its barrier or stores its tile (K3, T = 4096 on an H200:
-#: 7.1 ms against 8.4 ms for one CTA of six stages with one stage's MMAs in flight; docs/performance.md).
+#: The weights' gradient's ring: its stages, and the stages of MMAs a warpgroup leaves in flight when it moves on
+#: (0 or 1): copies for `STAGES - 1 - MMA_PENDING` stages ahead are in flight while one stage's MMAs run. Two CTAs
+#: an SM of three stages each: one CTA's MMAs run while the other waits at its barrier or stores its block.
 STAGES = 3
 MMA_PENDING = 0
 #: CTAs an SM holds (registers bounded for them: 65536 / (THREADS * CTAS_PER_SM) a thread).
 CTAS_PER_SM = 2
+#: The forward's ring: 128 x 256 blocks read 1.5 bytes of operands a column where 128 x 128 read 2 (the L2's
+#: bytes a FLOP), so one CTA an SM of four stages, one stage's MMAs in flight while the next is issued.
+FORWARD_STAGES = 4
+FORWARD_PENDING = 1
+FORWARD_CTAS_PER_SM = 1
 LINE_BYTES = 128
 #: An MN-major operand's 64-column block of one stage: `TILE_K` lines.
 MN_BLOCK_BYTES = TILE_K * LINE_BYTES
 A_STAGE_BYTES = TILE_M * LINE_BYTES
-B_STAGE_BYTES = TILE_N * LINE_BYTES
-STAGE_BYTES = A_STAGE_BYTES + B_STAGE_BYTES
 
 
-def ring_bytes(stages: int) -> int:
-    """Dynamic shared bytes of a ring of `stages`: one extra KB, as the ring starts at the first 1024-byte boundary
-    (the swizzle atoms)."""
-    return stages * STAGE_BYTES + 1024
+def ring_bytes(stages: int, tile_n: int = TILE_N) -> int:
+    """Dynamic shared bytes of a ring of `stages` of `TILE_M` rows by `tile_n` columns: one extra KB, as the ring
+    starts at the first 1024-byte boundary (the swizzle atoms)."""
+    return stages * (A_STAGE_BYTES + tile_n * LINE_BYTES) + 1024
 
 
-SMEM_BYTES = ring_bytes(STAGES)
-#: 16-byte chunks of one operand's stage each thread copies (both operands' stages are 128 lines).
-CHUNKS = TILE_M * LINE_BYTES // 16 // THREADS
 #: Words of a tile of the list.
 TILE_WORDS = abi.MATMUL_TILE_WORDS
-#: `wgmma` n128 accumulators of one thread.
-ACC = TILE_N // 2
-#: A chunk's liveness bound that every line passes (the weights' chunks).
+#: A chunk's liveness bound that every line passes.
 ALWAYS = 1 << 30
 
 
-def smem_bytes() -> int:
-    """Dynamic shared memory bytes the launcher must pass (either kernel)."""
-    return SMEM_BYTES
-
-
 def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
-    """(threads per CTA, dynamic shared bytes) of `kernel` (either of this module's)."""
-    return THREADS, SMEM_BYTES
+    """(threads per CTA, dynamic shared bytes) of `kernel` ("grouped_matmul" or "grouped_matmul_wgrad")."""
+    return THREADS, (GroupedMatmul() if kernel == "grouped_matmul" else GroupedMatmulWgrad()).smem_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -107,13 +107,18 @@ def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
 
 class _Ring:
     """Device helpers of the ring; a kernel supplies each thread's chunk sources (module docstring). `stages`,
-    `pending`, `ctas_per_sm`: the ring's settings (`STAGES`, `MMA_PENDING`, `CTAS_PER_SM` by default)."""
+    `pending`, `ctas_per_sm`: the ring's settings; `tile_n`: a block's columns (128 or 256: 64 or 128 accumulators
+    a thread)."""
 
-    def __init__(self, stages: int = STAGES, pending: int = MMA_PENDING, ctas_per_sm: int = CTAS_PER_SM):
+    def __init__(self, stages: int = STAGES, pending: int = MMA_PENDING, ctas_per_sm: int = CTAS_PER_SM,
+                 tile_n: int = TILE_N):
         if pending not in (0, 1) or stages < 2 + pending:
             raise ValueError(f"stages={stages}, pending={pending}: need pending in (0, 1) and stages >= 2 + pending")
-        self.stages, self.pending, self.ctas_per_sm = stages, pending, ctas_per_sm
-        self.smem_bytes = ring_bytes(stages)
+        if tile_n not in (TILE_N, 2 * TILE_N):
+            raise ValueError(f"tile_n={tile_n}: a block is {TILE_N} or {2 * TILE_N} columns")
+        self.stages, self.pending, self.ctas_per_sm, self.tile_n = stages, pending, ctas_per_sm, tile_n
+        self.stage_bytes = A_STAGE_BYTES + tile_n * LINE_BYTES
+        self.smem_bytes = ring_bytes(stages, tile_n)
 
     def launch_options(self, grid) -> dict:
         """The `.launch(...)` options of either kernel (the FFI handler sets the grid)."""
@@ -123,16 +128,17 @@ class _Ring:
     @cute.jit
     def contract(self, acc, steps: Int32, blocks: Int32, warpgroup_live, a_base: Int64, a_src, a_line,
                  a_limit: Int32, a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64,
-                 b_block_step: Int64, limit_step: Int32, dst, a_mn_major: cutlass.Constexpr,
+                 b_block_step: Int64, limit_step: Int32, a_dst, b_dst, a_mn_major: cutlass.Constexpr,
                  b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32, out: Int64, row0: Int64, rows: Int32,
                  num_n: Int32, n0: Int32):
         """Computes `blocks` output blocks in turn, each `steps` contraction stages into `acc` (zeroed first), and
-        stores block `b` (`store`: rows `row0 ..` of `out`, columns `n0 + b TILE_N ..`). Chunk `i` of operand A
-        copies `a_src[i] + s a_step` at stage `s` of every block, 16 bytes if `a_line[i] < a_limit - s limit_step`,
-        else 16 zeros (named by `a_base`, the operand's start, never past it); B likewise, block `b` `b b_block_step`
-        further. The ring runs on across blocks: the next block's first copies land while this one's last MMAs
-        run and its results are stored. The warpgroup multiplies only if `warpgroup_live`; `b_mn_major_runtime`
-        (with `b_mn_major` False) picks the B layout at run time. `steps` 0: every block stores zeros."""
+        stores block `b` (rows `row0 ..` of `out`, columns `n0 + b tile_n ..` below `num_n`). Chunk `i` of operand
+        A copies `a_src[i] + s a_step` into `a_dst[i]` at stage `s` of every block, 16 bytes if
+        `a_line[i] < a_limit - s limit_step`, else 16 zeros (named by `a_base`, the operand's start, never past it);
+        B likewise, block `b` `b b_block_step` further. The ring runs on across blocks: the next block's first
+        copies land while this one's last MMAs run and its results are stored. The warpgroup multiplies only if
+        `warpgroup_live`; `b_mn_major_runtime` (with `b_mn_major` False) picks the B layout at run time. `steps` 0:
+        every block stores zeros."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 1024)
         ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
@@ -141,15 +147,16 @@ class _Ring:
         acc.fill(0.0)
         if steps == 0:
             for b in range(blocks):
-                self.store(acc, out, row0, rows, num_n, n0 + b * TILE_N)
+                self.store(acc, out, row0, rows, num_n, n0 + b * self.tile_n)
         total = steps * blocks
 
         ahead_stages = self.stages - 1 - self.pending
         # ---- Prologue: stages 0 .. ahead_stages - 1 in flight (a group committed for each, empty past the last).
         for s in cutlass.range_constexpr(ahead_stages):
             if s < total:
-                self.load_stage(ring + Uint32(s * STAGE_BYTES), s, steps, a_base, a_src, a_line, a_limit, a_step,
-                                b_base, b_src, b_line, b_limit, b_step, b_block_step, limit_step, dst)
+                self.load_stage(ring + Uint32(s * self.stage_bytes), s, steps, a_base, a_src, a_line, a_limit,
+                                a_step, b_base, b_src, b_line, b_limit, b_step, b_block_step, limit_step, a_dst,
+                                b_dst)
             cp_async_commit()
 
         # ---- Main loop. Invariant at the barrier of stage t: stage t is in shared memory for both warpgroups,
@@ -161,12 +168,12 @@ class _Ring:
             cute.arch.sync_threads()
             ahead = t + ahead_stages
             if ahead < total:
-                self.load_stage(ring + Uint32((ahead % self.stages) * STAGE_BYTES), ahead, steps, a_base, a_src,
-                                a_line, a_limit, a_step, b_base, b_src, b_line, b_limit, b_step, b_block_step,
-                                limit_step, dst)
+                self.load_stage(ring + Uint32((ahead % self.stages) * self.stage_bytes), ahead, steps, a_base,
+                                a_src, a_line, a_limit, a_step, b_base, b_src, b_line, b_limit, b_step,
+                                b_block_step, limit_step, a_dst, b_dst)
             cp_async_commit()
             if warpgroup_live:
-                slot = ring + Uint32((t % self.stages) * STAGE_BYTES)
+                slot = ring + Uint32((t % self.stages) * self.stage_bytes)
                 wgmma_fence()
                 if cutlass.const_expr(b_mn_major):
                     self.multiply_stage(acc, slot, warpgroup, a_mn_major, True)
@@ -179,16 +186,20 @@ class _Ring:
                 wgmma_wait(self.pending)
             if (t + 1) % steps == 0:  # the block's last stage: its results out, the next block from 0
                 wgmma_wait(0)
-                self.store(acc, out, row0, rows, num_n, n0 + (t // steps) * TILE_N)
+                if cutlass.const_expr(self.tile_n == TILE_N):
+                    self.store_staged(acc, ring + Uint32((t % self.stages) * self.stage_bytes), out, row0, rows,
+                                      num_n, n0 + (t // steps) * self.tile_n)
+                else:  # a 256-column block passes a slot; the forward's one block a CTA stores once
+                    self.store(acc, out, row0, rows, num_n, n0 + (t // steps) * self.tile_n)
                 acc.fill(0.0)
 
     @cute.jit
     def multiply_stage(self, acc, slot: Uint32, warpgroup: Int32, a_mn_major: cutlass.Constexpr,
                        b_mn_major: cutlass.Constexpr):
-        """Issues the stage's four `wgmma` k16 of this warpgroup's 64 rows of A by the 128 columns of B into `acc`.
-        A K-major operand advances 32 bytes a k16 within its lines (8-line groups 1024 bytes apart); an MN-major one
-        two 8-line atoms (2 KB) in each 64-column block (blocks `MN_BLOCK_BYTES` apart; a warpgroup's 64 rows of an
-        MN-major A are one block)."""
+        """Issues the stage's four `wgmma` k16 of this warpgroup's 64 rows of A by the `tile_n` columns of B into
+        `acc`. A K-major operand advances 32 bytes a k16 within its lines (8-line groups 1024 bytes apart); an
+        MN-major one two 8-line atoms (2 KB) in each 64-column block (blocks `MN_BLOCK_BYTES` apart; a warpgroup's
+        64 rows of an MN-major A are one block)."""
         for k16 in cutlass.range_constexpr(TILE_K // 16):
             if cutlass.const_expr(a_mn_major):
                 desc_a = smem_descriptor(slot + Uint32(warpgroup * MN_BLOCK_BYTES + k16 * 2048), MN_BLOCK_BYTES, 1024)
@@ -199,14 +210,15 @@ class _Ring:
                 desc_b = smem_descriptor(b_tile + Uint32(k16 * 2048), MN_BLOCK_BYTES, 1024)
             else:
                 desc_b = smem_descriptor(b_tile + Uint32(k16 * 32), 16, 1024)
-            new = wgmma_bf16_m64n128k16([acc[i] for i in range(ACC)], desc_a, desc_b, a_mn_major, b_mn_major)
-            for i, value in enumerate(new):  # a Python loop over the 64 registers: unrolled as traced
+            new = wgmma_bf16_m64k16([acc[i] for i in range(self.tile_n // 2)], desc_a, desc_b, a_mn_major,
+                                    b_mn_major)
+            for i, value in enumerate(new):  # a Python loop over the registers: unrolled as traced
                 acc[i] = value
 
     @cute.jit
     def load_stage(self, slot: Uint32, stage: Int32, steps: Int32, a_base: Int64, a_src, a_line, a_limit: Int32,
                    a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64, b_block_step: Int64,
-                   limit_step: Int32, dst):
+                   limit_step: Int32, a_dst, b_dst):
         """Issues this thread's copies of stage `stage` (block `stage / steps`, its stage `stage % steps`) into
         `slot`: chunk `i` of each operand 16 bytes from its source at that stage if its line is below the operand's
         limit there, else 16 zero bytes (naming the operand's base, unread); `contract` says where."""
@@ -215,25 +227,25 @@ class _Ring:
         b_offset = Int64(k) * b_step + Int64(stage // steps) * b_block_step
         a_limit = a_limit - k * limit_step
         b_limit = b_limit - k * limit_step
-        for i in cutlass.range_constexpr(CHUNKS):
+        for i in cutlass.range_constexpr(len(a_dst)):
             src = a_base
             size = Uint32(0)
             if a_line[i] < a_limit:
                 src = a_src[i] + a_offset
                 size = Uint32(16)
-            cp_async_16(slot + dst[i], src, size)
-        for i in cutlass.range_constexpr(CHUNKS):
+            cp_async_16(slot + a_dst[i], src, size)
+        for i in cutlass.range_constexpr(len(b_dst)):
             src = b_base
             size = Uint32(0)
             if b_line[i] < b_limit:
                 src = b_src[i] + b_offset
                 size = Uint32(16)
-            cp_async_16(slot + Uint32(A_STAGE_BYTES) + dst[i], src, size)
+            cp_async_16(slot + Uint32(A_STAGE_BYTES) + b_dst[i], src, size)
 
     @cute.jit
     def store(self, acc, out: Int64, row0: Int64, rows: Int32, num_n: Int32, n0: Int32):
         """Rounds this thread's accumulators to BF16 into `out` rows `row0 + r` (for block rows `r < rows`), columns
-        `n0 ..`."""
+        `n0 ..` below `num_n` (a multiple of `TILE_N`)."""
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         lane = tid % 32
@@ -242,15 +254,43 @@ class _Ring:
             r = block_row + 8 * i
             if r < rows:
                 row_at = out + ((row0 + Int64(r)) * Int64(num_n) + Int64(n0 + 2 * (lane % 4))) * 2
-                for j in cutlass.range_constexpr(TILE_N // 8):
-                    store_b32_bf16x2(row_at + Int64(16 * j), acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1])
+                for h in cutlass.range_constexpr(self.tile_n // TILE_N):
+                    if n0 + h * TILE_N < num_n:
+                        for jj in cutlass.range_constexpr(TILE_N // 8):
+                            j = h * (TILE_N // 8) + jj
+                            store_b32_bf16x2(row_at + Int64(16 * j), acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1])
+
+    @cute.jit
+    def store_staged(self, acc, slot: Uint32, out: Int64, row0: Int64, rows: Int32, num_n: Int32, n0: Int32):
+        """`store` of a `TILE_N`-column block through `slot`, the ring slot of the stage just multiplied (free
+        until the next stage's barrier refills it): each thread's accumulators as BF16 pairs into the 128 x 128
+        block (256-byte lines, 16-byte chunk `c` of line `r` at `c ^ (r % 8)`: conflict-free both ways), then each
+        row out in 16-byte stores, a warp two whole rows (full sectors; a quarter of `store`'s store
+        instructions)."""
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        lane = tid % 32
+        block_row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        cute.arch.sync_threads()  # every warpgroup's MMAs have read the slot
+        for i in cutlass.range_constexpr(2):
+            r = block_row + 8 * i
+            line = slot + Uint32(r * (TILE_N * 2) + 4 * (lane % 4))
+            for j in cutlass.range_constexpr(TILE_N // 8):
+                store_shared_b32(line + Uint32((j ^ (r % 8)) * 16), bf16x2(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]))
+        cute.arch.sync_threads()
+        chunk = tid % 16
+        for k in cutlass.range_constexpr(TILE_M * TILE_N * 2 // 16 // THREADS):
+            r = tid // 16 + (THREADS // 16) * k
+            words = load_shared_v4(slot + Uint32(r * (TILE_N * 2) + (chunk ^ (r % 8)) * 16))
+            if r < rows:
+                store_v4(out + ((row0 + Int64(r)) * Int64(num_n) + Int64(n0 + chunk * 8)) * 2, words)
 
 
-def _chunks(tid):
-    """This thread's chunk of each operand's stage: line `tid / 8 + 32 i`, chunk `tid % 8`, and its swizzled shared
-    offset."""
+def _chunks(tid, num_lines: int):
+    """This thread's chunks of an operand's stage of `num_lines` 128-byte lines: line `tid / 8 + 32 i`, chunk
+    `tid % 8`, and its swizzled shared offset."""
     chunk = tid % 8
-    lines = [tid // 8 + (THREADS // 8) * i for i in range(CHUNKS)]
+    lines = [tid // 8 + (THREADS // 8) * i for i in range(num_lines * LINE_BYTES // 16 // THREADS)]
     return chunk, lines, [Uint32(line * LINE_BYTES + ((chunk ^ (line % 8)) * 16)) for line in lines]
 
 
@@ -260,7 +300,12 @@ def _chunks(tid):
 
 
 class GroupedMatmul(_Ring):
-    """The grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul` builds it."""
+    """The grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul` builds it. `ring`:
+    `_Ring`'s settings, the forward's (`FORWARD_*`) by default."""
+
+    def __init__(self, **ring):
+        super().__init__(**{**dict(stages=FORWARD_STAGES, pending=FORWARD_PENDING, ctas_per_sm=FORWARD_CTAS_PER_SM,
+                                   tile_n=FORWARD_TILE_N), **ring})
 
     @cute.jit
     def launch(
@@ -298,44 +343,54 @@ class GroupedMatmul(_Ring):
         cta, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         cta = Int32(cta)
-        column_tiles = num_n // TILE_N
-        n0 = (cta % column_tiles) * TILE_N
+        column_tiles = (num_n + self.tile_n - 1) // self.tile_n  # the last one half past num_n at most
+        n0 = (cta % column_tiles) * self.tile_n
         griddepcontrol_wait()  # the tile list and `x` come from the previous kernels
         entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
         group = Int32(load_b32(entry))
         first = Int32(load_b32(entry + 4))
         rows = Int32(load_b32(entry + 8))
         if rows > 0:
-            chunk, lines, dst = _chunks(tid)
-            x_src, w_src, w_line = [], [], []
+            chunk, lines, x_dst = _chunks(tid, TILE_M)
+            _, w_lines, w_dst = _chunks(tid, self.tile_n)
+            x_src, w_src, w_column = [], [], []
             for line in lines:
                 row = first + line  # the pair's row of `x`: its own, or the one `x_rows` names (no gather)
                 if x_rows != Int64(0):
                     if line < rows:
                         row = Int32(load_b32(x_rows + Int64(first + line) * 4))
                 x_src.append(x + (Int64(row) * Int64(num_k) + Int64(chunk * 8)) * 2)
+            for line in w_lines:
                 # MN-major weight: line = (column block line / 64, contraction row line % 64).
                 src = w + ((Int64(group) * Int64(num_k) + Int64(line % 64)) * Int64(num_n)
                            + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2
+                column = Int32((line // 64) * 64)
                 if w_k_major != 0:
                     # K-major weight: line = output column n0 + line, its contraction elements contiguous.
                     src = w + ((Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 8)) * 2
+                    column = Int32(line)
                 w_src.append(src)
-                w_line.append(Int32(0))
+                w_column.append(column)  # a line's column below num_n - n0, or zeros
             w_step = Int64(TILE_K) * Int64(num_n) * 2
             if w_k_major != 0:
                 w_step = Int64(TILE_K * 2)
-            acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+            acc = cute.make_rmem_tensor(cute.make_layout(self.tile_n // 2), cutlass.Float32)
             self.contract(acc, num_k // TILE_K, Int32(1), rows > (tid // 128) * 64, x, x_src, lines, rows,
-                          Int64(TILE_K * 2), w, w_src, w_line, Int32(ALWAYS), w_step, Int64(0), Int32(0), dst, False,
-                          False, Int32(1) - w_k_major, out, Int64(first), rows, num_n, n0)
+                          Int64(TILE_K * 2), w, w_src, w_column, num_n - n0, w_step, Int64(0), Int32(0), x_dst, w_dst,
+                          False, False, Int32(1) - w_k_major, out, Int64(first), rows, num_n, n0)
 
 
 GroupedMatmul.kernel.set_name_prefix(abi.GROUPED_MATMUL.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
 class GroupedMatmulWgrad(_Ring):
-    """The weights' gradient kernel (every size a run-time parameter); `compile_grouped_matmul_wgrad` builds it."""
+    """The weights' gradient kernel (every size a run-time parameter); `compile_grouped_matmul_wgrad` builds it.
+    `ring`: `_Ring`'s settings (`TILE_N`-column blocks only)."""
+
+    def __init__(self, **ring):
+        if ring.get("tile_n", TILE_N) != TILE_N:
+            raise ValueError(f"tile_n={ring['tile_n']}: the weights' gradient's blocks are {TILE_N} columns")
+        super().__init__(**ring)
 
     @cute.jit
     def launch(
@@ -380,7 +435,7 @@ class GroupedMatmulWgrad(_Ring):
         griddepcontrol_wait()  # the groups, `x` and `dy` come from the previous kernels
         first = Int32(load_b32(groups + Int64(group) * 8))
         rows = Int32(load_b32(groups + Int64(group) * 8 + 4))
-        chunk, lines, dst = _chunks(tid)
+        chunk, lines, dst = _chunks(tid, TILE_M)
         # Both operands MN-major: line = (64-column block line / 64, pair line % 64 of the stage).
         x_src, dy_src, pair = [], [], []
         for line in lines:
@@ -388,10 +443,10 @@ class GroupedMatmulWgrad(_Ring):
             x_src.append(x + (p * Int64(num_k) + Int64(m0 + (line // 64) * 64 + chunk * 8)) * 2)
             dy_src.append(dy + (p * Int64(num_n) + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2)
             pair.append(Int32(line % 64))
-        acc = cute.make_rmem_tensor(cute.make_layout(ACC), cutlass.Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout(TILE_N // 2), cutlass.Float32)
         self.contract(acc, (rows + TILE_K - 1) // TILE_K, blocks, rows > 0, x, x_src, pair, rows,
                       Int64(TILE_K) * Int64(num_k) * 2, dy, dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2,
-                      Int64(TILE_N * 2), Int32(TILE_K), dst, True, True, Int32(1),
+                      Int64(TILE_N * 2), Int32(TILE_K), dst, dst, True, True, Int32(1),
                       dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
 
 

@@ -701,15 +701,18 @@ def smem_descriptor_advance(desc, units, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def wgmma_bf16_m64n128k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *, loc=None, ip=None):
-    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`: `acc` (64 FP32 of this thread) +=
-    A (64 x 16, `desc_a`) x B (16 x 128, `desc_b`), each K-major or, with `a_mn_major` / `b_mn_major`, MN-major.
-    Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at
-    `acc[4 j + 2 i + e]` (row + 8 i, column + e). Returns the 64 new accumulators (asynchronous: `wgmma_wait`)."""
+def wgmma_bf16_m64k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *, loc=None, ip=None):
+    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n<n>k16.f32.bf16.bf16`, `n = 2 len(acc)` (128 or 256): `acc`
+    (n / 2 FP32 of this thread) += A (64 x 16, `desc_a`) x B (16 x n, `desc_b`), each K-major or, with `a_mn_major` /
+    `b_mn_major`, MN-major. Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns
+    8 j + 2 (t % 4) (+ 1) at `acc[4 j + 2 i + e]` (row + 8 i, column + e). Returns the new accumulators
+    (asynchronous: `wgmma_wait`)."""
     n = len(acc)
+    if n not in (64, 128):
+        raise ValueError(f"wgmma_bf16_m64k16: {n} accumulators a thread, want 64 (n128) or 128 (n256)")
     outs = ", ".join(f"${i}" for i in range(n))
-    code = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-            "{%s}, $%d, $%d, p, 1, 1, %d, %d; }" % (2 * n + 2, outs, 2 * n, 2 * n + 1, int(a_mn_major),
+    code = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 "
+            "{%s}, $%d, $%d, p, 1, 1, %d, %d; }" % (2 * n + 2, 2 * n, outs, 2 * n, 2 * n + 1, int(a_mn_major),
                                                    int(b_mn_major)))
     constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["l", "l", "r"])
     operands = [_f32(a, loc, ip) for a in acc] + [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip), _u32(1, loc, ip)]
@@ -723,7 +726,7 @@ def wgmma_e4m3_m64k32(desc_a, desc_b, n: int, *, loc=None, ip=None):
     0: A (64 x 32 e4m3, `desc_a`) x B (32 x n, `desc_b`), both K-major (FP8 operands have no other form), into
     `n / 2` fresh FP32 of this thread: the exact products' sum in the tensor core, one 32-deep block. Thread t
     holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at `[4 j + 2 i + e]` (row + 8 i,
-    column + e), as `wgmma_bf16_m64n128k16`. Asynchronous: read the results after `wgmma_wait`."""
+    column + e), as `wgmma_bf16_m64k16`. Asynchronous: read the results after `wgmma_wait`."""
     if n not in (8, 16, 24, 32):
         raise ValueError(f"wgmma_e4m3_m64k32: n={n} must be 8, 16, 24 or 32")
     regs = n // 2

@@ -12,7 +12,7 @@ from jax_latent_ep.kernels.primitives import descriptor_fields
 
 KERNELS = [(abi.GROUPED_MATMUL, grouped_matmul.GroupedMatmul), (abi.GROUPED_MATMUL_WGRAD,
                                                                  grouped_matmul.GroupedMatmulWgrad)]
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, (\d), (\d);"
+WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, (\d), (\d);"
 
 
 @pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
@@ -22,18 +22,33 @@ def test_signature_is_the_abi(op, cls):
 
 @pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
 def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
-    ptx = kernel_ptx(op, cls())
+    ring = cls()
+    ptx = kernel_ptx(op, ring)
     assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_matmul.THREADS, ptx), "block differs from THREADS"
-    assert re.search(r"\.minnctapersm\s+%d" % grouped_matmul.CTAS_PER_SM, ptx)
+    minnctapersm = re.search(r"\.minnctapersm\s+(\d+)", ptx)
+    assert (int(minnctapersm.group(1)) if minnctapersm else 1) == ring.ctas_per_sm
     forms = sorted(re.findall(WGMMA, ptx))
     k16 = grouped_matmul.TILE_K // 16
-    # The forward: K-major rows by a K-major (w_k_major) or an MN-major weight; the weights' gradient: both
-    # operands MN-major (x^T and dy).
-    want = [("0", "0")] * k16 + [("0", "1")] * k16 if op is abi.GROUPED_MATMUL else [("1", "1")] * k16
+    # The forward: K-major rows by a K-major (w_k_major) or an MN-major weight, 256 columns; the weights' gradient:
+    # both operands MN-major (x^T and dy), 128 columns.
+    n = str(grouped_matmul.FORWARD_TILE_N if op is abi.GROUPED_MATMUL else grouped_matmul.TILE_N)
+    want = [(n, "0", "0")] * k16 + [(n, "0", "1")] * k16 if op is abi.GROUPED_MATMUL else [(n, "1", "1")] * k16
     assert forms == sorted(want)
     assert ptx.count("fence.proxy.async.shared::cta") == 1 and ptx.count("wgmma.commit_group.sync.aligned") >= 1
     assert ptx.index("fence.proxy.async.shared::cta") < ptx.index("wgmma.mma_async")
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_ring_settings_are_checked():
+    """A ring's settings outside what its kernel computes are refused when it is built, naming the value."""
+    with pytest.raises(ValueError, match="tile_n=256: the weights' gradient's blocks are 128 columns"):
+        grouped_matmul.GroupedMatmulWgrad(tile_n=256)
+    with pytest.raises(ValueError, match="tile_n=192"):
+        grouped_matmul.GroupedMatmul(tile_n=192)
+    with pytest.raises(ValueError, match="stages=2, pending=1"):
+        grouped_matmul.GroupedMatmul(stages=2)
+    assert grouped_matmul.GroupedMatmul().smem_bytes <= 227 * 1024 // grouped_matmul.FORWARD_CTAS_PER_SM
+    assert grouped_matmul.GroupedMatmulWgrad().smem_bytes <= 227 * 1024 // grouped_matmul.CTAS_PER_SM
 
 
 def test_descriptor_fields_follow_ptx():
