@@ -73,8 +73,9 @@ STAGES = 3
 MMA_PENDING = 0
 #: CTAs an SM holds (registers bounded for them: 65536 / (THREADS * CTAS_PER_SM) a thread).
 CTAS_PER_SM = 2
-#: The forward's ring: 128 x 256 blocks read 1.5 bytes of operands a column where 128 x 128 read 2 (the L2's
-#: bytes a FLOP), so one CTA an SM of four stages, one stage's MMAs in flight while the next is issued.
+#: The forward's ring: 128 x 256 blocks (three quarters of 128 x 128's operand bytes a FLOP), one CTA an SM of four
+#: stages, one stage's MMAs in flight while the next is issued (K2 on an H100, T = 1,024 / 4,096: 2.54 / 7.95 ms
+#: against 2.40 / 7.96 for 128 x 128 blocks on two CTAs an SM; docs/performance.md).
 FORWARD_STAGES = 4
 FORWARD_PENDING = 1
 FORWARD_CTAS_PER_SM = 1
