@@ -93,8 +93,6 @@ def ring_bytes(stages: int, tile_n: int = TILE_N) -> int:
 
 #: Words of a tile of the list.
 TILE_WORDS = abi.MATMUL_TILE_WORDS
-#: A chunk's liveness bound that every line passes.
-ALWAYS = 1 << 30
 
 
 def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
