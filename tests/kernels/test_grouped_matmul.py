@@ -12,7 +12,8 @@ from jax_latent_ep.kernels.primitives import descriptor_fields
 
 KERNELS = [(abi.GROUPED_MATMUL, grouped_matmul.GroupedMatmul), (abi.GROUPED_MATMUL_WGRAD,
                                                                  grouped_matmul.GroupedMatmulWgrad)]
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, (\d), (\d);"
+WGMMA = (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, "
+         r"(\d), (\d);")
 
 
 @pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
