@@ -127,6 +127,7 @@ PLAN_KERNEL_CASES = [(n, r, t, mt, e, k, 0.4) for n, r, t, mt, _, e, k, _ in CAS
     (2, 1, [128, 77], 128, 896, 16, None),
     (8, 5, [128, 1, 0, 64, 128, 3, 128, 100], 128, 896, 16, None),
     (2, 0, [300, 257], 300, 8, 4, 0.9),
+    (3, 2, [50, 61, 40], 61, 48, 6, 0.5),  # K = 6 (8 lanes a row); the last pass takes half the warps
 ]
 
 

@@ -244,8 +244,8 @@ EXPERT_PLAN = Kernel("expert_plan", "ep_expert_plan", (
     _address("count", "int32 [1]: pairs used (output)"),
     _address("row_pairs", "int32 [R, M]: the pair of each row's m-th local expert, or C (output)"),
     _address("work", "int32 [num_work, 4]: the work list, items of at most 2^work_shift pairs (output)"),
-    _address("scratch", "int32 [3, R*K]: a list of the pairs: row, local expert | rank in its row << 16, weight "
-             "(output, unused)"),
+    _address("scratch", "int32 [3, R*K]: the pairs, each warp in its rows' slots: row, local expert | rank in its "
+             "row << 16, weight (output, unused)"),
     Param("num_rows", "i32", False, "R, receive rows"),
     Param("topk", "i32", False, "K, ids per row, <= 32"),
     Param("num_local_experts", "i32", False, "J, <= NUM_MAX_PLAN_EXPERTS, J * ceil(R / 32) <= NUM_PLAN_BITMAP_WORDS"),

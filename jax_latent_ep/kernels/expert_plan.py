@@ -11,15 +11,15 @@ Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters
      id (the XLA plan's adds: with no duplicate in the warp that is `0 + w`, else one `add.rn` a slot). A pair
      adds one to its expert's count and sets its row's bit in the expert's bitmap; each slot leaves (expert or
      -1, rank among its row's pairs, weight) in its thread's registers when the rows take one pass of the CTA
-     (`R * P <= THREADS`: decode), else appends its pair's (row, expert and rank, weight) to `scratch` (a warp's
-     pairs at one add to a shared counter: only the pairs, a fraction of the slots); the row's unused `row_pairs`
-     entries get `C`.
+     (`R * P <= THREADS`: decode), else appends its pair's (row, expert and rank, weight) to its warp's region of
+     `scratch` (the warp's slots, in row order; the warp counts its pairs in a register: no shared counter, whose
+     one address all warps' adds would queue on); the row's unused `row_pairs` entries get `C`.
   2. scan: exclusive prefix sums of the pairs and of the work items (`2^work_shift` pairs at most) per expert
      (warp shuffles, then one warp over the warp totals); `group_sizes`, `count` and the work list are written
      from them.
   3. slots: a pair's place is its expert's offset plus the rows before its own in the expert's bitmap (a row
-     has one pair per expert): the XLA plan's order, expert then row, whatever order the pairs come in (registers
-     or the `scratch` list). Unused pairs get row 0, expert J, weight 0.
+     has one pair per expert): the XLA plan's order, expert then row, whatever order the pairs come in (registers,
+     or each warp its own `scratch` region). Unused pairs get row 0, expert J, weight 0.
 Invariant at every barrier: shared memory holds only what the phases before wrote; every output word is written
 once.
 """
@@ -62,9 +62,8 @@ NUM_MAX_EXPERTS = abi.NUM_MAX_PLAN_EXPERTS
 BITMAP_WORDS = abi.NUM_PLAN_BITMAP_WORDS
 #: Experts each thread scans in phase 2.
 EXPERTS_PER_THREAD = NUM_MAX_EXPERTS // THREADS
-#: Shared words: counts, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals, the bitmaps, the
-#: `scratch` list's length (padded to 16 bytes).
-SMEM_WORDS = 3 * NUM_MAX_EXPERTS + 2 * 32 + BITMAP_WORDS + 4
+#: Shared words: counts, pair offsets, work-item offsets (one per expert each), 2 x 32 warp totals, the bitmaps.
+SMEM_WORDS = 3 * NUM_MAX_EXPERTS + 2 * 32 + BITMAP_WORDS
 SMEM_BYTES = 4 * SMEM_WORDS
 
 assert NUM_MAX_EXPERTS % THREADS == 0 and abi.NUM_MAX_TOPK == 32 and abi.GEMM_WORK_WORDS == 4
@@ -150,7 +149,6 @@ class ExpertPlan:
         s_chunk = s_offset + Uint32(4 * NUM_MAX_EXPERTS)
         s_warp = s_chunk + Uint32(4 * NUM_MAX_EXPERTS)  # [2, 32]: pairs, then work items, of each warp
         s_bits = s_warp + Uint32(4 * 64)  # [J, ceil(R / 32)]: bit r % 32 of word r / 32: row r has a pair
-        s_listed = s_bits + Uint32(4 * BITMAP_WORDS)  # pairs in the `scratch` list
         j = num_local_experts
         m_slots = topk
         if j < m_slots:
@@ -161,8 +159,6 @@ class ExpertPlan:
 
         for e in range(tid, NUM_MAX_EXPERTS, THREADS):
             store_shared_b32(s_count + Uint32(4 * e), zero)
-        if tid == 0:
-            store_shared_b32(s_listed, zero)
         for i in range(tid, j * row_words, THREADS):
             store_shared_b32(s_bits + Uint32(4 * i), zero)
         griddepcontrol_wait()  # ids, weights, src and rank come from the previous kernels
@@ -187,6 +183,15 @@ class ExpertPlan:
         kept_rank = Int32(0)
         kept_weight = Uint32(0)
         kept_row = Int32(0)
+        # This warp's `scratch` region: the slots of the rows before its own (warp w takes rows w * rows_per_warp ..
+        # of each pass of WARPS * rows_per_warp; the last pass's `rest` rows go to the first warps).
+        pass_rows = WARPS * rows_per_warp
+        rest = num_rows % pass_rows
+        rows_before = warp * rows_per_warp
+        if rest < rows_before:
+            rows_before = rest
+        listed_at = Int64((num_rows // pass_rows) * (warp * rows_per_warp) + rows_before) * Int64(topk)
+        listed = Int32(0)  # pairs of this warp in its region (warp-uniform)
         cute.arch.sync_threads()
 
         # ---- Phase 1: each slot of each row; count each expert's pairs and set their rows' bits.
@@ -245,16 +250,14 @@ class ExpertPlan:
                     kept_row = r
                 if slot >= Int32(popc(pairs)) and slot < m_slots:
                     store_b32(row_pairs + (Int64(r) * Int64(m_slots) + Int64(slot)) * 4, Uint32(capacity))
-            if one_pass == 0:  # CTA-uniform: the warp's pairs go to the list, one shared add a warp
+            if one_pass == 0:  # CTA-uniform: the warp's pairs go to its region, in lane order
                 warp_pairs = ballot(is_pair)
-                first = Uint32(0)
-                if lane == 0 and warp_pairs != zero:
-                    first = atomic_add_shared(s_listed, popc(warp_pairs))
-                at = Int64(Int32(shfl_idx(first, 0)) + Int32(popc(warp_pairs & below)))
+                at = listed_at + Int64(listed + Int32(popc(warp_pairs & below)))
                 if is_pair != 0:
                     store_b32(scratch + at * 4, Uint32(r))
                     store_b32(scratch + (Int64(entries) + at) * 4, Uint32(e | (m << 16)))
                     store_b32(scratch + (2 * Int64(entries) + at) * 4, bits_from_f32(coef))
+                listed = listed + Int32(popc(warp_pairs))
         cute.arch.sync_threads()
 
         # ---- Phase 2: exclusive prefix sums of pairs and work items per expert.
@@ -337,10 +340,11 @@ class ExpertPlan:
                 self.place_pair(kept_expert, kept_row, kept_rank, kept_weight, s_bits, s_offset, row_words, m_slots,
                                 pair_row, pair_expert, pair_weight, row_pairs)
         else:
-            for x in range(tid, Int32(load_shared_b32(s_listed)), THREADS):
-                r = Int32(load_b32(scratch + Int64(x) * 4))
-                em = Int32(load_b32(scratch + (Int64(entries) + Int64(x)) * 4))
-                w_bits = load_b32(scratch + (2 * Int64(entries) + Int64(x)) * 4)
+            for i in range(lane, listed, 32):  # each warp its own region's pairs
+                x = listed_at + Int64(i)
+                r = Int32(load_b32(scratch + x * 4))
+                em = Int32(load_b32(scratch + (Int64(entries) + x) * 4))
+                w_bits = load_b32(scratch + (2 * Int64(entries) + x) * 4)
                 self.place_pair(em & 0xFFFF, r, em >> 16, w_bits, s_bits, s_offset, row_words, m_slots, pair_row,
                                 pair_expert, pair_weight, row_pairs)
         for p in range(total_pairs + tid, capacity, THREADS):
