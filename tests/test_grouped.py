@@ -52,7 +52,7 @@ def _assert_bf16_close(got, want, what):
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_gmm_and_its_gradients_against_numpy(impl, transpose_w):
     rng = _rng(f"gmm/{impl}/{transpose_w}")
-    g, m, k, n = 6, 300, 256, 384  # n: a forward CTA of 256 columns, then one of 128 (the wgmma row's last)
+    g, m, k, n = 6, 300, 256, 384  # n: three forward CTAs a tile (a 256-column block's CTAs: one whole, one half)
     sizes = _groups(rng, g, m)
     x = _bf16(rng, m, k)
     x[sizes.sum():] = np.float32("nan")  # rows past the groups: never read into a used output

@@ -64,9 +64,9 @@ ROW_SUM_COLUMNS = 512
 #: words of a tile of the list.
 MATMUL_TILE_M = 128
 MATMUL_TILE_N = 128
-#: Columns of one CTA of the grouped matmul's forward (`num_n` a multiple of `MATMUL_TILE_N`: the last CTA of a row
-#: may have half).
-MATMUL_FORWARD_TILE_N = 256
+#: Columns of one CTA of the grouped matmul's forward (`MATMUL_TILE_N`, or twice that: then `num_n` a multiple of
+#: `MATMUL_TILE_N` and the last CTA of a row may have half).
+MATMUL_FORWARD_TILE_N = 128
 MATMUL_TILE_K = 64
 MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least

@@ -24,8 +24,8 @@ Both run the contraction through a ring of `cp.async` copies into shared memory 
 the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at chunk `c ^ (l % 8)`, 1024-byte atoms): a K-major
 operand a line per row (64 contraction elements), an MN-major one a line per contraction row and 64-column block,
 the blocks `MN_BLOCK_BYTES` apart. Each of the two warpgroups multiplies its 64 rows by the block's columns with
-`wgmma.mma_async.m64n<256 | 128>k16` (four a stage) while the next stages' copies land: the forward one CTA an SM
-of `FORWARD_STAGES`, the weights' gradient two CTAs an SM of `STAGES`.
+`wgmma.mma_async.m64n128k16` (four a stage; `m64n256k16` for 256-column forward blocks) while the next stages'
+copies land, two CTAs an SM of three stages each (`FORWARD_*`, `STAGES`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from jax_latent_ep.kernels.primitives import (
 
 #: Rows of one CTA's block: two warpgroups of 64 (the forward: pairs of a tile; the gradient: rows of `dw[g]`).
 TILE_M = abi.MATMUL_TILE_M
-#: Columns of one block of the weights' gradient (one `wgmma` n128), and of the forward (one n256).
+#: Columns of one block of the weights' gradient (one `wgmma` n128), and of the forward (n128, or n256 by `tile_n`).
 TILE_N = abi.MATMUL_TILE_N
 FORWARD_TILE_N = abi.MATMUL_FORWARD_TILE_N
 #: Contraction step of one stage: a 128-byte line of BF16.
@@ -73,12 +73,12 @@ STAGES = 3
 MMA_PENDING = 0
 #: CTAs an SM holds (registers bounded for them: 65536 / (THREADS * CTAS_PER_SM) a thread).
 CTAS_PER_SM = 2
-#: The forward's ring: 128 x 256 blocks (three quarters of 128 x 128's operand bytes a FLOP), one CTA an SM of four
-#: stages, one stage's MMAs in flight while the next is issued (K2 on an H100, T = 1,024 / 4,096: 2.54 / 7.95 ms
-#: against 2.40 / 7.96 for 128 x 128 blocks on two CTAs an SM; docs/performance.md).
-FORWARD_STAGES = 4
-FORWARD_PENDING = 1
-FORWARD_CTAS_PER_SM = 1
+#: The forward's ring: the weights' gradient's (128 x 128 blocks, two CTAs an SM). 128 x 256 blocks (`tile_n=256`,
+#: one CTA an SM of four stages, one stage's MMAs in flight) move a quarter fewer bytes a FLOP but were 3-4 % slower
+#: (K2, H100; docs/performance.md).
+FORWARD_STAGES = STAGES
+FORWARD_PENDING = MMA_PENDING
+FORWARD_CTAS_PER_SM = CTAS_PER_SM
 LINE_BYTES = 128
 #: An MN-major operand's 64-column block of one stage: `TILE_K` lines.
 MN_BLOCK_BYTES = TILE_K * LINE_BYTES

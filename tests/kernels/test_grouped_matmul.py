@@ -12,6 +12,8 @@ from jax_latent_ep.kernels.primitives import descriptor_fields
 
 KERNELS = [(abi.GROUPED_MATMUL, grouped_matmul.GroupedMatmul), (abi.GROUPED_MATMUL_WGRAD,
                                                                  grouped_matmul.GroupedMatmulWgrad)]
+# The forward's other block (`tile_n=256`, a constructor setting): built and checked like the defaults.
+WIDE = (abi.GROUPED_MATMUL, lambda: grouped_matmul.GroupedMatmul(tile_n=256, stages=4, pending=1, ctas_per_sm=1))
 WGMMA = (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, "
          r"(\d), (\d);")
 
@@ -21,7 +23,7 @@ def test_signature_is_the_abi(op, cls):
     check_abi(op, cls())  # raises on any difference
 
 
-@pytest.mark.parametrize("op, cls", KERNELS, ids=lambda v: getattr(v, "op", ""))
+@pytest.mark.parametrize("op, cls", KERNELS + [WIDE], ids=["forward", "wgrad", "forward-256"])
 def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
     ring = cls()
     ptx = kernel_ptx(op, ring)
@@ -30,9 +32,9 @@ def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
     assert (int(minnctapersm.group(1)) if minnctapersm else 1) == ring.ctas_per_sm
     forms = sorted(re.findall(WGMMA, ptx))
     k16 = grouped_matmul.TILE_K // 16
-    # The forward: K-major rows by a K-major (w_k_major) or an MN-major weight, 256 columns; the weights' gradient:
-    # both operands MN-major (x^T and dy), 128 columns.
-    n = str(grouped_matmul.FORWARD_TILE_N if op is abi.GROUPED_MATMUL else grouped_matmul.TILE_N)
+    # The forward: K-major rows by a K-major (w_k_major) or an MN-major weight; the weights' gradient: both operands
+    # MN-major (x^T and dy); each of its block's columns.
+    n = str(ring.tile_n)
     want = [(n, "0", "0")] * k16 + [(n, "0", "1")] * k16 if op is abi.GROUPED_MATMUL else [(n, "1", "1")] * k16
     assert forms == sorted(want)
     assert ptx.count("fence.proxy.async.shared::cta") == 1 and ptx.count("wgmma.commit_group.sync.aligned") >= 1
@@ -47,7 +49,7 @@ def test_ring_settings_are_checked():
     with pytest.raises(ValueError, match="tile_n=192"):
         grouped_matmul.GroupedMatmul(tile_n=192)
     with pytest.raises(ValueError, match="stages=2, pending=1"):
-        grouped_matmul.GroupedMatmul(stages=2)
+        grouped_matmul.GroupedMatmul(stages=2, pending=1)
     assert grouped_matmul.GroupedMatmul().smem_bytes <= 227 * 1024 // grouped_matmul.FORWARD_CTAS_PER_SM
     assert grouped_matmul.GroupedMatmulWgrad().smem_bytes <= 227 * 1024 // grouped_matmul.CTAS_PER_SM
 
