@@ -12,8 +12,8 @@ Parameters: `kernels.abi.EXPERT_PLAN`. One CTA of `THREADS`; per-expert counters
      adds one to its expert's count and sets its row's bit in the expert's bitmap; each slot leaves (expert or
      -1, rank among its row's pairs, weight) in its thread's registers when the rows take one pass of the CTA
      (`R * P <= THREADS`: decode), else appends its pair's (row, expert and rank, weight) to its warp's region of
-     `scratch` (the warp's slots, in row order; the warp counts its pairs in a register: no shared counter, whose
-     one address all warps' adds would queue on); the row's unused `row_pairs` entries get `C`.
+     `scratch` (the slots of its rows, in row order; the warp counts its pairs in a register, no shared atomic);
+     the row's unused `row_pairs` entries get `C`.
   2. scan: exclusive prefix sums of the pairs and of the work items (`2^work_shift` pairs at most) per expert
      (warp shuffles, then one warp over the warp totals); `group_sizes`, `count` and the work list are written
      from them.
