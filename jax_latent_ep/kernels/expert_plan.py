@@ -174,18 +174,18 @@ class ExpertPlan:
         row_slots = row_slots << Uint32(seg * lanes)
         below = (Uint32(1) << Uint32(lane)) - Uint32(1)
         rows_per_warp = 32 // lanes
+        pass_rows = WARPS * rows_per_warp  # rows of one pass of the CTA
         # One pass over the rows (R <= 1024 / lanes): each thread keeps its slot's (expert or -1, rank, weight) in
         # registers for phase 3 instead of a round trip through `scratch`.
         one_pass = Int32(0)
-        if num_rows <= WARPS * rows_per_warp:
+        if num_rows <= pass_rows:
             one_pass = Int32(1)
         kept_expert = Int32(-1)
         kept_rank = Int32(0)
         kept_weight = Uint32(0)
         kept_row = Int32(0)
         # This warp's `scratch` region: the slots of the rows before its own (warp w takes rows w * rows_per_warp ..
-        # of each pass of WARPS * rows_per_warp; the last pass's `rest` rows go to the first warps).
-        pass_rows = WARPS * rows_per_warp
+        # of each pass; the last pass's `rest` rows go to the first warps).
         rest = num_rows % pass_rows
         rows_before = warp * rows_per_warp
         if rest < rows_before:
@@ -195,7 +195,7 @@ class ExpertPlan:
         cute.arch.sync_threads()
 
         # ---- Phase 1: each slot of each row; count each expert's pairs and set their rows' bits.
-        for base in range(warp * rows_per_warp, num_rows, WARPS * rows_per_warp):
+        for base in range(warp * rows_per_warp, num_rows, pass_rows):
             r = base + seg
             holds = Int32(0)
             if r < num_rows and slot < topk:
