@@ -48,6 +48,8 @@ MODELS = {"k3": dict(j=112, lat=3584, inter=2048, k=16, ranks=8), "k2": dict(j=4
 BLOCKS = {"k3": dict(hidden=7168, latent=3584, shared=0, norm=True), "k2": dict(hidden=7168, latent=None,
                                                                             shared=2048, norm=False)}
 BLOCKS["k3n2"] = BLOCKS["k3"]
+#: `--variants`: name -> (implementation, `experts.grouped` settings it runs with), for A/Bs in one process.
+VARIANTS = {"wgmma-xla-swiglu": ("wgmma", {"WGMMA_SWIGLU": False})}
 
 
 def fit_layers(model: str, layers: int, weights_gb: float) -> int:
@@ -74,18 +76,21 @@ def _routing(rng, t, j, k, ranks):
                     jnp.asarray(weights), jnp.asarray(src))
 
 
-def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_bf16"), seed=0, profile=0):
+def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_bf16"), seed=0, profile=0,
+            variants=()):
     """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and the references `plain`) at
     `model`, T = `t`,
-    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`. With `profile` (a GPU), each forward and
-    forward + backward program's `profile` kernels of the most GPU time are printed (a diagnosis, no rows)."""
+    and of "mosaic" with each `(block_m, block_n, steps)` of `tiles`, and of each of `variants` (`VARIANTS`). With
+    `profile` (a GPU), each forward and forward + backward program's `profile` kernels of the most GPU time are
+    printed (a diagnosis, no rows)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jax_latent_ep import experts
 
-    defaults = {c: getattr(experts.grouped, c) for c in ("MOSAIC_BLOCK_M", "MOSAIC_BLOCK_N", "MOSAIC_STEPS")}
+    defaults = {c: getattr(experts.grouped, c) for c in ("MOSAIC_BLOCK_M", "MOSAIC_BLOCK_N", "MOSAIC_STEPS",
+                                                         *(c for _, consts in VARIANTS.values() for c in consts))}
     c = MODELS[model]
     j, lat, inter, k, ranks = c["j"], c["lat"], c["inter"], c["k"], c["ranks"]
     rng = np.random.default_rng(seed)
@@ -146,7 +151,7 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_b
     per_expert = -(-pairs // j)
     cases = [(ref, None, {}) for ref in plain] + [(impl, impl, {}) for impl in impls] + [
         (f"mosaic-bm{bm}-bn{bn}-s{st}", "mosaic", dict(MOSAIC_BLOCK_M=bm, MOSAIC_BLOCK_N=bn, MOSAIC_STEPS=st))
-        for bm, bn, st in tiles]
+        for bm, bn, st in tiles] + [(name, *VARIANTS[name]) for name in variants]
     for name, impl, consts in cases:
         case_flops = flops
         try:
@@ -277,6 +282,7 @@ def main(argv=None):
                    help="a program's expert weights and their gradients stay within this many GiB (`fit_layers`)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mosaic-tiles", nargs="*", default=[], help="BM,BN,STEPS: 'mosaic' with these tiles too")
+    p.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS), help="these variants too (`VARIANTS`)")
     p.add_argument("--jax-config", nargs="*", default=[], help="NAME=true|false: jax.config updates (e.g. "
                    "jax_ragged_dot_use_gpu_pallas_triton_lowering=true), recorded in the backend name")
     p.add_argument("--plain", choices=("both", "xla", "bf16", "none"), default="both",
@@ -305,7 +311,8 @@ def main(argv=None):
             tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
             tag = "".join(f"+{item}" for item in args.jax_config)
             rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
-                model, t, args.impls, layers, args.repeats, tiles, refs, profile=args.profile)]
+                model, t, args.impls, layers, args.repeats, tiles, refs, profile=args.profile,
+                variants=args.variants)]
             rows.append((f"training/{model}", t, "layers", layers))
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, layers,

@@ -423,8 +423,9 @@ static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelPara
 
 
 // ---------------------------------------------------------------------------------------------------------
-// grouped_matmul(x, w, tiles) -> out: the grouped matmul of training sizes (kernels/grouped_matmul.py, sm_90a), a CTA
-// per (tile, kMatmulForwardTileN columns); a CTA of an empty tile returns at once.
+// grouped_matmul(x, x_rows, w, tiles, w_up) -> out, gate_up: the grouped matmul of training sizes
+// (kernels/grouped_matmul.py, sm_90a), a CTA per (tile, kMatmulForwardTileN columns; with glu, per (tile, 64 columns
+// of h): a SwiGLU's gate and up in one block); a CTA of an empty tile returns at once.
 
 struct GroupedMatmul {
   static constexpr const char* kWhat = "grouped_matmul";
@@ -437,14 +438,19 @@ struct GroupedMatmul {
         .template Arg<ffi::AnyBuffer>()       // x_rows: int32 [P] the row of x of each pair (read when indexed)
         .template Arg<ffi::AnyBuffer>()       // w: bf16 [G, K, N], or [G, N, K] with w_k_major
         .template Arg<ffi::AnyBuffer>()       // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used tiles)
-        .template Ret<ffi::AnyBuffer>()       // out: bf16 [P, N]; rows outside every tile untouched
+        .template Arg<ffi::AnyBuffer>()       // w_up: bf16 [G, K, N], the SwiGLU's up (read when glu)
+        .template Ret<ffi::AnyBuffer>()       // out: bf16 [P, N] (glu: h); rows outside every tile untouched
+        .template Ret<ffi::AnyBuffer>()       // gate_up: bf16 [P, 2N] (glu with residual), else [1, 1] unwritten
         .template Attr<int64_t>("w_k_major")  // 1: w is [G, N, K] (out = x @ w[g].T)
-        .template Attr<int64_t>("indexed");   // 1: pair p reads row x_rows[p] of x, 0: row p
+        .template Attr<int64_t>("indexed")    // 1: pair p reads row x_rows[p] of x, 0: row p
+        .template Attr<int64_t>("glu")        // 1: out = bf16(silu(gate) * up), gate x @ w[g], up x @ w_up[g]
+        .template Attr<int64_t>("residual");  // 1 (with glu): gate and up into gate_up as well
   }
 
   static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_rows, ffi::AnyBuffer w,
-                            ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> out, int64_t w_k_major,
-                            int64_t indexed) {
+                            ffi::AnyBuffer tiles, ffi::AnyBuffer w_up, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> gate_up, int64_t w_k_major, int64_t indexed, int64_t glu,
+                            int64_t residual) {
     if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
     auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), od = out->dimensions();
     if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || od.size() != 2) {
@@ -452,7 +458,14 @@ struct GroupedMatmul {
                                          "tiles [T, 4], out [P, N]");
     }
     const int64_t R = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0], P = od[0];
-    const int64_t column_tiles = (N + ep_abi::kMatmulForwardTileN - 1) / ep_abi::kMatmulForwardTileN;
+    if ((glu != 0 && glu != 1) || (residual != 0 && residual != 1) || (residual && !glu) ||
+        (glu && (w_k_major || ep_abi::kMatmulForwardTileN != ep_abi::kMatmulTileN))) {
+      return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul: glu=" + std::to_string(glu) + ", residual=" +
+                                         std::to_string(residual) + ": a SwiGLU block needs [G, K, N] weights, "
+                                         "128-column blocks, and residual only with glu");
+    }
+    const int64_t span = glu ? ep_abi::kMatmulTileN / 2 : ep_abi::kMatmulForwardTileN;  // h columns of a CTA
+    const int64_t column_tiles = (N + span - 1) / span;
     if (R < 1 || P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK ||
         N < ep_abi::kMatmulTileN || N % ep_abi::kMatmulTileN || R * K > (int64_t{1} << 40) ||
         P * N > (int64_t{1} << 40) || T * column_tiles > (int64_t{1} << 31) - 1 || (indexed != 0 && indexed != 1) ||
@@ -469,7 +482,11 @@ struct GroupedMatmul {
                                             : ffi::Error::Success(),
                                     expect(kWhat, "w", w, ffi::DataType::BF16, w_dims),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
-                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N})});
+                                    glu ? expect(kWhat, "w_up", w_up, ffi::DataType::BF16, w_dims)
+                                        : ffi::Error::Success(),
+                                    expect(kWhat, "out", *out, ffi::DataType::BF16, {P, N}),
+                                    residual ? expect(kWhat, "gate_up", *gate_up, ffi::DataType::BF16, {P, 2 * N})
+                                             : expect(kWhat, "gate_up", *gate_up, ffi::DataType::BF16, {1, 1})});
         e.failure()) {
       return e;
     }
@@ -480,6 +497,8 @@ struct GroupedMatmul {
         .w = address(w.untyped_data()),
         .tiles = address(tiles.untyped_data()),
         .out = address(out->untyped_data()),
+        .w_up = glu ? address(w_up.untyped_data()) : 0,
+        .gate_up = residual ? address(gate_up->untyped_data()) : 0,
         .num_k = static_cast<int32_t>(K),
         .num_n = static_cast<int32_t>(N),
         .num_tiles = static_cast<int32_t>(T),

@@ -524,3 +524,63 @@ def test_wgmma_rows_are_the_gather(transpose_w):
     used = int(np.sum(np.asarray(sizes)))
     assert np.any(np.asarray(want, np.float32)[:used] != 0)
     np.testing.assert_array_equal(np.asarray(got, np.float32)[:used], np.asarray(want, np.float32)[:used])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True])
+def test_wgmma_swiglu_block_against_the_two_products(residual):
+    """The grouped matmul's SwiGLU block (gate and up one launch, `w_up`): its `gate_up` equals the two products'
+    bits (the same sums), and `h` is XLA's `bf16(silu(gate) * up)` of them within one bf16 ulp (its silu within
+    FP32 ulps of XLA's, then one rounding), on groups of 0, 1, 128 and over 128 rows, shuffled receive rows."""
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng(f"wgmma-swiglu/{residual}")
+    g, m, k, n = 6, 520, 256, 384
+    sizes = _groups(rng, g, m)
+    sizes[:3] = (0, 1, 128)
+    sizes[3] = 200  # a group of two tiles
+    sizes, used = jnp.asarray(sizes), int(np.sum(sizes))
+    assert used <= m
+    x = jnp.asarray(_bf16(rng, m - 100, k))
+    w_gate, w_up = (jnp.asarray(_bf16(rng, g, k, n, scale=k**-0.5)) for _ in range(2))
+    rows = jnp.asarray(rng.integers(0, x.shape[0], m), jnp.int32)
+    work = experts.grouped.tiles(sizes, m)
+    out = jax.jit(lambda: ffi.grouped_matmul_call(x, w_gate, work, w_k_major=False, x_rows=rows, w_up=w_up,
+                                                  residual=residual))()
+    h = out[0] if residual else out
+    gate, up = (jax.jit(lambda w: ffi.grouped_matmul_call(x, w, work, w_k_major=False, x_rows=rows))(w)
+                for w in (w_gate, w_up))
+    if residual:
+        got_gate, got_up = ffi.split_gate_up(out[1])
+        np.testing.assert_array_equal(np.asarray(got_gate, np.float32)[:used], np.asarray(gate, np.float32)[:used])
+        np.testing.assert_array_equal(np.asarray(got_up, np.float32)[:used], np.asarray(up, np.float32)[:used])
+    want = np.asarray(experts.xla._glu(gate.astype(jnp.float32), up.astype(jnp.float32), n), np.float64)[:used]
+    got = np.asarray(h, np.float64)[:used]
+    assert np.count_nonzero(want) > want.size // 2
+    off = np.abs(got - want) > np.abs(want) * 2.0**-7
+    assert not np.any(off), f"{np.count_nonzero(off)} of h off by more than a bf16 ulp, first {np.argwhere(off)[0]}"
+    assert np.mean(got == want) > 0.99
+
+
+def test_split_gate_up_reads_alternating_blocks():
+    """`ffi.split_gate_up` against the kernel's layout built in NumPy (gate's 64-column block b at columns 128 b,
+    up's at 128 b + 64), on fresh random values; and `grouped_matmul_call` refuses a residual without `w_up` before
+    any kernel runs."""
+    from jax_latent_ep.runtime import ffi
+
+    rng = _rng("split-gate-up")
+    p, n = 7, 256
+    gate, up = _bf16(rng, p, n), _bf16(rng, p, n)
+    gate_up = np.concatenate([gate.reshape(p, n // 64, 1, 64), up.reshape(p, n // 64, 1, 64)], axis=2)
+    got_gate, got_up = ffi.split_gate_up(jnp.asarray(gate_up.reshape(p, 2 * n)))
+    np.testing.assert_array_equal(np.asarray(got_gate), gate)
+    np.testing.assert_array_equal(np.asarray(got_up), up)
+    x, w = jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((2, 128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="residual=True needs w_up"):
+        ffi.grouped_matmul_call(x, w, jnp.zeros((1, 4), jnp.int32), w_k_major=False, residual=True)
+    with pytest.raises(ValueError, match=r"w_up \[2, 128, 256\] must match w"):
+        ffi.grouped_matmul_call(x, w, jnp.zeros((1, 4), jnp.int32), w_k_major=False,
+                                w_up=jnp.zeros((2, 128, 256), jnp.bfloat16))

@@ -34,6 +34,9 @@ HOPPER_ONLY = ("mosaic", "wgmma")
 #: or an output side in one of the three products: multiples of `MOSAIC_SIDE`.
 MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K, MOSAIC_STEPS = 128, 128, 64, 4
 MOSAIC_SIDE = max(MOSAIC_BLOCK_M, MOSAIC_BLOCK_N, MOSAIC_BLOCK_K)
+#: "wgmma"'s stage on separate gate and up weights: gate, up and the SwiGLU in one launch (`_wgmma_swiglu`); False:
+#: two launches and XLA's SwiGLU (the same bits but the silu's last ulps).
+WGMMA_SWIGLU = True
 
 
 def check_gmm(x, w, group_sizes, impl: str, *, transpose_w: bool = False):
@@ -169,6 +172,20 @@ def _wgmma_forward(x, w, group_sizes, transpose_w, tail=True, rows=None):
     y = ffi.grouped_matmul_call(x, w, tiles(group_sizes, pairs), w_k_major=transpose_w, x_rows=rows)
     y = _vary(y, _axes(x, w) if rows is None else _axes(x, w, rows))  # a custom call's result: its operands' type
     return _zero_tail(y, group_sizes) if tail else y  # the kernel writes the tiles' rows only
+
+
+def _wgmma_swiglu(xb, w_gate, w_up, group_sizes, rows, residual):
+    """`(h, gate_up)`: the SwiGLU's `h = bf16(silu(gate) * up)` `[P, I]` of the bf16 `gate = x @ w_gate`, `up = x @
+    w_up` in one launch (pair p reads row `rows[p]` of `xb`), and with `residual` the bf16 gate and up (`[P, 2I]`,
+    `ffi.split_gate_up`; else None); the rows past the groups unspecified."""
+    from jax_latent_ep.runtime import ffi
+
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    out = ffi.grouped_matmul_call(xb, w_gate, tiles(group_sizes, rows.shape[0]), w_k_major=False, x_rows=rows,
+                                  w_up=w_up, residual=residual)
+    axes = _axes(xb, w_gate, w_up, rows)  # a custom call's results: its operands' type
+    h, gate_up = out if residual else (out, None)
+    return _vary(h, axes), None if gate_up is None else _vary(gate_up, axes)
 
 
 def _wgmma_weights_grad(x, dy, group_sizes):
@@ -401,7 +418,8 @@ def swiglu_pairs(pl, xb, w_gate, w_up, w_down, impl: str):
     """The expert stage's per-pair FP32 outputs `[C, L]` on `gmm`'s implementation `impl` (the "gmm", "mosaic" and
     "wgmma" entries of `experts.IMPLEMENTATIONS`): `swiglu_rows`' forward before its row sums, the unused pairs'
     rows unspecified."""
-    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, pl.weight, pl.row, pl.group_sizes, pl.count, pl.row_pairs)
+    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, pl.weight, pl.row, pl.group_sizes, pl.count, pl.row_pairs,
+                          False)
     return y.astype(jnp.float32)
 
 
@@ -426,10 +444,17 @@ def swiglu_rows(pl, xb, w_gate, w_up, w_down, impl: str, out_dtype):
     return _stage(impl, jnp.dtype(out_dtype), *ops)
 
 
-def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
-    """(per-pair bf16 down outputs, residuals) of `swiglu_rows`."""
+def _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs, residual=True):
+    """(per-pair bf16 down outputs, residuals `(gate, up, h)`; `residual` False: None for gate and up where the
+    forward need not keep them) of `swiglu_rows`."""
     # The products' rows past the pairs are left unspecified (no zeroing pass): the row sums never read them,
     # and what the weights' gradients multiply is 0 there (`h` here, the cotangents in `_stage_bwd`).
+    if impl == "wgmma" and w_up is not None and WGMMA_SWIGLU:  # one launch; the kernels read tiles' rows only
+        h, gate_up = _wgmma_swiglu(xb, w_gate, w_up, group_sizes, row, residual)
+        from jax_latent_ep.runtime.ffi import split_gate_up
+
+        g, u = (None, None) if gate_up is None else split_gate_up(gate_up)
+        return _FORWARD[impl](h, w_down, group_sizes, False, False), (g, u, h)
     if impl == "wgmma":  # each pair reads its receive row (no gather)
         g, u = (None if w is None else _wgmma_forward(xb, w, group_sizes, False, False, rows=row)
                 for w in (w_gate, w_up))
@@ -449,7 +474,7 @@ def _live(row, count):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _stage(impl, out_dtype, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs):
-    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs)
+    y, _ = _stage_forward(impl, xb, w_gate, w_up, w_down, weight, row, group_sizes, count, row_pairs, False)
     return _pair_row_sums(y, weight, row_pairs, count, out_dtype)
 
 

@@ -294,7 +294,11 @@ GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
     _address("w", "bf16 [G, num_k, num_n] (`w_k_major` 0) or [G, num_n, num_k] (1): each group's weight"),
     _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= 128, used tiles) per tile, the used "
              "first; pairs 0: none"),
-    _address("out", "bf16 [P, num_n]: rows of the tiles' pairs written, the others untouched (output)"),
+    _address("out", "bf16 [P, num_n]: rows of the tiles' pairs written, the others untouched (output); with "
+             "`w_up`, `h = bf16(silu(gate) * up)` of the bf16 `gate = x @ w[g]`, `up = x @ w_up[g]`"),
+    _address("w_up", "bf16 [G, num_k, num_n]: the SwiGLU's up weight (`w` its gate, `w_k_major` 0), or 0: none"),
+    _address("gate_up", "bf16 [P, 2 num_n]: with `w_up`, the bf16 `gate` and `up`, 64-column blocks alternating "
+             "(gate's block b at columns 128 b, up's at 128 b + 64), the tiles' rows written (output), or 0: none"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_tiles", "i32", False, "tiles of the list"),

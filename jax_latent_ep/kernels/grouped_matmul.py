@@ -12,7 +12,9 @@ CTA `c` computes tile `c / C` times the `FORWARD_TILE_N` columns `c % C` of its 
 columns past `num_n` zero-filled and never stored; a group's tiles run side by side, so its weight is read from HBM
 about once), and a CTA of an empty tile returns at once: the work follows the pairs, not the worst case. A pair's
 row of `x` is its own or the one `x_rows` names (the receive rows: no gather). Rows past the tile's pairs are
-zero-filled and never stored.
+zero-filled and never stored. With `w_up` (a SwiGLU's gate `w` and up `w_up`, MN-major), a CTA's 128 columns are
+gate's 64 columns `n0 ..` and up's same 64: it stores `h = bf16(silu(gate) * up)` of the bf16-rounded pair
+(`primitives.silu_mul_bf16`) and, where asked, the bf16 gate and up (`gate_up`, the backward's residual).
 
 `GroupedMatmulWgrad`: with `C = ceil(num_n / TILE_N / tiles_per_cta)` CTAs a row of blocks, CTA `c` computes, in
 turn, the `TILE_M x TILE_N` blocks of rows `(c / C) % (num_k / TILE_M)` and columns `(c % C) tiles_per_cta ..` of
@@ -45,6 +47,7 @@ from jax_latent_ep.kernels.primitives import (
     griddepcontrol_wait,
     load_b32,
     load_shared_v4,
+    silu_mul_bf16,
     smem_descriptor,
     store_b32_bf16x2,
     store_shared_b32,
@@ -129,7 +132,7 @@ class _Ring:
                  a_limit: Int32, a_step: Int64, b_base: Int64, b_src, b_line, b_limit: Int32, b_step: Int64,
                  b_block_step: Int64, limit_step: Int32, a_dst, b_dst, a_mn_major: cutlass.Constexpr,
                  b_mn_major: cutlass.Constexpr, b_mn_major_runtime: Int32, out: Int64, row0: Int64, rows: Int32,
-                 num_n: Int32, n0: Int32):
+                 num_n: Int32, n0: Int32, h_out: Int64, glu: cutlass.Constexpr):
         """Computes `blocks` output blocks in turn, each `steps` contraction stages into `acc` (zeroed first), and
         stores block `b` (rows `row0 ..` of `out`, columns `n0 + b tile_n ..` below `num_n`). Chunk `i` of operand
         A copies `a_src[i] + s a_step` into `a_dst[i]` at stage `s` of every block, 16 bytes if
@@ -137,7 +140,8 @@ class _Ring:
         B likewise, block `b` `b b_block_step` further. The ring runs on across blocks: the next block's first
         copies land while this one's last MMAs run and its results are stored. The warpgroup multiplies only if
         `warpgroup_live`; `b_mn_major_runtime` (with `b_mn_major` False) picks the B layout at run time. `steps` 0:
-        every block stores zeros."""
+        every block stores zeros. With `glu` (compiled in) and `h_out` nonzero the one block is a SwiGLU's gate and
+        up (`store_glu`: `h` into `h_out`, the block into `out` unless 0; `num_n`, `n0` are `h`'s)."""
         smem = cutlass.memory.SmemAllocator()
         raw = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.smem_bytes), 1024)
         ring = (Uint32(raw.iterator.toint()) + Uint32(1023)) & Uint32(0xFFFFFC00)
@@ -186,8 +190,14 @@ class _Ring:
             if (t + 1) % steps == 0:  # the block's last stage: its results out, the next block from 0
                 wgmma_wait(0)
                 if cutlass.const_expr(self.tile_n == TILE_N):
-                    self.store_staged(acc, ring + Uint32((t % self.stages) * self.stage_bytes), out, row0, rows,
-                                      num_n, n0 + (t // steps) * self.tile_n)
+                    slot = ring + Uint32((t % self.stages) * self.stage_bytes)
+                    if cutlass.const_expr(glu):
+                        if h_out != Int64(0):
+                            self.store_glu(acc, slot, out, h_out, row0, rows, num_n, n0)
+                        else:
+                            self.store_staged(acc, slot, out, row0, rows, num_n, n0 + (t // steps) * self.tile_n)
+                    else:
+                        self.store_staged(acc, slot, out, row0, rows, num_n, n0 + (t // steps) * self.tile_n)
                 else:  # a 256-column block passes a slot; the forward's one block a CTA stores once
                     self.store(acc, out, row0, rows, num_n, n0 + (t // steps) * self.tile_n)
                 acc.fill(0.0)
@@ -284,6 +294,36 @@ class _Ring:
             if r < rows:
                 store_v4(out + ((row0 + Int64(r)) * Int64(num_n) + Int64(n0 + chunk * 8)) * 2, words)
 
+    @cute.jit
+    def store_glu(self, acc, slot: Uint32, gate_up: Int64, h: Int64, row0: Int64, rows: Int32, num_h: Int32,
+                  h0: Int32):
+        """The epilogue of a SwiGLU block (columns 0-63 of `acc` gate's `h0 ..`, 64-127 up's): the block as BF16
+        into `gate_up` (`[P, 2 num_h]`, at columns `2 h0 ..`) unless 0, then `h = bf16(silu_mul_bf16(gate, up))`
+        through `slot` (128-byte lines, 16-byte chunk `c` of line `r` at `c ^ (r % 8)`: conflict-free both ways)
+        into `h` `[P, num_h]` rows `row0 + r` (`r < rows`), columns `h0 ..`, in 16-byte stores of whole rows."""
+        if gate_up != Int64(0):
+            self.store_staged(acc, slot, gate_up, row0, rows, num_h * 2, h0 * 2)
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        lane = tid % 32
+        block_row = (tid // 128) * 64 + ((tid % 128) // 32) * 16 + lane // 4
+        cute.arch.sync_threads()  # every MMA and every `gate_up` chunk has left the slot
+        half = TILE_N // 2  # gate's columns, then up's: the same thread holds column c of both
+        for i in cutlass.range_constexpr(2):
+            r = block_row + 8 * i
+            line = slot + Uint32(r * (half * 2) + 4 * (lane % 4))
+            for j in cutlass.range_constexpr(half // 8):
+                g, u = 4 * j + 2 * i, 4 * (j + half // 8) + 2 * i
+                word = bf16x2(silu_mul_bf16(acc[g], acc[u]), silu_mul_bf16(acc[g + 1], acc[u + 1]))
+                store_shared_b32(line + Uint32((j ^ (r % 8)) * 16), word)
+        cute.arch.sync_threads()
+        chunk = tid % 8
+        for k in cutlass.range_constexpr(TILE_M * half * 2 // 16 // THREADS):
+            r = tid // 8 + (THREADS // 8) * k
+            words = load_shared_v4(slot + Uint32(r * (half * 2) + (chunk ^ (r % 8)) * 16))
+            if r < rows:
+                store_v4(h + ((row0 + Int64(r)) * Int64(num_h) + Int64(h0 + chunk * 8)) * 2, words)
+
 
 def _chunks(tid, num_lines: int):
     """This thread's chunks of an operand's stage of `num_lines` 128-byte lines: line `tid / 8 + 32 i`, chunk
@@ -314,12 +354,14 @@ class GroupedMatmul(_Ring):
         w: Int64,
         tiles: Int64,
         out: Int64,
+        w_up: Int64,
+        gate_up: Int64,
         num_k: Int32,
         num_n: Int32,
         num_tiles: Int32,
         w_k_major: Int32,
     ):
-        self.kernel(x, x_rows, w, tiles, out, num_k, num_n, num_tiles, w_k_major).launch(
+        self.kernel(x, x_rows, w, tiles, out, w_up, gate_up, num_k, num_n, num_tiles, w_k_major).launch(
             **self.launch_options([num_tiles, 1, 1]))
 
     # -----------------------------------------------------------------------------------------------------
@@ -333,6 +375,8 @@ class GroupedMatmul(_Ring):
         w: Int64,
         tiles: Int64,
         out: Int64,
+        w_up: Int64,
+        gate_up: Int64,
         num_k: Int32,
         num_n: Int32,
         num_tiles: Int32,
@@ -342,8 +386,11 @@ class GroupedMatmul(_Ring):
         cta, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
         cta = Int32(cta)
-        column_tiles = (num_n + self.tile_n - 1) // self.tile_n  # the last one half past num_n at most
-        n0 = (cta % column_tiles) * self.tile_n
+        span = Int32(self.tile_n)  # output columns of a CTA: a SwiGLU's block is half gate, half up
+        if w_up != Int64(0):
+            span = Int32(self.tile_n // 2)
+        column_tiles = (num_n + span - 1) // span  # the last one half past num_n at most
+        n0 = (cta % column_tiles) * span
         griddepcontrol_wait()  # the tile list and `x` come from the previous kernels
         entry = tiles + Int64(cta // column_tiles) * (4 * TILE_WORDS)
         group = Int32(load_b32(entry))
@@ -359,7 +406,7 @@ class GroupedMatmul(_Ring):
                     if line < rows:
                         row = Int32(load_b32(x_rows + Int64(first + line) * 4))
                 x_src.append(x + (Int64(row) * Int64(num_k) + Int64(chunk * 8)) * 2)
-            for line in w_lines:
+            for idx, line in enumerate(w_lines):
                 # MN-major weight: line = (column block line / 64, contraction row line % 64).
                 src = w + ((Int64(group) * Int64(num_k) + Int64(line % 64)) * Int64(num_n)
                            + Int64(n0 + (line // 64) * 64 + chunk * 8)) * 2
@@ -368,15 +415,29 @@ class GroupedMatmul(_Ring):
                     # K-major weight: line = output column n0 + line, its contraction elements contiguous.
                     src = w + ((Int64(group) * Int64(num_n) + Int64(n0 + line)) * Int64(num_k) + Int64(chunk * 8)) * 2
                     column = Int32(line)
+                if cutlass.const_expr(self.tile_n == TILE_N):
+                    if w_up != Int64(0):
+                        # SwiGLU: the first 64-column block gate's columns n0 .., the second up's (line / 64 is
+                        # idx / 2: a thread's lines are 32 apart from one below 32).
+                        base = w_up if (idx * (THREADS // 8)) // 64 == 1 else w
+                        src = base + ((Int64(group) * Int64(num_k) + Int64(line % 64)) * Int64(num_n)
+                                      + Int64(n0 + chunk * 8)) * 2
+                        column = Int32(0)
                 w_src.append(src)
                 w_column.append(column)  # a line's column below num_n - n0, or zeros
             w_step = Int64(TILE_K) * Int64(num_n) * 2
             if w_k_major != 0:
                 w_step = Int64(TILE_K * 2)
             acc = cute.make_rmem_tensor(cute.make_layout(self.tile_n // 2), cutlass.Float32)
+            store_to = out  # a SwiGLU block stores `h` into `out`, its gate and up into `gate_up`
+            h_out = Int64(0)
+            if w_up != Int64(0):
+                store_to = gate_up
+                h_out = out
             self.contract(acc, num_k // TILE_K, Int32(1), rows > (tid // 128) * 64, x, x_src, lines, rows,
                           Int64(TILE_K * 2), w, w_src, w_column, num_n - n0, w_step, Int64(0), Int32(0), x_dst, w_dst,
-                          False, False, Int32(1) - w_k_major, out, Int64(first), rows, num_n, n0)
+                          False, False, Int32(1) - w_k_major, store_to, Int64(first), rows, num_n, n0, h_out,
+                          self.tile_n == TILE_N)
 
 
 GroupedMatmul.kernel.set_name_prefix(abi.GROUPED_MATMUL.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
@@ -446,7 +507,7 @@ class GroupedMatmulWgrad(_Ring):
         self.contract(acc, (rows + TILE_K - 1) // TILE_K, blocks, rows > 0, x, x_src, pair, rows,
                       Int64(TILE_K) * Int64(num_k) * 2, dy, dy_src, pair, rows, Int64(TILE_K) * Int64(num_n) * 2,
                       Int64(TILE_N * 2), Int32(TILE_K), dst, dst, True, True, Int32(1),
-                      dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0)
+                      dw, Int64(group) * Int64(num_k) + Int64(m0), Int32(TILE_M), num_n, n0, Int64(0), False)
 
 
 GroupedMatmulWgrad.kernel.set_name_prefix(abi.GROUPED_MATMUL_WGRAD.symbol, remove_cutlass_symbol=True,

@@ -505,16 +505,33 @@ def expert_plan_call(ids, weights, src, rank, *, capacity: int, num_local_expert
                 max_tokens=np.int64(max_tokens), work_pairs=np.int64(work_pairs), **extra)[:7]
 
 
-def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None):
+def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None, w_up=None, residual: bool = False):
     """The grouped matmul custom call (`kernels/abi.py` GROUPED_MATMUL, whose table says what each operand holds):
     bf16 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held). `x_rows` int32
-    `[P]`: the row of `x` of each pair (None: `x` has a row a pair)."""
+    `[P]`: the row of `x` of each pair (None: `x` has a row a pair). With `w_up` (a SwiGLU's up weight, `w` its
+    gate, both `[G, K, N]`): `h = bf16(silu(gate) * up)` of the bf16 `gate` and `up`; with `residual` too,
+    `(h, gate_up)`: `gate_up` bf16 `[P, 2N]`, gate's and up's 64-column blocks alternating (`split_gate_up`)."""
+    if residual and w_up is None:
+        raise ValueError("grouped_matmul_call: residual=True needs w_up (gate and up are a SwiGLU's)")
+    if w_up is not None and (w_k_major or tuple(w_up.shape) != tuple(w.shape)):
+        raise ValueError(f"grouped_matmul_call: w_up {list(w_up.shape)} must match w {list(w.shape)}, [G, K, N]")
     n = w.shape[1] if w_k_major else w.shape[2]
     pairs = x.shape[0] if x_rows is None else x_rows.shape[0]
-    call = jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul"][0], jax.ShapeDtypeStruct((pairs, n), jnp.bfloat16),
-                            has_side_effect=False)
-    return call(x, tiles if x_rows is None else x_rows, w, tiles, w_k_major=np.int64(bool(w_k_major)),
-                indexed=np.int64(x_rows is not None))
+    outs = (jax.ShapeDtypeStruct((pairs, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((pairs, 2 * n) if residual else (1, 1), jnp.bfloat16))  # [1, 1]: unwritten
+    call = jax.ffi.ffi_call(EXPERT_TARGETS["grouped_matmul"][0], outs, has_side_effect=False)
+    out, gate_up = call(x, tiles if x_rows is None else x_rows, w, tiles, w if w_up is None else w_up,
+                        w_k_major=np.int64(bool(w_k_major)), indexed=np.int64(x_rows is not None),
+                        glu=np.int64(w_up is not None), residual=np.int64(bool(residual)))
+    return (out, gate_up) if residual else out
+
+
+def split_gate_up(gate_up):
+    """`(gate, up)` bf16 `[P, N]` each from `grouped_matmul_call`'s `gate_up` `[P, 2N]` (64-column blocks
+    alternating)."""
+    p, n2 = gate_up.shape
+    blocks = gate_up.reshape(p, n2 // 128, 2, 64)
+    return blocks[:, :, 0].reshape(p, n2 // 2), blocks[:, :, 1].reshape(p, n2 // 2)
 
 
 def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per_split: int, x_rows=None,
