@@ -287,10 +287,20 @@ class _Ring:
             for j in cutlass.range_constexpr(TILE_N // 8):
                 store_shared_b32(line + Uint32((j ^ (r % 8)) * 16), bf16x2(acc[4 * j + 2 * i], acc[4 * j + 2 * i + 1]))
         cute.arch.sync_threads()
-        chunk = tid % 16
-        for k in cutlass.range_constexpr(TILE_M * TILE_N * 2 // 16 // THREADS):
-            r = tid // 16 + (THREADS // 16) * k
-            words = load_shared_v4(slot + Uint32(r * (TILE_N * 2) + (chunk ^ (r % 8)) * 16))
+        self.rows_out(slot, TILE_N * 2, out, row0, rows, num_n, n0)
+
+    @cute.jit
+    def rows_out(self, slot: Uint32, line_bytes: cutlass.Constexpr, out: Int64, row0: Int64, rows: Int32,
+                 num_n: Int32, n0: Int32):
+        """Copies the block staged in `slot` (`TILE_M` lines of `line_bytes`, 16-byte chunk `c` of line `r` at `c ^
+        (r % 8)`) to `out` rows `row0 + r` (`r < rows`), columns `n0 ..`, in 16-byte stores of whole rows."""
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        chunks = line_bytes // 16
+        chunk = tid % chunks
+        for k in cutlass.range_constexpr(TILE_M * line_bytes // 16 // THREADS):
+            r = tid // chunks + (THREADS // chunks) * k
+            words = load_shared_v4(slot + Uint32(r * line_bytes + (chunk ^ (r % 8)) * 16))
             if r < rows:
                 store_v4(out + ((row0 + Int64(r)) * Int64(num_n) + Int64(n0 + chunk * 8)) * 2, words)
 
@@ -317,12 +327,7 @@ class _Ring:
                 word = bf16x2(silu_mul_bf16(acc[g], acc[u]), silu_mul_bf16(acc[g + 1], acc[u + 1]))
                 store_shared_b32(line + Uint32((j ^ (r % 8)) * 16), word)
         cute.arch.sync_threads()
-        chunk = tid % 8
-        for k in cutlass.range_constexpr(TILE_M * half * 2 // 16 // THREADS):
-            r = tid // 8 + (THREADS // 8) * k
-            words = load_shared_v4(slot + Uint32(r * (half * 2) + (chunk ^ (r % 8)) * 16))
-            if r < rows:
-                store_v4(h + ((row0 + Int64(r)) * Int64(num_h) + Int64(h0 + chunk * 8)) * 2, words)
+        self.rows_out(slot, half * 2, h, row0, rows, num_h, h0)
 
 
 def _chunks(tid, num_lines: int):
