@@ -14,7 +14,7 @@ about once), and a CTA of an empty tile returns at once: the work follows the pa
 row of `x` is its own or the one `x_rows` names (the receive rows: no gather). Rows past the tile's pairs are
 zero-filled and never stored. With `w_up` (a SwiGLU's gate `w` and up `w_up`, MN-major), a CTA's 128 columns are
 gate's 64 columns `n0 ..` and up's same 64: it stores `h = bf16(silu(gate) * up)` of the bf16-rounded pair
-(`primitives.silu_mul_bf16`) and, where asked, the bf16 gate and up (`gate_up`, the backward's residual).
+(`primitives.silu_mul`) and, where asked, the bf16 gate and up (`gate_up`, the backward's residual).
 
 `GroupedMatmulWgrad`: with `C = ceil(num_n / TILE_N / tiles_per_cta)` CTAs a row of blocks, CTA `c` computes, in
 turn, the `TILE_M x TILE_N` blocks of rows `(c / C) % (num_k / TILE_M)` and columns `(c % C) tiles_per_cta ..` of
@@ -47,7 +47,8 @@ from jax_latent_ep.kernels.primitives import (
     griddepcontrol_wait,
     load_b32,
     load_shared_v4,
-    silu_mul_bf16,
+    round_bf16,
+    silu_mul,
     smem_descriptor,
     store_b32_bf16x2,
     store_shared_b32,
@@ -308,9 +309,9 @@ class _Ring:
     def store_glu(self, acc, slot: Uint32, gate_up: Int64, h: Int64, row0: Int64, rows: Int32, num_h: Int32,
                   h0: Int32):
         """The epilogue of a SwiGLU block (columns 0-63 of `acc` gate's `h0 ..`, 64-127 up's): the block as BF16
-        into `gate_up` (`[P, 2 num_h]`, at columns `2 h0 ..`) unless 0, then `h = bf16(silu_mul_bf16(gate, up))`
-        through `slot` (128-byte lines, 16-byte chunk `c` of line `r` at `c ^ (r % 8)`: conflict-free both ways)
-        into `h` `[P, num_h]` rows `row0 + r` (`r < rows`), columns `h0 ..`, in 16-byte stores of whole rows."""
+        into `gate_up` (`[P, 2 num_h]`, at columns `2 h0 ..`) unless 0, then `h = bf16(silu_mul(gate, up))` of the
+        bf16-rounded pair through `slot` (128-byte lines, 16-byte chunk `c` of line `r` at `c ^ (r % 8)`:
+        conflict-free both ways) into `h` `[P, num_h]` rows `row0 + r` (`r < rows`), columns `h0 ..`, in 16-byte stores of whole rows."""
         if gate_up != Int64(0):
             self.store_staged(acc, slot, gate_up, row0, rows, num_h * 2, h0 * 2)
         tid, _, _ = cute.arch.thread_idx()
@@ -324,7 +325,7 @@ class _Ring:
             line = slot + Uint32(r * (half * 2) + 4 * (lane % 4))
             for j in cutlass.range_constexpr(half // 8):
                 g, u = 4 * j + 2 * i, 4 * (j + half // 8) + 2 * i
-                word = bf16x2(silu_mul_bf16(acc[g], acc[u]), silu_mul_bf16(acc[g + 1], acc[u + 1]))
+                word = bf16x2(*(silu_mul(round_bf16(acc[g + e]), round_bf16(acc[u + e])) for e in range(2)))
                 store_shared_b32(line + Uint32((j ^ (r % 8)) * 16), word)
         cute.arch.sync_threads()
         self.rows_out(slot, half * 2, h, row0, rows, num_h, h0)

@@ -536,13 +536,10 @@ def silu_mul(gate, up, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def silu_mul_bf16(gate, up, *, loc=None, ip=None) -> Float32:
-    """`silu_mul` of `gate` and `up` each first rounded once (nearest even) to BF16: the SwiGLU of a bf16 matmul's
-    outputs, as XLA computes it on the rounded `gate` and `up`."""
-    code = ("{ .reg .b16 b; .reg .f32 g, u, e, d; cvt.rn.bf16.f32 b, $1; cvt.f32.bf16 g, b; cvt.rn.bf16.f32 b, $2; "
-            "cvt.f32.bf16 u, b; mul.f32 e, g, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; add.f32 d, e, 0f3F800000; "
-            "div.rn.f32 e, g, d; mul.f32 $0, e, u; }")
-    return Float32(_asm(T.f32(), [_f32(gate, loc, ip), _f32(up, loc, ip)], code, "=f,f,f", loc, ip))
+def round_bf16(value, *, loc=None, ip=None) -> Float32:
+    """`value` rounded once (nearest even) to BF16, as FP32: what a bf16 output holds."""
+    code = "{ .reg .b16 b; cvt.rn.bf16.f32 b, $1; cvt.f32.bf16 $0, b; }"
+    return Float32(_asm(T.f32(), [_f32(value, loc, ip)], code, "=f,f", loc, ip))
 
 
 @dsl_user_op
