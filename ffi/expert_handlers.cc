@@ -424,8 +424,8 @@ static_assert(ep_abi::kRowSumParamsCount <= KernelParams::kCapacity, "KernelPara
 
 // ---------------------------------------------------------------------------------------------------------
 // grouped_matmul(x, x_rows, w, tiles, w_up) -> out, gate_up: the grouped matmul of training sizes
-// (kernels/grouped_matmul.py, sm_90a), a CTA per (tile, kMatmulForwardTileN columns; with glu, per (tile, 64 columns
-// of h): a SwiGLU's gate and up in one block); a CTA of an empty tile returns at once.
+// (kernels/grouped_matmul.py, sm_90a), a CTA per (tile, kMatmulForwardTileN columns; with glu, per (tile,
+// kMatmulForwardTileN / 2 columns of h): a SwiGLU's gate and up in one block); a CTA of an empty tile returns at once.
 
 struct GroupedMatmul {
   static constexpr const char* kWhat = "grouped_matmul";
@@ -459,12 +459,12 @@ struct GroupedMatmul {
     }
     const int64_t R = xd[0], K = xd[1], G = wd[0], N = w_k_major ? wd[1] : wd[2], T = td[0], P = od[0];
     if ((glu != 0 && glu != 1) || (residual != 0 && residual != 1) || (residual && !glu) ||
-        (glu && (w_k_major || ep_abi::kMatmulForwardTileN != ep_abi::kMatmulTileN))) {
+        (glu && w_k_major)) {
       return ffi::Error::InvalidArgument("jax_latent_ep grouped_matmul: glu=" + std::to_string(glu) + ", residual=" +
                                          std::to_string(residual) + ": a SwiGLU block needs [G, K, N] weights, "
-                                         "128-column blocks, and residual only with glu");
+                                         "and residual only with glu");
     }
-    const int64_t span = glu ? ep_abi::kMatmulTileN / 2 : ep_abi::kMatmulForwardTileN;  // h columns of a CTA
+    const int64_t span = glu ? ep_abi::kMatmulForwardTileN / 2 : ep_abi::kMatmulForwardTileN;  // out columns a CTA
     const int64_t column_tiles = (N + span - 1) / span;
     if (R < 1 || P < 1 || G < 1 || T < 1 || K < ep_abi::kMatmulTileK || K % ep_abi::kMatmulTileK ||
         N < ep_abi::kMatmulTileN || N % ep_abi::kMatmulTileN || R * K > (int64_t{1} << 40) ||

@@ -563,15 +563,16 @@ def test_wgmma_swiglu_block_against_the_two_products(residual):
 
 
 def test_split_gate_up_reads_alternating_blocks():
-    """`ffi.split_gate_up` against the kernel's layout built in NumPy (gate's 64-column block b at columns 128 b,
-    up's at 128 b + 64), on fresh random values; and `grouped_matmul_call` refuses a residual without `w_up` before
-    any kernel runs."""
+    """`ffi.split_gate_up` against the kernel's layout built in NumPy (gate's block b of `h = FORWARD_TILE_N / 2`
+    columns at columns 2 h b, up's at 2 h b + h), on fresh random values; and `grouped_matmul_call` refuses a
+    residual without `w_up` before any kernel runs."""
+    from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
     rng = _rng("split-gate-up")
-    p, n = 7, 256
+    p, n, h = 7, 512, abi.MATMUL_FORWARD_TILE_N // 2
     gate, up = _bf16(rng, p, n), _bf16(rng, p, n)
-    gate_up = np.concatenate([gate.reshape(p, n // 64, 1, 64), up.reshape(p, n // 64, 1, 64)], axis=2)
+    gate_up = np.concatenate([gate.reshape(p, n // h, 1, h), up.reshape(p, n // h, 1, h)], axis=2)
     got_gate, got_up = ffi.split_gate_up(jnp.asarray(gate_up.reshape(p, 2 * n)))
     np.testing.assert_array_equal(np.asarray(got_gate), gate)
     np.testing.assert_array_equal(np.asarray(got_up), up)

@@ -64,9 +64,9 @@ ROW_SUM_COLUMNS = 512
 #: words of a tile of the list.
 MATMUL_TILE_M = 128
 MATMUL_TILE_N = 128
-#: Columns of one CTA of the grouped matmul's forward (`MATMUL_TILE_N`, or twice that: then `num_n` a multiple of
-#: `MATMUL_TILE_N` and the last CTA of a row may have half).
-MATMUL_FORWARD_TILE_N = 128
+#: Columns of one CTA of the grouped matmul's forward (twice `MATMUL_TILE_N`: `num_n` a multiple of `MATMUL_TILE_N`,
+#: the last CTA of a row may have half; a SwiGLU block half gate's columns, half up's).
+MATMUL_FORWARD_TILE_N = 256
 MATMUL_TILE_K = 64
 MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
@@ -297,8 +297,9 @@ GROUPED_MATMUL = Kernel("grouped_matmul", "ep_grouped_matmul", (
     _address("out", "bf16 [P, num_n]: rows of the tiles' pairs written, the others untouched (output); with "
              "`w_up`, `h = bf16(silu(gate) * up)` of the bf16 `gate = x @ w[g]`, `up = x @ w_up[g]`"),
     _address("w_up", "bf16 [G, num_k, num_n]: the SwiGLU's up weight (`w` its gate, `w_k_major` 0), or 0: none"),
-    _address("gate_up", "bf16 [P, 2 num_n]: with `w_up`, the bf16 `gate` and `up`, 64-column blocks alternating "
-             "(gate's block b at columns 128 b, up's at 128 b + 64), the tiles' rows written (output), or 0: none"),
+    _address("gate_up", "bf16 [P, 2 num_n]: with `w_up`, the bf16 `gate` and `up`, blocks of h = "
+             "MATMUL_FORWARD_TILE_N / 2 columns alternating (gate's block b at columns 2 h b, up's at 2 h b + h), "
+             "the tiles' rows written (output), or 0: none"),
     Param("num_k", "i32", False, "contraction length, a multiple of 64"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_tiles", "i32", False, "tiles of the list"),

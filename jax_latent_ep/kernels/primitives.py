@@ -662,6 +662,45 @@ def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def mbarrier_init(bar, count, *, loc=None, ip=None) -> None:
+    """Always issues `mbarrier.init.shared::cta.b64`: the barrier at shared address `bar` (8-byte aligned) expects
+    `count` arrivals a phase, in phase 0. Other threads may use it after a CTA barrier that follows."""
+    _asm(None, [_u32(bar, loc, ip), _u32(count, loc, ip)], "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r", loc,
+         ip)
+
+
+@dsl_user_op
+def mbarrier_arrive(bar, *, loc=None, ip=None) -> None:
+    """Always issues `mbarrier.arrive.release.cta.shared::cta.b64`: one arrival on `bar`; this thread's prior
+    memory accesses happen before those of a thread whose `mbarrier_wait` sees the phase complete."""
+    _asm(None, [_u32(bar, loc, ip)], "mbarrier.arrive.release.cta.shared::cta.b64 _, [$0];", "r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def mbarrier_wait(bar, parity, *, loc=None, ip=None) -> None:
+    """Returns once the phase of `bar` of parity `parity` (0 or 1: phase `k` has parity `k % 2`) has completed
+    (`mbarrier.try_wait.parity.acquire.cta` in a loop): the accesses the arrivals released are visible."""
+    code = ("{ .reg .pred done; waiting: mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [$0], $1; "
+            "@!done bra waiting; }")
+    _asm(None, [_u32(bar, loc, ip), _u32(parity, loc, ip)], code, "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def named_barrier_sync(barrier: int, threads: int, *, loc=None, ip=None) -> None:
+    """Always issues `bar.sync barrier, threads` (a multiple of 32): the CTA barrier of the `threads` threads that
+    name `barrier` (1-15; 0 is `sync_threads`'); memory ordered as by `sync_threads` among them."""
+    _asm(None, [], f"bar.sync {int(barrier)}, {int(threads)};", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def set_max_registers(count: int, increase: bool, *, loc=None, ip=None) -> None:
+    """Always issues `setmaxnreg.{inc,dec}.sync.aligned.u32 count` (warpgroup-wide, `count` a multiple of 8 in
+    24-256): this warpgroup's registers a thread become `count`, released to or taken from the CTA's pool (an
+    increase waits until the pool holds them)."""
+    _asm(None, [], f"setmaxnreg.{'inc' if increase else 'dec'}.sync.aligned.u32 {int(count)};", "~{memory}", loc, ip)
+
+
+@dsl_user_op
 def wgmma_fence(*, loc=None, ip=None) -> None:
     """Always issues `wgmma.fence.sync.aligned` (warpgroup-wide): orders this warpgroup's prior register and shared
     memory accesses before the `wgmma_*` that follow."""

@@ -510,7 +510,7 @@ def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None, w_up=None,
     bf16 `[P, N]`, the rows of the tiles' pairs written (the others hold whatever the buffer held). `x_rows` int32
     `[P]`: the row of `x` of each pair (None: `x` has a row a pair). With `w_up` (a SwiGLU's up weight, `w` its
     gate, both `[G, K, N]`): `h = bf16(silu(gate) * up)` of the bf16 `gate` and `up`; with `residual` too,
-    `(h, gate_up)`: `gate_up` bf16 `[P, 2N]`, gate's and up's 64-column blocks alternating (`split_gate_up`)."""
+    `(h, gate_up)`: `gate_up` bf16 `[P, 2N]`, gate's and up's blocks alternating (`split_gate_up`)."""
     if residual and w_up is None:
         raise ValueError("grouped_matmul_call: residual=True needs w_up (gate and up are a SwiGLU's)")
     if w_up is not None and (w_k_major or tuple(w_up.shape) != tuple(w.shape)):
@@ -527,10 +527,11 @@ def grouped_matmul_call(x, w, tiles, *, w_k_major: bool, x_rows=None, w_up=None,
 
 
 def split_gate_up(gate_up):
-    """`(gate, up)` bf16 `[P, N]` each from `grouped_matmul_call`'s `gate_up` `[P, 2N]` (64-column blocks
-    alternating)."""
+    """`(gate, up)` bf16 `[P, N]` each from `grouped_matmul_call`'s `gate_up` `[P, 2N]` (blocks of
+    `abi.MATMUL_FORWARD_TILE_N / 2` columns alternating)."""
     p, n2 = gate_up.shape
-    blocks = gate_up.reshape(p, n2 // 128, 2, 64)
+    half = abi.MATMUL_FORWARD_TILE_N // 2
+    blocks = gate_up.reshape(p, n2 // (2 * half), 2, half)
     return blocks[:, :, 0].reshape(p, n2 // 2), blocks[:, :, 1].reshape(p, n2 // 2)
 
 

@@ -12,8 +12,8 @@ from jax_latent_ep.kernels.primitives import descriptor_fields
 
 KERNELS = [(abi.GROUPED_MATMUL, grouped_matmul.GroupedMatmul), (abi.GROUPED_MATMUL_WGRAD,
                                                                  grouped_matmul.GroupedMatmulWgrad)]
-# The forward's other block (`tile_n=256`, a constructor setting): built and checked like the defaults.
-WIDE = (abi.GROUPED_MATMUL, lambda: grouped_matmul.GroupedMatmul(tile_n=256, stages=4, pending=1, ctas_per_sm=1))
+# The forward's other block (`tile_n=128`, a deeper ring: constructor settings): built and checked like the defaults.
+NARROW = (abi.GROUPED_MATMUL, lambda: grouped_matmul.GroupedMatmul(tile_n=128, stages=6, lag=3))
 WGMMA = (r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, p, 1, 1, "
          r"(\d), (\d);")
 
@@ -23,11 +23,12 @@ def test_signature_is_the_abi(op, cls):
     check_abi(op, cls())  # raises on any difference
 
 
-@pytest.mark.parametrize("op, cls", KERNELS + [WIDE], ids=["forward", "wgrad", "forward-256"])
+@pytest.mark.parametrize("op, cls", KERNELS + [NARROW], ids=["forward", "wgrad", "forward-128"])
 def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
     ring = cls()
     ptx = kernel_ptx(op, ring)
-    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_matmul.THREADS, ptx), "block differs from THREADS"
+    threads = grouped_matmul.FORWARD_THREADS if op is abi.GROUPED_MATMUL else grouped_matmul.THREADS
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % threads, ptx), "block differs from the launch shape's"
     minnctapersm = re.search(r"\.minnctapersm\s+(\d+)", ptx)
     assert (int(minnctapersm.group(1)) if minnctapersm else 1) == ring.ctas_per_sm
     forms = sorted(re.findall(WGMMA, ptx))
@@ -37,7 +38,7 @@ def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
     n = str(ring.tile_n)
     want = [(n, "0", "0")] * k16 + [(n, "0", "1")] * k16 if op is abi.GROUPED_MATMUL else [(n, "1", "1")] * k16
     assert forms == sorted(want)
-    assert ptx.count("fence.proxy.async.shared::cta") == 1 and ptx.count("wgmma.commit_group.sync.aligned") >= 1
+    assert ptx.count("fence.proxy.async.shared::cta") >= 1 and ptx.count("wgmma.commit_group.sync.aligned") >= 1
     assert ptx.index("fence.proxy.async.shared::cta") < ptx.index("wgmma.mma_async")
     assert "ld.local" not in ptx and "st.local" not in ptx
 
@@ -48,8 +49,10 @@ def test_ring_settings_are_checked():
         grouped_matmul.GroupedMatmulWgrad(tile_n=256)
     with pytest.raises(ValueError, match="tile_n=192"):
         grouped_matmul.GroupedMatmul(tile_n=192)
-    with pytest.raises(ValueError, match="stages=2, pending=1"):
-        grouped_matmul.GroupedMatmul(stages=2, pending=1)
+    with pytest.raises(ValueError, match="stages=3, lag=2"):
+        grouped_matmul.GroupedMatmul(stages=3, lag=2)
+    with pytest.raises(ValueError, match="ctas_per_sm=2, tile_n=256"):
+        grouped_matmul.GroupedMatmul(ctas_per_sm=2, stages=3, lag=1)
     assert grouped_matmul.GroupedMatmul().smem_bytes <= 227 * 1024 // grouped_matmul.FORWARD_CTAS_PER_SM
     assert grouped_matmul.GroupedMatmulWgrad().smem_bytes <= 227 * 1024 // grouped_matmul.CTAS_PER_SM
 
