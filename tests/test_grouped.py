@@ -52,7 +52,8 @@ def _assert_bf16_close(got, want, what):
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_gmm_and_its_gradients_against_numpy(impl, transpose_w):
     rng = _rng(f"gmm/{impl}/{transpose_w}")
-    g, m, k, n = 6, 300, 256, 384  # n: three forward CTAs a tile (a 256-column block's CTAs: one whole, one half)
+    # n: a 256-column block's CTAs one whole, one half; k: 17 stages, the forward's ring of 4 around four times.
+    g, m, k, n = 6, 300, 1088, 384
     sizes = _groups(rng, g, m)
     x = _bf16(rng, m, k)
     x[sizes.sum():] = np.float32("nan")  # rows past the groups: never read into a used output
@@ -538,7 +539,7 @@ def test_wgmma_swiglu_block_against_the_two_products(residual):
         pytest.skip("needs NVIDIA GPUs")
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
     rng = _rng(f"wgmma-swiglu/{residual}")
-    g, m, k, n = 6, 520, 256, 384
+    g, m, k, n = 6, 520, 640, 384  # k: 10 stages, the ring's barriers in both phases
     sizes = np.array([0, 1, 128, 200, *rng.integers(1, 90, g - 4)], np.int32)[rng.permutation(g)]  # 200: 2 tiles
     sizes, used = jnp.asarray(sizes), int(np.sum(sizes))
     x = jnp.asarray(_bf16(rng, m - 100, k))
