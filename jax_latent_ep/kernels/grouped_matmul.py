@@ -366,7 +366,8 @@ class GroupedMatmul(_Ring):
     def __init__(self, stages: int = FORWARD_STAGES, lag: int = FORWARD_LAG, ctas_per_sm: int = FORWARD_CTAS_PER_SM,
                  tile_n: int = FORWARD_TILE_N):
         if not 1 <= lag <= stages - 2:
-            raise ValueError(f"stages={stages}, lag={lag}: need 1 <= lag <= stages - 2 (a ring that cannot stall)")
+            # Past stages - 2 the producer would wait for a slot freed only after a stage it has not yet marked.
+            raise ValueError(f"stages={stages}, lag={lag}: need 1 <= lag <= stages - 2")
         super().__init__(stages=stages, pending=0, ctas_per_sm=ctas_per_sm, tile_n=tile_n)
         self.lag = lag
         self.smem_bytes += 16 * stages  # a full and an empty barrier a stage, past the ring
