@@ -16,9 +16,10 @@ the same with a backward of plain batched bf16 GEMMs (FP32 accumulation, bf16 ou
 backward's shapes).
 
 With `--profile K` (a GPU), each forward and forward + backward program's K kernels of the most GPU time are printed
-(where the time goes; a diagnosis, no rows). With `--layer`, the whole `MoELayer` too (router, K3's latent
-projections and norm or K2's shared expert, dispatch and combine on the xla backend, the stage) at N = 1 with the J
-experts, rows `training/<model>/layer/<impl>`.
+(where the time goes; a diagnosis, no rows). With `--fp8`, the prefill forward on FP8 weights against XLA's FP8
+GEMMs too (`measure_fp8`, rows `training/<model>/fp8/<case>`). With `--layer`, the whole `MoELayer` too (router,
+K3's latent projections and norm or K2's shared expert, dispatch and combine on the xla backend, the stage) at N = 1
+with the J experts, rows `training/<model>/layer/<impl>`.
 
 Rows (`backend` `training/<model>/<impl>`): `fwd_ms`, `fwd_bwd_ms` (per layer), `fwd_tflops`, `fwd_bwd_tflops`
 (the pairs' FLOPs: `2 * pairs * L * I * 3` forward, three times that with the backward), `bwd_tflops` (twice the
@@ -217,6 +218,72 @@ def print_profile(fn, args, layers, top):
         print(f"    {us / layers / 1e3:8.3f} ms  {us / busy:5.1%}  {name[:100]}", flush=True)
 
 
+def measure_fp8(model, t, layers, repeats, impl="wgmma", seed=0, profile=0):
+    """Rows of the prefill forward on FP8 weights (`--fp8`): the stage on `[out, in]` FP8 weights with a scale per
+    128 x 128 block (`training/<model>/fp8/<impl>`: `experts.grouped.swiglu_rows_fp8` on `impl`, "wgmma" the
+    project's kernels, the MXFP8 rows quantized from the bf16 ones) against `training/<model>/fp8/plain`: the SwiGLU MLP batched
+    over the J experts with `ceil(pairs / J)` rows each as plain e4m3 x e4m3 GEMMs (XLA's FP8 GEMM, BF16 out; `h`
+    cast to e4m3), unscaled: an FP8 GEMM's rate for the same shapes. Rows `fwd_ms`, `fwd_tflops`, `fwd_of_plain`,
+    `fwd_temp_GB`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from expert_stage import _layer_weights  # noqa: E402  (benchmarks/ is on the path as a script)
+    from jax_latent_ep import experts
+
+    c = MODELS[model]
+    j, lat, inter, k, ranks = c["j"], c["lat"], c["inter"], c["k"], c["ranks"]
+    recv = _routing(np.random.default_rng(seed), t, j, k, ranks)
+    pl = jax.jit(lambda r: experts.plan(r, 0, j, max_tokens=t, ranks=ranks, capacity_factor=1.25,
+                                        overflow="drop"))(recv)
+    pairs, per_expert = int(pl.count), -(-int(pl.count) // j)
+    keys = jax.random.split(jax.random.key(seed), layers + 2)
+    ws = [_layer_weights(keys[i], j, lat, inter, "fp8-out-in") for i in range(layers)]
+    x = jax.random.normal(keys[-2], (ranks * t, lat), jnp.bfloat16)
+
+    def kernel_stage(x, w):
+        return experts.grouped.swiglu_rows_fp8(pl, x, None, *w, impl=impl, out_dtype=jnp.bfloat16)
+
+    def plain_stage(xe, w):
+        mm = lambda a, b: jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))),  # noqa: E731
+                                              preferred_element_type=jnp.bfloat16)
+        xq = xe.astype(jnp.float8_e4m3fn)
+        g, u = mm(xq, w[0].values), mm(xq, w[1].values)
+        h = (jax.nn.silu(g.astype(jnp.float32)) * u).astype(jnp.float8_e4m3fn)
+        return mm(h, w[2].values)
+
+    def program(stage):
+        def fwd(x, ws):
+            for w in ws:
+                x = (x.astype(jnp.float32) + stage(x, w).astype(jnp.float32)).astype(jnp.bfloat16)
+            return x
+
+        return jax.jit(fwd)
+
+    rows, plain_rate = [], float("nan")
+    for name, stage, args, case_pairs in (
+            ("plain", plain_stage, (jax.random.normal(keys[-1], (j, per_expert, lat), jnp.bfloat16), ws),
+             j * per_expert), (impl, kernel_stage, (x, ws), pairs)):
+        fwd = program(stage)
+        try:
+            temp = fwd.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9
+            t_fwd = _time(fwd, args, repeats) / layers
+        except Exception as e:  # noqa: BLE001  (a failing case is reported, the other still runs)
+            print(f"{model} fp8 T={t} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        rate = 2 * case_pairs * lat * inter * 3 / t_fwd / 1e12
+        plain_rate = rate if name == "plain" else plain_rate
+        print(f"{model} fp8 T={t:5d} {name:10s}: fwd {t_fwd * 1e3:7.2f} ms {rate:5.0f} TFLOPS "
+              f"({rate / plain_rate:4.2f} of plain), temporaries {temp:.1f} GB", flush=True)
+        b = f"training/{model}/fp8/{name}"
+        rows += [(b, t, "fwd_ms", t_fwd * 1e3), (b, t, "fwd_tflops", rate), (b, t, "fwd_temp_GB", temp)]
+        rows += [(b, t, "fwd_of_plain", rate / plain_rate)] if plain_rate == plain_rate else []
+        if profile:
+            print_profile(fwd, args, layers, profile)
+    return rows
+
+
 def measure_layer(model, t, impls, layers, repeats, seed=0):
     """Rows of the whole `MoELayer` (router, projections, dispatch and combine on the xla backend, the stage) at
     N = 1 with a rank's share of the experts (J routed experts, top-K of them), `t` tokens: `layer/<impl>` rows
@@ -290,13 +357,14 @@ def main(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="print each forward + backward program's K kernels of the most GPU time (a GPU only)")
     p.add_argument("--layer", action="store_true", help="the whole MoELayer too (N = 1, a rank's share of experts)")
+    p.add_argument("--fp8", action="store_true", help="the prefill forward on FP8 weights too (`measure_fp8`)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         MODELS["tiny"] = dict(j=4, lat=128, inter=128, k=4, ranks=8)
         BLOCKS["tiny"] = dict(hidden=256, latent=128, shared=128, norm=True)
         args.models, args.tokens, args.impls, args.layers, args.repeats = ["tiny"], [16], ["gmm", "scan"], 2, 1
-        args.layer, args.profile = True, args.profile or 2
+        args.layer, args.fp8, args.profile = True, True, args.profile or 2
     import jax
 
     for item in args.jax_config:
@@ -317,6 +385,9 @@ def main(argv=None):
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, layers,
                                                                               args.repeats)]
+            if args.fp8:  # FP8 weights, no gradients: a quarter of the bf16 weights and gradients' bytes
+                rows += measure_fp8(model, t, min(args.layers, 4 * layers), args.repeats,
+                                    "xla" if args.smoke else "wgmma", profile=args.profile)
             # written after each point: a run cut off keeps what it measured
             write_rows(args.out, device, [(b, 1 if "/layer/" in b else MODELS[b.split("/")[1]]["ranks"], tk, m, v)
                                           for b, tk, m, v in rows])
