@@ -77,6 +77,18 @@ def _routing(rng, t, j, k, ranks):
                     jnp.asarray(weights), jnp.asarray(src))
 
 
+def residual_layers(stage):
+    """`fwd(x, ws)`: `x += stage(x, w)` for each layer's weights `w` of `ws`, the sum in FP32, `x` bf16 between."""
+    import jax.numpy as jnp
+
+    def fwd(x, ws):
+        for w in ws:
+            x = (x.astype(jnp.float32) + stage(x, w).astype(jnp.float32)).astype(jnp.bfloat16)
+        return x
+
+    return fwd
+
+
 def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_bf16"), seed=0, profile=0,
             variants=()):
     """Rows `(backend, tokens, metric, value)` of each implementation of `impls` (and the references `plain`) at
@@ -109,10 +121,7 @@ def measure(model, t, impls, layers, repeats, tiles=(), plain=("plain", "plain_b
     rows = [(f"training/{model}", t, "pairs", pairs)]
 
     def program(stage, dout):
-        def fwd(x, ws):
-            for w in ws:
-                x = (x.astype(jnp.float32) + stage(x, w).astype(jnp.float32)).astype(jnp.bfloat16)
-            return x
+        fwd = residual_layers(stage)
 
         def loss(x, ws):
             return jnp.sum(fwd(x, ws).astype(jnp.float32) * dout)
@@ -253,19 +262,11 @@ def measure_fp8(model, t, layers, repeats, impl="wgmma", seed=0, profile=0):
         h = (jax.nn.silu(g.astype(jnp.float32)) * u).astype(jnp.float8_e4m3fn)
         return mm(h, w[2].values)
 
-    def program(stage):
-        def fwd(x, ws):
-            for w in ws:
-                x = (x.astype(jnp.float32) + stage(x, w).astype(jnp.float32)).astype(jnp.bfloat16)
-            return x
-
-        return jax.jit(fwd)
-
     rows, plain_rate = [], float("nan")
     for name, stage, args, case_pairs in (
             ("plain", plain_stage, (jax.random.normal(keys[-1], (j, per_expert, lat), jnp.bfloat16), ws),
              j * per_expert), (impl, kernel_stage, (x, ws), pairs)):
-        fwd = program(stage)
+        fwd = jax.jit(residual_layers(stage))
         try:
             temp = fwd.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9
             t_fwd = _time(fwd, args, repeats) / layers
