@@ -114,9 +114,8 @@ TILE_WORDS = abi.MATMUL_TILE_WORDS
 
 def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
     """(threads per CTA, dynamic shared bytes) of `kernel` ("grouped_matmul" or "grouped_matmul_wgrad")."""
-    if kernel == "grouped_matmul":
-        return FORWARD_THREADS, GroupedMatmul().smem_bytes
-    return THREADS, GroupedMatmulWgrad().smem_bytes
+    ring = GroupedMatmul() if kernel == "grouped_matmul" else GroupedMatmulWgrad()
+    return ring.threads, ring.smem_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -138,9 +137,12 @@ class _Ring:
         self.stage_bytes = A_STAGE_BYTES + tile_n * LINE_BYTES
         self.smem_bytes = ring_bytes(stages, tile_n)
 
+    #: Threads of a CTA.
+    threads = THREADS
+
     def launch_options(self, grid) -> dict:
         """The `.launch(...)` options of either kernel (the FFI handler sets the grid)."""
-        return dict(grid=grid, block=[THREADS, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
+        return dict(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
                     min_blocks_per_mp=self.ctas_per_sm if self.ctas_per_sm > 1 else 0)
 
     @cute.jit
@@ -363,6 +365,8 @@ class GroupedMatmul(_Ring):
     warp-specialized: warpgroup 0 copies stages into the ring, warpgroups 1 and 2 multiply 64 rows each; `stages`,
     `lag`, `ctas_per_sm`, `tile_n`: the forward's settings (`FORWARD_*`) by default."""
 
+    threads = FORWARD_THREADS
+
     def __init__(self, stages: int = FORWARD_STAGES, lag: int = FORWARD_LAG, ctas_per_sm: int = FORWARD_CTAS_PER_SM,
                  tile_n: int = FORWARD_TILE_N):
         if not 1 <= lag <= stages - 2:
@@ -380,10 +384,6 @@ class GroupedMatmul(_Ring):
         if self.consumer_regs < tile_n // 2 + 40:
             raise ValueError(f"ctas_per_sm={ctas_per_sm}, tile_n={tile_n}: {self.consumer_regs} registers a "
                              f"consumer thread hold too few beside {tile_n // 2} accumulators")
-
-    def launch_options(self, grid) -> dict:
-        return dict(grid=grid, block=[FORWARD_THREADS, 1, 1], smem=self.smem_bytes, preferred_smem_carveout=-1,
-                    min_blocks_per_mp=self.ctas_per_sm if self.ctas_per_sm > 1 else 0)
 
     @cute.jit
     def launch(
