@@ -168,6 +168,17 @@ class _Ring:
         return ring, full, empty, epilogue
 
     @cute.jit
+    def copy_chunk(self, dst: Uint32, base: Int64, src: Int64, live):
+        """The producer: one 16-byte chunk into shared `dst`, from `src` if `live`, else 16 zeros (naming `base`,
+        the operand's start, never read)."""
+        address = base
+        size = Uint32(0)
+        if live:
+            address = src
+            size = Uint32(16)
+        cp_async_16(dst, address, size)
+
+    @cute.jit
     def wait_free(self, empty: Uint32, t: Int32):
         """The producer, before copying stage `t`: its slot's previous stage `t - stages` was multiplied."""
         if t >= self.stages:
@@ -434,19 +445,10 @@ class GroupedMatmul(_Ring):
             self.wait_free(empty, t)
             slot = ring + Uint32(t % self.stages) * Uint32(self.stage_bytes)
             for i in cutlass.range_constexpr(len(x_dst)):
-                src = x
-                size = Uint32(0)
-                if lines[i] < rows:
-                    src = x_src[i] + Int64(t) * Int64(TILE_K * 2)
-                    size = Uint32(16)
-                cp_async_16(slot + x_dst[i], src, size)
+                self.copy_chunk(slot + x_dst[i], x, x_src[i] + Int64(t) * Int64(TILE_K * 2), lines[i] < rows)
             for i in cutlass.range_constexpr(len(w_dst)):
-                src = w
-                size = Uint32(0)
-                if w_column[i] < columns:
-                    src = w_src[i] + Int64(t) * w_step
-                    size = Uint32(16)
-                cp_async_16(slot + Uint32(A_STAGE_BYTES) + w_dst[i], src, size)
+                self.copy_chunk(slot + Uint32(A_STAGE_BYTES) + w_dst[i], w, w_src[i] + Int64(t) * w_step,
+                                w_column[i] < columns)
             self.mark_landed(full, t)
         self.mark_all_landed(full, steps)
 
@@ -576,19 +578,12 @@ class GroupedMatmulWgrad(_Ring):
                 x_stage = x_base + Int64(s) * Int64(TILE_K) * Int64(num_k) * 2
                 dy_stage = dy_base + (Int64(s) * Int64(TILE_K) * Int64(num_n) + Int64(b * self.tile_n)) * 2
                 for i in cutlass.range_constexpr(len(x_dst)):
-                    src = x
-                    size = Uint32(0)
-                    if (i % 4) * 16 < pairs:
-                        src = x_stage + Int64(i % 4) * x_row + Int64((i // 4) * 128)
-                        size = Uint32(16)
-                    cp_async_16(slot + x_dst[i], src, size)
+                    self.copy_chunk(slot + x_dst[i], x, x_stage + Int64(i % 4) * x_row + Int64((i // 4) * 128),
+                                    (i % 4) * 16 < pairs)
                 for i in cutlass.range_constexpr(len(dy_dst)):
-                    src = dy
-                    size = Uint32(0)
-                    if (i % 4) * 16 < pairs and (i // 4) * 64 < columns:
-                        src = dy_stage + Int64(i % 4) * dy_row + Int64((i // 4) * 128)
-                        size = Uint32(16)
-                    cp_async_16(slot + Uint32(A_STAGE_BYTES) + dy_dst[i], src, size)
+                    self.copy_chunk(slot + Uint32(A_STAGE_BYTES) + dy_dst[i], dy,
+                                    dy_stage + Int64(i % 4) * dy_row + Int64((i // 4) * 128),
+                                    (i % 4) * 16 < pairs and (i // 4) * 64 < columns)
                 self.mark_landed(full, t)
         self.mark_all_landed(full, blocks * steps)
 
