@@ -512,7 +512,8 @@ static_assert(visited_count<ep_abi::GroupedMatmulParams>() == ep_abi::kGroupedMa
 
 // ---------------------------------------------------------------------------------------------------------
 // grouped_matmul_wgrad(x, dy, groups) -> dw: the weights' gradient of the grouped matmul (kernels/grouped_matmul.py,
-// sm_90a), a CTA per (group, 128 rows of dw, tiles_per_cta of its 128-column blocks), about kMatmulWgradCtas CTAs.
+// sm_90a), a CTA per (group, 128 rows of dw, tiles_per_cta of its kMatmulWgradTileN-column blocks), about
+// kMatmulWgradCtas CTAs.
 
 struct GroupedMatmulWgrad {
   static constexpr const char* kWhat = "grouped_matmul_wgrad";
@@ -536,7 +537,8 @@ struct GroupedMatmulWgrad {
                                          "groups [G, 2]");
     }
     const int64_t P = xd[0], K = xd[1], N = yd[1], G = gd[0];
-    const int64_t blocks = G * (K / ep_abi::kMatmulTileM) * (N / ep_abi::kMatmulTileN);
+    const int64_t column_tiles = (N + ep_abi::kMatmulWgradTileN - 1) / ep_abi::kMatmulWgradTileN;  // last: half
+    const int64_t blocks = G * (K / ep_abi::kMatmulTileM) * column_tiles;
     if (P < 1 || G < 1 || K < ep_abi::kMatmulTileM || K % ep_abi::kMatmulTileM || N < ep_abi::kMatmulTileN ||
         N % ep_abi::kMatmulTileN || P * (K > N ? K : N) > (int64_t{1} << 40) || blocks > (int64_t{1} << 31) - 1) {
       return ffi::Error::InvalidArgument(
@@ -552,7 +554,6 @@ struct GroupedMatmulWgrad {
       return e;
     }
     // Column blocks a CTA computes in turn: as many as keep about kMatmulWgradCtas CTAs, spread evenly.
-    const int64_t column_tiles = N / ep_abi::kMatmulTileN;
     int64_t per = blocks / ep_abi::kMatmulWgradCtas;
     per = per < 1 ? 1 : (per > column_tiles ? column_tiles : per);
     per = (column_tiles + (column_tiles + per - 1) / per - 1) / ((column_tiles + per - 1) / per);

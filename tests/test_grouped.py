@@ -83,14 +83,16 @@ def test_gmm_and_its_gradients_against_numpy(impl, transpose_w):
 
 @pytest.mark.gpu
 def test_wgmma_weights_gradient_of_several_blocks_a_cta():
-    """The weights' gradient kernel at a size where a CTA computes several 128 x 128 blocks in turn (16 groups, some
-    empty, K 1024, N 2176: 2176 blocks, 2 a CTA, the last CTA of a row 1): against float64 per group, within the
-    bf16 rounding of `_assert_bf16_close`; an empty group's gradient exactly 0."""
+    """The weights' gradient kernel at a size where a CTA computes several 128 x 256 blocks in turn (16 groups, some
+    empty, K 1024, N 4224: 2176 blocks, 2 a CTA, the last CTA of a row 1, its block half past N): against float64
+    per group, within the bf16 rounding of `_assert_bf16_close`; an empty group's gradient exactly 0."""
     from jax_latent_ep.kernels import abi
 
     rng = _rng("wgrad-blocks")
-    g, m, k, n = 16, 2400, 1024, 2176
-    assert g * (k // 128) * (n // 128) >= 2 * abi.MATMUL_WGRAD_CTAS and (n // 128) % 2 == 1
+    g, m, k, n = 16, 2400, 1024, 4224
+    tile = abi.MATMUL_WGRAD_TILE_N
+    blocks = -(-n // tile)
+    assert g * (k // 128) * blocks >= 2 * abi.MATMUL_WGRAD_CTAS and blocks % 2 == 1 and n % tile == tile // 2
     sizes = _groups(rng, g, m)
     x, dy = _bf16(rng, m, k), _bf16(rng, m, n)
     dy[sizes.sum():] = np.float32("nan")  # rows past the groups: never read

@@ -67,6 +67,9 @@ MATMUL_TILE_N = 128
 #: Columns of one CTA of the grouped matmul's forward (twice `MATMUL_TILE_N`: `num_n` a multiple of `MATMUL_TILE_N`,
 #: the last CTA of a row may have half; a SwiGLU block half gate's columns, half up's).
 MATMUL_FORWARD_TILE_N = 256
+#: Columns of one block of the grouped matmul's weights' gradient (`num_n` a multiple of `MATMUL_TILE_N`, the last
+#: block of a row may have half).
+MATMUL_WGRAD_TILE_N = 256
 MATMUL_TILE_K = 64
 MATMUL_TILE_WORDS = 4
 #: CTAs the weights' gradient aims at (its launcher gives each CTA that many fewer 128 x 128 blocks of dw, at least
@@ -316,7 +319,7 @@ GROUPED_MATMUL_WGRAD = Kernel("grouped_matmul_wgrad", "ep_grouped_matmul_wgrad",
     Param("num_k", "i32", False, "rows of each group's gradient, a multiple of 128"),
     Param("num_n", "i32", False, "columns, a multiple of 128"),
     Param("num_groups", "i32", False, "groups"),
-    Param("tiles_per_cta", "i32", False, "128-column blocks of dw each CTA computes in turn, >= 1"),
+    Param("tiles_per_cta", "i32", False, "MATMUL_WGRAD_TILE_N-column blocks of dw each CTA computes in turn, >= 1"),
 ), archs=("sm_90a",))
 
 def _narrow_matmul(op: str, w: str, w_scale: str) -> Kernel:
@@ -481,6 +484,7 @@ def header() -> str:
         f"constexpr int kMatmulTileM = {MATMUL_TILE_M};",
         f"constexpr int kMatmulTileN = {MATMUL_TILE_N};",
         f"constexpr int kMatmulForwardTileN = {MATMUL_FORWARD_TILE_N};",
+        f"constexpr int kMatmulWgradTileN = {MATMUL_WGRAD_TILE_N};",
         f"constexpr int kMatmulTileK = {MATMUL_TILE_K};",
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",

@@ -27,8 +27,7 @@ def test_signature_is_the_abi(op, cls):
 def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
     ring = cls()
     ptx = kernel_ptx(op, ring)
-    threads = grouped_matmul.FORWARD_THREADS if op is abi.GROUPED_MATMUL else grouped_matmul.THREADS
-    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % threads, ptx), "block differs from the launch shape's"
+    assert re.search(r"\.reqntid\s+%d,\s*1,\s*1" % grouped_matmul.FORWARD_THREADS, ptx), "block differs"
     minnctapersm = re.search(r"\.minnctapersm\s+(\d+)", ptx)
     assert (int(minnctapersm.group(1)) if minnctapersm else 1) == ring.ctas_per_sm
     forms = sorted(re.findall(WGMMA, ptx))
@@ -45,8 +44,6 @@ def test_ptx_block_wgmma_forms_and_no_local_memory(op, cls):
 
 def test_ring_settings_are_checked():
     """A ring's settings outside what its kernel computes are refused when it is built, naming the value."""
-    with pytest.raises(ValueError, match="tile_n=256: the weights' gradient's blocks are 128 columns"):
-        grouped_matmul.GroupedMatmulWgrad(tile_n=256)
     with pytest.raises(ValueError, match="tile_n=192"):
         grouped_matmul.GroupedMatmul(tile_n=192)
     with pytest.raises(ValueError, match="stages=3, lag=2"):
@@ -54,7 +51,7 @@ def test_ring_settings_are_checked():
     with pytest.raises(ValueError, match="ctas_per_sm=2, tile_n=256"):
         grouped_matmul.GroupedMatmul(ctas_per_sm=2, stages=3, lag=1)
     assert grouped_matmul.GroupedMatmul().smem_bytes <= 227 * 1024 // grouped_matmul.FORWARD_CTAS_PER_SM
-    assert grouped_matmul.GroupedMatmulWgrad().smem_bytes <= 227 * 1024 // grouped_matmul.CTAS_PER_SM
+    assert grouped_matmul.GroupedMatmulWgrad().smem_bytes <= 227 * 1024
 
 
 def test_descriptor_fields_follow_ptx():
