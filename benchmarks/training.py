@@ -230,10 +230,10 @@ def print_profile(fn, args, layers, top):
 def measure_fp8(model, t, layers, repeats, impl="wgmma", seed=0, profile=0):
     """Rows of the prefill forward on FP8 weights (`--fp8`): the stage on `[out, in]` FP8 weights with a scale per
     128 x 128 block (`training/<model>/fp8/<impl>`: `experts.grouped.swiglu_rows_fp8` on `impl`, "wgmma" the
-    project's kernels, the MXFP8 rows quantized from the bf16 ones) against `training/<model>/fp8/plain`: the SwiGLU MLP batched
-    over the J experts with `ceil(pairs / J)` rows each as plain e4m3 x e4m3 GEMMs (XLA's FP8 GEMM, BF16 out; `h`
-    cast to e4m3), unscaled: an FP8 GEMM's rate for the same shapes. Rows `fwd_ms`, `fwd_tflops`, `fwd_of_plain`,
-    `fwd_temp_GB`."""
+    project's kernels, the MXFP8 rows quantized from the bf16 ones) against `training/<model>/fp8/plain`: the
+    SwiGLU MLP batched over the J experts with `ceil(pairs / J)` rows each as plain e4m3 x e4m3 GEMMs (XLA's FP8
+    GEMM, BF16 out; `h` cast to e4m3), unscaled: an FP8 GEMM's rate for the same shapes. Rows `fwd_ms`,
+    `fwd_tflops`, `fwd_of_plain`, `fwd_temp_GB`."""
     import jax
     import jax.numpy as jnp
     import numpy as np

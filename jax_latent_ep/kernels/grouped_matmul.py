@@ -57,7 +57,6 @@ from jax_latent_ep.kernels.primitives import (
     set_max_registers,
     silu_mul,
     smem_descriptor,
-    store_b32_bf16x2,
     store_shared_b32,
     store_v4,
     wgmma_bf16_m64k16,
