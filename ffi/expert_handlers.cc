@@ -579,7 +579,8 @@ static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGrou
 // grouped_matmul_fp8 / grouped_matmul_mxfp4 (_n16, _n8: tiles of 16, 8 pairs)(x, x_scale, x_rows, w, w_scale,
 // w_second, w_second_scale, tiles) -> out: the grouped matmul of decode sizes on FP8 or MXFP4 weights
 // (kernels/grouped_matmul_fp8.py, sm_90a), one or two weights (gate and up), a persistent grid over (split, tile,
-// 128 output columns).
+// 128 output columns); grouped_matmul_fp8_wide: the same call of prefill sizes, tiles of 128 pairs
+// (kernels/grouped_matmul_fp8_wide.py).
 
 // The op name of the variant (its kernel's key in the registry).
 constexpr const char* narrow_op(bool mxfp4, int tile_pairs) {
@@ -587,12 +588,14 @@ constexpr const char* narrow_op(bool mxfp4, int tile_pairs) {
     return tile_pairs == 8 ? "grouped_matmul_mxfp4_n8" : tile_pairs == 16 ? "grouped_matmul_mxfp4_n16"
                                                                           : "grouped_matmul_mxfp4";
   }
+  if (tile_pairs == ep_abi::kMatmulFp8WideTilePairs) return "grouped_matmul_fp8_wide";
   return tile_pairs == 8 ? "grouped_matmul_fp8_n8" : tile_pairs == 16 ? "grouped_matmul_fp8_n16" : "grouped_matmul_fp8";
 }
 
 template <bool kMxfp4, int kTilePairs>
 struct GroupedMatmulNarrow {
-  static_assert(kTilePairs == 8 || kTilePairs == 16 || kTilePairs == ep_abi::kMatmulFp8TilePairs);
+  static_assert(kTilePairs == 8 || kTilePairs == 16 || kTilePairs == ep_abi::kMatmulFp8TilePairs ||
+                (kTilePairs == ep_abi::kMatmulFp8WideTilePairs && !kMxfp4));
   static constexpr const char* kWhat = narrow_op(kMxfp4, kTilePairs);
   using Params = std::conditional_t<kMxfp4, ep_abi::GroupedMatmulMxfp4Params, ep_abi::GroupedMatmulFp8Params>;
 
@@ -688,6 +691,7 @@ using GroupedMatmulFp8N16 = GroupedMatmulNarrow<false, 16>;
 using GroupedMatmulMxfp4N16 = GroupedMatmulNarrow<true, 16>;
 using GroupedMatmulFp8N8 = GroupedMatmulNarrow<false, 8>;
 using GroupedMatmulMxfp4N8 = GroupedMatmulNarrow<true, 8>;
+using GroupedMatmulFp8Wide = GroupedMatmulNarrow<false, ep_abi::kMatmulFp8WideTilePairs>;
 static_assert(visited_count<ep_abi::GroupedMatmulFp8Params>() == ep_abi::kGroupedMatmulFp8ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulFp8Params) must pass every parameter once");
 static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGroupedMatmulMxfp4ParamsCount,
@@ -769,6 +773,7 @@ Targets grouped_matmul_fp8_n16_targets() { return targets<GroupedMatmulFp8N16>()
 Targets grouped_matmul_mxfp4_n16_targets() { return targets<GroupedMatmulMxfp4N16>(); }
 Targets grouped_matmul_fp8_n8_targets() { return targets<GroupedMatmulFp8N8>(); }
 Targets grouped_matmul_mxfp4_n8_targets() { return targets<GroupedMatmulMxfp4N8>(); }
+Targets grouped_matmul_fp8_wide_targets() { return targets<GroupedMatmulFp8Wide>(); }
 Targets swiglu_mxfp8_targets() { return targets<SwigluMxfp8>(); }
 
 }  // namespace jax_latent_ep

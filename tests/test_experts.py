@@ -311,12 +311,17 @@ def test_fp8_fused_gate_up(impl):
     _assert_close(got, reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32), impl)
 
 
+#: Prefill sizes: 200 pairs an expert, past `FP8_WIDE_FROM` ("wgmma": the prefill kernel's 128-pair tiles).
+FP8_WIDE_CASE = (1, 0, [200], 200, 256, 4, 4, 128)
+
+
 @pytest.mark.parametrize("impl", ["gmm", pytest.param("wgmma", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("case", FP8_CASES, ids=[f"N{c[0]}" for c in FP8_CASES])
+@pytest.mark.parametrize("case", FP8_CASES + [FP8_WIDE_CASE], ids=[f"N{c[0]}" for c in FP8_CASES] + ["wide"])
 def test_fp8_out_in_weights_against_numpy(impl, fused, case):
     """`[out, in]` FP8 weights (`BlockScaledOutIn`, the same random weights as `BlockScaled`) on the FP8 grouped
-    matmul ("gmm": its XLA form; "wgmma": the kernel) against the NumPy model, as the other FP8 paths."""
+    matmul ("gmm": its XLA form; "wgmma": the kernels, decode's or prefill's tiles) against the NumPy model, as the
+    other FP8 paths."""
     n, rank, tokens, mt = case[:4]
     recv, weights = _fp8_case(f"fp8-out-in/{impl}/{case}", *case, fused=fused)
     got = _run(recv, [None if w is None else experts.fp8_out_in(w) for w in weights], rank, mt, n, impl)

@@ -262,6 +262,10 @@ NARROW_MIN_UNITS = 264
 #: The FP8 / MXFP4 stage's tile holds at least this many times the pairs it expects an active expert (`tile_pairs`):
 #: an expert past its tile streams its weights once more per tile, rare below half the tile's pairs.
 TILE_HEADROOM = 2.0
+#: Pairs an active expert expects from which FP8 weights take the prefill kernel's tiles
+#: (`abi.MATMUL_FP8_WIDE_TILE_PAIRS`, `kernels/grouped_matmul_fp8_wide.py`): past two decode tiles an expert, its
+#: weights would stream through each again.
+FP8_WIDE_FROM = 64
 
 
 def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
@@ -273,27 +277,37 @@ def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
     return -(-steps // per), per * 128
 
 
-def tile_pairs(expected_pairs: float, active: int) -> int:
-    """The FP8 / MXFP4 kernels' tile for `expected_pairs` over `active` experts: the smallest of
-    `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
+def tile_pairs(expected_pairs: float, active: int, fp8: bool = False) -> int:
+    """The FP8 / MXFP4 kernels' tile for `expected_pairs` over `active` experts: with `fp8` (FP8 weights) and at
+    least `FP8_WIDE_FROM` pairs an expert, `abi.MATMUL_FP8_WIDE_TILE_PAIRS` (the prefill kernel); else the smallest
+    of `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
     `abi.MATMUL_FP8_TILE_PAIRS` (a smaller tile: less MMA, promotion and copying a stage, the same bits)."""
     from jax_latent_ep.kernels import abi
 
+    if fp8 and expected_pairs >= FP8_WIDE_FROM * max(1, active):
+        return abi.MATMUL_FP8_WIDE_TILE_PAIRS
     fits = [p for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS if p >= TILE_HEADROOM * expected_pairs / max(1, active)]
     return min(fits) if fits else abi.MATMUL_FP8_TILE_PAIRS
 
 
-def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None) -> int:
-    """The tile (`tile_pairs`) of the FP8 / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs over
-    `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
-    return tile_pairs(expected_pairs or capacity, expected_active(num_local_experts, capacity, expected_pairs))
+def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None, fp8: bool = False) -> int:
+    """The tile (`tile_pairs`) of the FP8 (`fp8`) / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs
+    over `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
+    return tile_pairs(expected_pairs or capacity, expected_active(num_local_experts, capacity, expected_pairs), fp8)
 
 
 def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
-    `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
-    split order."""
-    return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups)), _axes(x, w))
+    `MATMUL_FP8_TILE_PAIRS` pairs of one group, or for FP8 at `FP8_WIDE_FROM` rows a group and more, of
+    `MATMUL_FP8_WIDE_TILE_PAIRS` (the rows past the groups unspecified), its split partials summed in split
+    order."""
+    from jax_latent_ep.kernels import abi
+
+    groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
+    tile = tile_pairs(x.shape[0], groups, kind == "fp8")
+    tile = tile if tile == abi.MATMUL_FP8_WIDE_TILE_PAIRS else None
+    return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups, tile=tile)),
+                 _axes(x, w))
 
 
 def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None, rows=None, second=None,
@@ -388,7 +402,7 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
     expected = _expected_active(pl, expected_pairs)
-    tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs)
+    tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
         from jax_latent_ep.runtime import ffi

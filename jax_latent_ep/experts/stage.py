@@ -143,7 +143,7 @@ def work_pairs(impl: str, w_down, capacity: int, expected_pairs: int | None = No
     tiles on "wgmma" (`grouped.narrow_tile`), else the grouped GEMM's; `w_down` the stage's down weights
     (`[J, ...]`), `capacity` the plan's pairs, `expected_pairs` as `swiglu`'s."""
     if isinstance(w_down, (BlockScaledOutIn, MXFP4)) and GMM_STAGE.get(impl) == "wgmma":
-        return grouped.narrow_tile(w_down.shape[0], capacity, expected_pairs)
+        return grouped.narrow_tile(w_down.shape[0], capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
     return abi.GEMM_BLOCK_M
 
 
