@@ -41,6 +41,7 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
+    cp_async_4,
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
@@ -172,15 +173,18 @@ class Ring:
         return ring, full, empty, epilogue
 
     @cute.jit
-    def copy_chunk(self, dst: Uint32, base: Int64, src: Int64, live):
-        """The producer: one 16-byte chunk into shared `dst`, from `src` if `live`, else 16 zeros (naming `base`,
-        the operand's start, never read)."""
+    def copy_chunk(self, dst: Uint32, base: Int64, src: Int64, live, nbytes: cutlass.Constexpr[int] = 16):
+        """The producer: one chunk of `nbytes` (16, or 4: a word) into shared `dst`, from `src` if `live`, else
+        zeros (naming `base`, the operand's start, never read)."""
         address = base
         size = Uint32(0)
         if live:
             address = src
-            size = Uint32(16)
-        cp_async_16(dst, address, size)
+            size = Uint32(nbytes)
+        if cutlass.const_expr(nbytes == 16):
+            cp_async_16(dst, address, size)
+        else:
+            cp_async_4(dst, address, size)
 
     @cute.jit
     def wait_free(self, empty: Uint32, t: Int32):

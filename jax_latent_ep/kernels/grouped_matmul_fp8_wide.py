@@ -35,7 +35,6 @@ from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import balanced_stride, compile_cubin
 from jax_latent_ep.kernels.grouped_matmul import FORWARD_THREADS, LINE_BYTES, PRODUCER_THREADS, Ring, _chunks
 from jax_latent_ep.kernels.primitives import (
-    cp_async_4,
     f32_from_bits,
     fma_rn,
     griddepcontrol_wait,
@@ -219,23 +218,12 @@ class GroupedMatmulFp8Wide(Ring):
                 for i in cutlass.range_constexpr(len(w_dst)):
                     self.copy_chunk(slot + Uint32(TILE_M * LINE_BYTES) + w_dst[i], w,
                                     w_src + Int64(i) * w_line + Int64(s * TILE_K), True)
-                self.copy_word(slot + Uint32(X_SCALE_OFFSET + 4 * tid), x_scale, s_src + Int64(s * 4), tid < rows)
+                self.copy_chunk(slot + Uint32(X_SCALE_OFFSET + 4 * tid), x_scale, s_src + Int64(s * 4), tid < rows, 4)
                 if tid == 0:
-                    self.copy_word(slot + Uint32(W_SCALE_OFFSET), scales, ws_src + Int64(s * 4), True)
+                    self.copy_chunk(slot + Uint32(W_SCALE_OFFSET), scales, ws_src + Int64(s * 4), True, 4)
                 self.mark_landed(full, t)
                 t = t + 1
         self.mark_all_landed(full, t)
-
-    @cute.jit
-    def copy_word(self, dst: Uint32, base: Int64, src: Int64, live):
-        """The producer: one 4-byte word into shared `dst`, from `src` if `live`, else 0 (naming `base`, never
-        read)."""
-        address = base
-        size = Uint32(0)
-        if live:
-            address = src
-            size = Uint32(4)
-        cp_async_4(dst, address, size)
 
     @cute.jit
     def consume(self, ring: Uint32, full: Uint32, empty: Uint32, tid: Int32, cta: Int32, stride: Int32,
