@@ -203,8 +203,11 @@ def test_work_list_takes_the_plans_list_of_its_length():
     fp8 = experts.BlockScaledOutIn(jnp.zeros((j, n, k), jnp.float8_e4m3fn), jnp.ones((j, n // 128, k // 128)))
     mx = experts.MXFP4(jnp.zeros((j, n, k // 2), jnp.uint8), jnp.full((j, n, k // 32), 127, jnp.uint8))
     for w in (fp8, mx):  # decode: a few pairs an expert, the 8-pair tiles; a hot stage, the 32-pair tiles
-        assert experts.work_pairs("wgmma", w, 32, 8) == 8 and experts.work_pairs("wgmma", w, 4096, 4096) == 32
+        assert experts.work_pairs("wgmma", w, 32, 8) == 8 and experts.work_pairs("wgmma", w, 2048, 200) == 32
         assert experts.work_pairs("gmm", w, 32, 8) == abi.GEMM_BLOCK_M
+    # prefill on FP8 weights: the plan has no list of the prefill tiles (`work_list` builds it), MXFP4 no such tiles
+    assert experts.work_pairs("wgmma", fp8, 4096, 4096) == abi.GEMM_BLOCK_M
+    assert experts.work_pairs("wgmma", mx, 4096, 4096) == 32
     assert experts.work_pairs("kernel", jnp.zeros((j, k, n), jnp.bfloat16), 32, 8) == abi.GEMM_BLOCK_M
 
 
