@@ -698,6 +698,89 @@ static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGrou
               "ep_abi.h: visit_params(GroupedMatmulMxfp4Params) must pass every parameter once");
 
 // ---------------------------------------------------------------------------------------------------------
+// grouped_matmul_fp8_wide_glu(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles) -> (q, sf): the FP8
+// grouped matmul of prefill sizes with the SwiGLU in its epilogue (kernels/grouped_matmul_fp8_wide.py, sm_90a): gate
+// (w) and up (w_second), h = bf16(silu(gate) * up) out in MXFP8; a persistent grid over (tile, 64 columns of h).
+
+struct GroupedMatmulFp8WideGlu {
+  static constexpr const char* kWhat = "grouped_matmul_fp8_wide_glu";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [R, K] MXFP8 elements (a row a pair, or x_rows')
+        .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [R, K / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // x_rows: int32 [P] the row of x of each pair (read when indexed)
+        .template Arg<ffi::AnyBuffer>()      // w: gate's float8_e4m3fn [G, I, K], [out, in]
+        .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, I / 128, K / 128] its block scales
+        .template Arg<ffi::AnyBuffer>()      // w_second: up's, as w
+        .template Arg<ffi::AnyBuffer>()      // w_second_scale: up's, as w_scale
+        .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used)
+        .template Ret<ffi::AnyBuffer>()      // q: float8_e4m3fn [P, I] h's MXFP8 elements; rows outside every tile untouched
+        .template Ret<ffi::AnyBuffer>()      // sf: uint8 [P, I / 32] their E8M0 scales; as q
+        .template Attr<int64_t>("indexed");  // 1: pair p reads row x_rows[p] of x, 0: row p
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::AnyBuffer x_rows, ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer w_second,
+                            ffi::AnyBuffer w_second_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> q,
+                            ffi::Result<ffi::AnyBuffer> sf, int64_t indexed) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), qd = q->dimensions();
+    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || qd.size() != 2) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat +
+                                         ": expected x [R, K], w [G, I, K], tiles [T, 4], q [P, I]");
+    }
+    const int64_t R = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0], P = qd[0];
+    if (R < 1 || P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || R * K > (int64_t{1} << 40) ||
+        G * N * K > (int64_t{1} << 40) || P * N > (int64_t{1} << 40) || (indexed != 0 && indexed != 1) ||
+        (!indexed && R != P) || T * (N / 64) > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": K=" + std::to_string(K) +
+                                         " and I=" + std::to_string(N) + " must be positive multiples of 128, R=" +
+                                         std::to_string(R) + " (P=" + std::to_string(P) + " unless indexed), G=" +
+                                         std::to_string(G) + " and T=" + std::to_string(T) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, K}),
+                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
+                                    indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
+                                            : ffi::Error::Success(),
+                                    expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K}),
+                                    expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, N / 128, K / 128}),
+                                    expect(kWhat, "w_second", w_second, ffi::DataType::F8E4M3FN, {G, N, K}),
+                                    expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32,
+                                           {G, N / 128, K / 128}),
+                                    expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
+                                    expect(kWhat, "q", *q, ffi::DataType::F8E4M3FN, {P, N}),
+                                    expect(kWhat, "sf", *sf, ffi::DataType::U8, {P, N / 32})});
+        e.failure()) {
+      return e;
+    }
+    // persistent: the kernel strides over the used tiles' units (a worst-case list costs no CTA per empty tile)
+    l.grid = static_cast<unsigned>(std::min(T * (N / 64), l.kernel->max_grid));
+    l.params = make_params(ep_abi::GroupedMatmulFp8WideGluParams{
+        .x = address(x.untyped_data()),
+        .x_scale = address(x_scale.untyped_data()),
+        .x_rows = indexed ? address(x_rows.untyped_data()) : 0,
+        .w = address(w.untyped_data()),
+        .w_scale = address(w_scale.untyped_data()),
+        .w_second = address(w_second.untyped_data()),
+        .w_second_scale = address(w_second_scale.untyped_data()),
+        .tiles = address(tiles.untyped_data()),
+        .q = address(q->untyped_data()),
+        .sf = address(sf->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_tiles = static_cast<int32_t>(T),
+        .num_rows = static_cast<int32_t>(P),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedMatmulFp8WideGluParams>() == ep_abi::kGroupedMatmulFp8WideGluParamsCount,
+              "ep_abi.h: visit_params(GroupedMatmulFp8WideGluParams) must pass every parameter once");
+
+// ---------------------------------------------------------------------------------------------------------
 // swiglu_mxfp8(gate, up, count) -> (q, sf): the FP8 / MXFP4 stage's SwiGLU of the used pairs' gate and up split
 // partials, rounded to MXFP8 (kernels/swiglu_mxfp8.py, sm_90a); a persistent grid over 8-column units.
 
@@ -774,6 +857,7 @@ Targets grouped_matmul_mxfp4_n16_targets() { return targets<GroupedMatmulMxfp4N1
 Targets grouped_matmul_fp8_n8_targets() { return targets<GroupedMatmulFp8N8>(); }
 Targets grouped_matmul_mxfp4_n8_targets() { return targets<GroupedMatmulMxfp4N8>(); }
 Targets grouped_matmul_fp8_wide_targets() { return targets<GroupedMatmulFp8Wide>(); }
+Targets grouped_matmul_fp8_wide_glu_targets() { return targets<GroupedMatmulFp8WideGlu>(); }
 Targets swiglu_mxfp8_targets() { return targets<SwigluMxfp8>(); }
 
 }  // namespace jax_latent_ep

@@ -541,6 +541,38 @@ def test_wide_tiles_are_the_decode_tiles_bits():
 
 
 @pytest.mark.gpu
+def test_wide_glu_is_the_swiglu_kernels_bits():
+    """The prefill kernel's SwiGLU form (gate and up of the same columns in a unit, `h`'s MXFP8 from the registers)
+    gives `swiglu_mxfp8_call` of the prefill kernel's unsplit FP32 gate and up, bit for bit: elements and scales
+    of every used pair (groups of 0 to over 128 pairs, rows through `x_rows`, I = 384: 6 units a tile)."""
+    from jax_latent_ep.kernels import abi
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng("wide-glu")
+    (q, sf, w, ws, gs), _ = _fp8_case(rng, g=7, m=1000, k=512, n=384)
+    w_up, ws_up = jnp.flip(w, axis=1), jnp.flip(ws, axis=1)
+    rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0]), jnp.int32)
+    wide = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_WIDE_TILE_PAIRS)
+    used = int(np.sum(np.asarray(gs)))
+
+    def unfused():
+        gate_up = ffi.grouped_matmul_fp8_call(q, sf, w, ws, wide, splits=1, k_per_split=q.shape[1], x_rows=rows,
+                                              w_second=w_up, w_second_scale=ws_up,
+                                              tile_pairs=abi.MATMUL_FP8_WIDE_TILE_PAIRS)
+        return ffi.swiglu_mxfp8_call(gate_up, None, jnp.asarray([used], jnp.int32))
+
+    want = jax.jit(unfused)()
+    got = jax.jit(lambda: ffi.grouped_matmul_fp8_glu_call(q, sf, w, ws, w_up, ws_up, wide, x_rows=rows))()
+    (gq, gs_), (wq, ws_) = ([np.asarray(a)[:used].view(np.uint8) for a in pair] for pair in (got, want))
+    assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_WIDE_TILE_PAIRS and np.any(wq != 0) and len(np.unique(ws_)) > 1
+    np.testing.assert_array_equal(gq, wq)
+    np.testing.assert_array_equal(gs_, ws_)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_wgmma_rows_are_the_gather(transpose_w):
     """The bf16 grouped matmul reading each pair's row through `x_rows` (rows shuffled, repeated, more pairs than

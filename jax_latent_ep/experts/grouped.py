@@ -396,7 +396,8 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     (quantized from `xb` when None: the same rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each
     row's FP32 sum of its pairs (`_row_sums`; on "wgmma" with `kernel_row_sums` the row-sum kernel, the same
     bits); the numerics of `docs/experts.md`'s FP8 weights. "wgmma" computes `h` and its MXFP8 in one kernel over
-    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's); its contraction splits are
+    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's; on the prefill tiles of FP8
+    weights with gate and up apart, in the gate and up kernel's epilogue, the same bits); its contraction splits are
     chosen for `min(J, C, expected_pairs)` active experts (`kernel._expected_active`), its tiles by the pairs
     they expect each (`tile_pairs`). No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
@@ -405,15 +406,19 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
+        from jax_latent_ep.kernels import abi
         from jax_latent_ep.runtime import ffi
 
-        # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
-        second = None if w_up is None else (w_up.values, w_up.scale)
         tiles = work_list(pl, tile)  # the plan kernel's where `expert_stage` asked it for this tile
-        gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row, second=second,
-                                tile=tile, tiles=tiles)
-        count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
-        hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
+        if tile == abi.MATMUL_FP8_WIDE_TILE_PAIRS and w_up is not None:  # prefill: gate, up, h's MXFP8: one launch
+            hq, hs = (_vary(a, _axes(x, w_gate.values, pl.row)) for a in ffi.grouped_matmul_fp8_glu_call(
+                x, sf, w_gate.values, w_gate.scale, w_up.values, w_up.scale, tiles, x_rows=pl.row))
+        else:  # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
+            second = None if w_up is None else (w_up.values, w_up.scale)
+            gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row,
+                                    second=second, tile=tile, tiles=tiles)
+            count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
+            hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
         down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, tile=tile, tiles=tiles)
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 

@@ -123,10 +123,11 @@ class Ring:
     one (the consumers' `THREADS / 32` warps: its MMAs done). `stages`, `lag` (the stages the producer's copies run
     before it marks them landed), `ctas_per_sm`, `tile_n`; `epilogue_bytes`: a buffer of the consumers' own for the
     blocks' stores (0: the ring's, free after the last stage); `extra_stage_bytes`: a stage's bytes past its two
-    operands (a multiple of 1024: the next stage's swizzle atoms)."""
+    operands (a multiple of 1024: the next stage's swizzle atoms); `producer_regs`: the producer's registers a
+    thread (the rest the consumers')."""
 
     def __init__(self, stages: int, lag: int, ctas_per_sm: int, tile_n: int, epilogue_bytes: int = 0,
-                 extra_stage_bytes: int = 0):
+                 extra_stage_bytes: int = 0, producer_regs: int = PRODUCER_REGS):
         if not 1 <= lag <= stages - 2:
             # Past stages - 2 the producer would wait for a slot freed only after a stage it has not yet marked.
             raise ValueError(f"stages={stages}, lag={lag}: need 1 <= lag <= stages - 2")
@@ -143,7 +144,7 @@ class Ring:
         # Registers a thread: the CTA's pool at launch (`FORWARD_THREADS` of `base`), the producer's given to the
         # consumers' accumulators.
         base = 65536 // (FORWARD_THREADS * ctas_per_sm) // 8 * 8
-        self.producer_regs = min(PRODUCER_REGS, base)
+        self.producer_regs = min(producer_regs, base)
         self.consumer_regs = min(256, (FORWARD_THREADS * base - PRODUCER_THREADS * self.producer_regs) // THREADS
                                  // 8 * 8)
         if self.consumer_regs < tile_n // 2 + 40:

@@ -92,6 +92,12 @@ def store_b32(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_b16(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one weak 2-byte `st.global.b16` of `value`'s low half (addr 2-byte aligned)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.global.b16 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
 def store_v2_b32(addr, lo, hi, *, loc=None, ip=None) -> None:
     """Always issues one weak 8-byte `st.global.v2.b32` of `(lo, hi)` (addr 8-byte aligned)."""
     _asm(None, [_i64(addr, loc, ip), _u32(lo, loc, ip), _u32(hi, loc, ip)], "st.global.v2.b32 [$0], {$1, $2};",
