@@ -1,5 +1,6 @@
-"""EpGroupedMatmulFp8Wide: the FP8 grouped matmul of prefill sizes on Hopper's FP8 tensor cores: MXFP8 rows times
-FP8 block-scaled weights, `out[p] = x[p] @ w[group of p]^T` in FP32, in tiles of up to 128 pairs.
+"""EpGroupedMatmulFp8Wide / EpGroupedMatmulFp8WideGlu: the FP8 grouped matmul of prefill sizes on Hopper's FP8
+tensor cores: MXFP8 rows times FP8 block-scaled weights, `out[p] = x[p] @ w[group of p]^T` in FP32, in tiles of up
+to 128 pairs; its SwiGLU form writes `h = bf16(silu(gate) * up)` in MXFP8 instead (`GroupedMatmulFp8WideGlu`).
 
 Reading order: settings, the host-side launch signature, the device code, compile. No JAX here.
 
@@ -20,7 +21,7 @@ a split's blocks in ascending k.
 
 The CTA is `grouped_matmul.Ring`'s: a producer warpgroup's `cp.async` ring and two consumer warpgroups, `mbarrier`s
 between them. A stage is 128 contraction elements: the tile's 128 pair lines and the weights' 128 lines (both K-major
-in the 128-byte swizzle), the pairs' 4 scale bytes each and the weight block's FP32 scale. A consumer waits for
+in the 128-byte swizzle), the pairs' 4 scale bytes each and each 64 weight lines' block scale. A consumer waits for
 each block's MMA before promoting it (the other warpgroup's MMA runs meanwhile) and stores its FP32 rows straight
 from its registers, so the producer's copies of the next unit run on under the stores.
 """
