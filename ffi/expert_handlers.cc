@@ -617,13 +617,13 @@ struct GroupedMatmulNarrow {
         .template Attr<int64_t>("two_weights");  // 1: w's columns, then w_second's, in each out row
   }
 
-  // The weight `name` (w or w_second) and its scales, as the format asks.
-  static ffi::Error expect_weight(const char* name, const char* scale_name, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                                  int64_t G, int64_t N, int64_t K) {
-    const ffi::Error w_ok = kMxfp4 ? expect(kWhat, name, w, ffi::DataType::U8, {G, N, K / 2})
-                                   : expect(kWhat, name, w, ffi::DataType::F8E4M3FN, {G, N, K});
-    const ffi::Error s_ok = kMxfp4 ? expect(kWhat, scale_name, scale, ffi::DataType::U8, {G, N, K / 32})
-                                   : expect(kWhat, scale_name, scale, ffi::DataType::F32, {G, N / 128, K / 128});
+  // The weight `name` (w or w_second) and its scales, as the format asks; errors name the op `what`.
+  static ffi::Error expect_weight(const char* what, const char* name, const char* scale_name, ffi::AnyBuffer w,
+                                  ffi::AnyBuffer scale, int64_t G, int64_t N, int64_t K) {
+    const ffi::Error w_ok = kMxfp4 ? expect(what, name, w, ffi::DataType::U8, {G, N, K / 2})
+                                   : expect(what, name, w, ffi::DataType::F8E4M3FN, {G, N, K});
+    const ffi::Error s_ok = kMxfp4 ? expect(what, scale_name, scale, ffi::DataType::U8, {G, N, K / 32})
+                                   : expect(what, scale_name, scale, ffi::DataType::F32, {G, N / 128, K / 128});
     return first_error({w_ok, s_ok});
   }
 
@@ -655,8 +655,8 @@ struct GroupedMatmulNarrow {
                                     expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
                                     indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
                                             : ffi::Error::Success(),
-                                    expect_weight("w", "w_scale", w, w_scale, G, N, K),
-                                    two_weights ? expect_weight("w_second", "w_second_scale", w_second,
+                                    expect_weight(kWhat, "w", "w_scale", w, w_scale, G, N, K),
+                                    two_weights ? expect_weight(kWhat, "w_second", "w_second_scale", w_second,
                                                                 w_second_scale, G, N, K)
                                                 : ffi::Error::Success(),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
@@ -745,11 +745,9 @@ struct GroupedMatmulFp8WideGlu {
                                     expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
                                     indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
                                             : ffi::Error::Success(),
-                                    expect(kWhat, "w", w, ffi::DataType::F8E4M3FN, {G, N, K}),
-                                    expect(kWhat, "w_scale", w_scale, ffi::DataType::F32, {G, N / 128, K / 128}),
-                                    expect(kWhat, "w_second", w_second, ffi::DataType::F8E4M3FN, {G, N, K}),
-                                    expect(kWhat, "w_second_scale", w_second_scale, ffi::DataType::F32,
-                                           {G, N / 128, K / 128}),
+                                    GroupedMatmulFp8::expect_weight(kWhat, "w", "w_scale", w, w_scale, G, N, K),
+                                    GroupedMatmulFp8::expect_weight(kWhat, "w_second", "w_second_scale", w_second,
+                                                                    w_second_scale, G, N, K),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
                                     expect(kWhat, "q", *q, ffi::DataType::F8E4M3FN, {P, N}),
                                     expect(kWhat, "sf", *sf, ffi::DataType::U8, {P, N / 32})});

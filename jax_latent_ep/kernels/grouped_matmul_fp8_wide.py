@@ -33,13 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import (
-    balanced_stride,
-    bf16_magnitude_max,
-    compile_cubin,
-    mxfp8_exponent,
-    mxfp8_inverse,
-)
+from jax_latent_ep.kernels.common import balanced_stride, compile_cubin, mxfp8_block_scale
 from jax_latent_ep.kernels.grouped_matmul import FORWARD_THREADS, LINE_BYTES, PRODUCER_THREADS, Ring, _chunks
 from jax_latent_ep.kernels.primitives import (
     bf16x2,
@@ -47,7 +41,6 @@ from jax_latent_ep.kernels.primitives import (
     hi_f32,
     lo_f32,
     mul_ftz,
-    shfl_bfly,
     silu_mul,
     store_b16,
     f32_from_bits,
@@ -433,13 +426,7 @@ class GroupedMatmulFp8WideGlu(GroupedMatmulFp8Wide):
             live = row + 8 * i < rows
             scales = Uint32(0)
             for b in cutlass.range_constexpr(2):
-                top = bf16_magnitude_max(words[4 * b:4 * b + 4])
-                for offset_lanes in cutlass.range_constexpr(2):
-                    other = shfl_bfly(top, 1 << offset_lanes)
-                    if other > top:
-                        top = other
-                e = mxfp8_exponent(top)
-                inv = mxfp8_inverse(e)
+                e, inv = mxfp8_block_scale(words[4 * b:4 * b + 4], 4)
                 scales = scales | (e << Uint32(8 * b))
                 for j in cutlass.range_constexpr(4 * b, 4 * b + 4):
                     packed = e4m3x4(mul_ftz(lo_f32(words[j]), inv), mul_ftz(hi_f32(words[j]), inv), Float32(0.0),
