@@ -344,7 +344,8 @@ def main(argv=None):
     p.add_argument("--out", default="training.csv")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 8192])
-    p.add_argument("--impls", nargs="+", default=["wgmma", "mosaic", "ragged_dot", "scan"])
+    p.add_argument("--impls", nargs="*", default=["wgmma", "mosaic", "ragged_dot", "scan"],
+                   help="the stage's implementations (none, with `--plain none`: no bf16 rows, e.g. `--fp8` alone)")
     p.add_argument("--layers", type=int, default=4, help="layers a program (fewer where --weights-gb says)")
     p.add_argument("--weights-gb", type=float, default=40.0,
                    help="a program's expert weights and their gradients stay within this many GiB (`fit_layers`)")
@@ -379,9 +380,10 @@ def main(argv=None):
         for t in args.tokens:
             tiles = [tuple(int(v) for v in s.split(",")) for s in args.mosaic_tiles]
             tag = "".join(f"+{item}" for item in args.jax_config)
-            rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
-                model, t, args.impls, layers, args.repeats, tiles, refs, profile=args.profile,
-                variants=args.variants)]
+            if args.impls or refs:
+                rows += [(b + tag if b.count("/") > 1 else b, tk, m, v) for b, tk, m, v in measure(
+                    model, t, args.impls, layers, args.repeats, tiles, refs, profile=args.profile,
+                    variants=args.variants)]
             rows.append((f"training/{model}", t, "layers", layers))
             if args.layer:
                 rows += [(b + tag, tk, m, v) for b, tk, m, v in measure_layer(model, t, args.impls, layers,

@@ -110,6 +110,12 @@ extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8N8(XLA_FFI_CallFrame* call
 extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulMxfp4N8(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::grouped_matmul_mxfp4_n8_targets().traced);
 }
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8Wide(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_fp8_wide_targets().traced);
+}
+extern "C" EP_EXPORT XLA_FFI_Error* EpGroupedMatmulFp8WideGlu(XLA_FFI_CallFrame* call_frame) {
+  return remember_api(call_frame, ep::grouped_matmul_fp8_wide_glu_targets().traced);
+}
 extern "C" EP_EXPORT XLA_FFI_Error* EpSwigluMxfp8(XLA_FFI_CallFrame* call_frame) {
   return remember_api(call_frame, ep::swiglu_mxfp8_targets().traced);
 }
@@ -253,6 +259,8 @@ EP_EXPORT int ep_register_expert_record_targets(const char* const* ops, const ch
       {"grouped_matmul_mxfp4_n16", ep::grouped_matmul_mxfp4_n16_targets},
       {"grouped_matmul_fp8_n8", ep::grouped_matmul_fp8_n8_targets},
       {"grouped_matmul_mxfp4_n8", ep::grouped_matmul_mxfp4_n8_targets},
+      {"grouped_matmul_fp8_wide", ep::grouped_matmul_fp8_wide_targets},
+      {"grouped_matmul_fp8_wide_glu", ep::grouped_matmul_fp8_wide_glu_targets},
       {"swiglu_mxfp8", ep::swiglu_mxfp8_targets},
   };
   if (count < 0 || (count > 0 && (ops == nullptr || names == nullptr))) return ep::fail("bad record target list");

@@ -579,7 +579,8 @@ static_assert(visited_count<ep_abi::GroupedMatmulWgradParams>() == ep_abi::kGrou
 // grouped_matmul_fp8 / grouped_matmul_mxfp4 (_n16, _n8: tiles of 16, 8 pairs)(x, x_scale, x_rows, w, w_scale,
 // w_second, w_second_scale, tiles) -> out: the grouped matmul of decode sizes on FP8 or MXFP4 weights
 // (kernels/grouped_matmul_fp8.py, sm_90a), one or two weights (gate and up), a persistent grid over (split, tile,
-// 128 output columns).
+// 128 output columns); grouped_matmul_fp8_wide: the same call of prefill sizes, tiles of 128 pairs
+// (kernels/grouped_matmul_fp8_wide.py).
 
 // The op name of the variant (its kernel's key in the registry).
 constexpr const char* narrow_op(bool mxfp4, int tile_pairs) {
@@ -587,12 +588,14 @@ constexpr const char* narrow_op(bool mxfp4, int tile_pairs) {
     return tile_pairs == 8 ? "grouped_matmul_mxfp4_n8" : tile_pairs == 16 ? "grouped_matmul_mxfp4_n16"
                                                                           : "grouped_matmul_mxfp4";
   }
+  if (tile_pairs == ep_abi::kMatmulFp8WideTilePairs) return "grouped_matmul_fp8_wide";
   return tile_pairs == 8 ? "grouped_matmul_fp8_n8" : tile_pairs == 16 ? "grouped_matmul_fp8_n16" : "grouped_matmul_fp8";
 }
 
 template <bool kMxfp4, int kTilePairs>
 struct GroupedMatmulNarrow {
-  static_assert(kTilePairs == 8 || kTilePairs == 16 || kTilePairs == ep_abi::kMatmulFp8TilePairs);
+  static_assert(kTilePairs == 8 || kTilePairs == 16 || kTilePairs == ep_abi::kMatmulFp8TilePairs ||
+                (kTilePairs == ep_abi::kMatmulFp8WideTilePairs && !kMxfp4));
   static constexpr const char* kWhat = narrow_op(kMxfp4, kTilePairs);
   using Params = std::conditional_t<kMxfp4, ep_abi::GroupedMatmulMxfp4Params, ep_abi::GroupedMatmulFp8Params>;
 
@@ -614,13 +617,13 @@ struct GroupedMatmulNarrow {
         .template Attr<int64_t>("two_weights");  // 1: w's columns, then w_second's, in each out row
   }
 
-  // The weight `name` (w or w_second) and its scales, as the format asks.
-  static ffi::Error expect_weight(const char* name, const char* scale_name, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                                  int64_t G, int64_t N, int64_t K) {
-    const ffi::Error w_ok = kMxfp4 ? expect(kWhat, name, w, ffi::DataType::U8, {G, N, K / 2})
-                                   : expect(kWhat, name, w, ffi::DataType::F8E4M3FN, {G, N, K});
-    const ffi::Error s_ok = kMxfp4 ? expect(kWhat, scale_name, scale, ffi::DataType::U8, {G, N, K / 32})
-                                   : expect(kWhat, scale_name, scale, ffi::DataType::F32, {G, N / 128, K / 128});
+  // The weight `name` (w or w_second) and its scales, as the format asks; errors name the op `what`.
+  static ffi::Error expect_weight(const char* what, const char* name, const char* scale_name, ffi::AnyBuffer w,
+                                  ffi::AnyBuffer scale, int64_t G, int64_t N, int64_t K) {
+    const ffi::Error w_ok = kMxfp4 ? expect(what, name, w, ffi::DataType::U8, {G, N, K / 2})
+                                   : expect(what, name, w, ffi::DataType::F8E4M3FN, {G, N, K});
+    const ffi::Error s_ok = kMxfp4 ? expect(what, scale_name, scale, ffi::DataType::U8, {G, N, K / 32})
+                                   : expect(what, scale_name, scale, ffi::DataType::F32, {G, N / 128, K / 128});
     return first_error({w_ok, s_ok});
   }
 
@@ -652,8 +655,8 @@ struct GroupedMatmulNarrow {
                                     expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
                                     indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
                                             : ffi::Error::Success(),
-                                    expect_weight("w", "w_scale", w, w_scale, G, N, K),
-                                    two_weights ? expect_weight("w_second", "w_second_scale", w_second,
+                                    expect_weight(kWhat, "w", "w_scale", w, w_scale, G, N, K),
+                                    two_weights ? expect_weight(kWhat, "w_second", "w_second_scale", w_second,
                                                                 w_second_scale, G, N, K)
                                                 : ffi::Error::Success(),
                                     expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
@@ -688,10 +691,92 @@ using GroupedMatmulFp8N16 = GroupedMatmulNarrow<false, 16>;
 using GroupedMatmulMxfp4N16 = GroupedMatmulNarrow<true, 16>;
 using GroupedMatmulFp8N8 = GroupedMatmulNarrow<false, 8>;
 using GroupedMatmulMxfp4N8 = GroupedMatmulNarrow<true, 8>;
+using GroupedMatmulFp8Wide = GroupedMatmulNarrow<false, ep_abi::kMatmulFp8WideTilePairs>;
 static_assert(visited_count<ep_abi::GroupedMatmulFp8Params>() == ep_abi::kGroupedMatmulFp8ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulFp8Params) must pass every parameter once");
 static_assert(visited_count<ep_abi::GroupedMatmulMxfp4Params>() == ep_abi::kGroupedMatmulMxfp4ParamsCount,
               "ep_abi.h: visit_params(GroupedMatmulMxfp4Params) must pass every parameter once");
+
+// ---------------------------------------------------------------------------------------------------------
+// grouped_matmul_fp8_wide_glu(x, x_scale, x_rows, w, w_scale, w_second, w_second_scale, tiles) -> (q, sf): the FP8
+// grouped matmul of prefill sizes with the SwiGLU in its epilogue (kernels/grouped_matmul_fp8_wide.py, sm_90a): gate
+// (w) and up (w_second), h = bf16(silu(gate) * up) out in MXFP8; a persistent grid over (tile, 64 columns of h).
+
+struct GroupedMatmulFp8WideGlu {
+  static constexpr const char* kWhat = "grouped_matmul_fp8_wide_glu";
+
+  template <typename Binding>
+  static auto bind(Binding binding) {
+    return std::move(binding)
+        .template Ctx<ffi::DeviceOrdinal>()  // the device, key of the kernel registry
+        .template Arg<ffi::AnyBuffer>()      // x: float8_e4m3fn [R, K] MXFP8 elements (a row a pair, or x_rows')
+        .template Arg<ffi::AnyBuffer>()      // x_scale: uint8 [R, K / 32] their E8M0 scales
+        .template Arg<ffi::AnyBuffer>()      // x_rows: int32 [P] the row of x of each pair (read when indexed)
+        .template Arg<ffi::AnyBuffer>()      // w: gate's float8_e4m3fn [G, I, K], [out, in]
+        .template Arg<ffi::AnyBuffer>()      // w_scale: f32 [G, I / 128, K / 128] its block scales
+        .template Arg<ffi::AnyBuffer>()      // w_second: up's, as w
+        .template Arg<ffi::AnyBuffer>()      // w_second_scale: up's, as w_scale
+        .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used)
+        .template Ret<ffi::AnyBuffer>()      // q: float8_e4m3fn [P, I] h's MXFP8 elements; rows outside every tile untouched
+        .template Ret<ffi::AnyBuffer>()      // sf: uint8 [P, I / 32] their E8M0 scales; as q
+        .template Attr<int64_t>("indexed");  // 1: pair p reads row x_rows[p] of x, 0: row p
+  }
+
+  static ffi::Error prepare(Launch& l, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                            ffi::AnyBuffer x_rows, ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer w_second,
+                            ffi::AnyBuffer w_second_scale, ffi::AnyBuffer tiles, ffi::Result<ffi::AnyBuffer> q,
+                            ffi::Result<ffi::AnyBuffer> sf, int64_t indexed) {
+    if (ffi::Error e = find_expert_kernel(kWhat, ordinal, l); e.failure()) return e;
+    auto xd = x.dimensions(), wd = w.dimensions(), td = tiles.dimensions(), qd = q->dimensions();
+    if (xd.size() != 2 || wd.size() != 3 || td.size() != 2 || qd.size() != 2) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat +
+                                         ": expected x [R, K], w [G, I, K], tiles [T, 4], q [P, I]");
+    }
+    const int64_t R = xd[0], K = xd[1], G = wd[0], N = wd[1], T = td[0], P = qd[0];
+    if (R < 1 || P < 1 || G < 1 || T < 1 || K < 128 || K % 128 || N < 128 || N % 128 || R * K > (int64_t{1} << 40) ||
+        G * N * K > (int64_t{1} << 40) || P * N > (int64_t{1} << 40) || (indexed != 0 && indexed != 1) ||
+        (!indexed && R != P) || T * (N / 64) > (int64_t{1} << 31) - 1) {
+      return ffi::Error::InvalidArgument(std::string("jax_latent_ep ") + kWhat + ": K=" + std::to_string(K) +
+                                         " and I=" + std::to_string(N) + " must be positive multiples of 128, R=" +
+                                         std::to_string(R) + " (P=" + std::to_string(P) + " unless indexed), G=" +
+                                         std::to_string(G) + " and T=" + std::to_string(T) + " >= 1");
+    }
+    if (ffi::Error e = first_error({expect(kWhat, "x", x, ffi::DataType::F8E4M3FN, {R, K}),
+                                    expect(kWhat, "x_scale", x_scale, ffi::DataType::U8, {R, K / 32}),
+                                    indexed ? expect(kWhat, "x_rows", x_rows, ffi::DataType::S32, {P})
+                                            : ffi::Error::Success(),
+                                    GroupedMatmulFp8::expect_weight(kWhat, "w", "w_scale", w, w_scale, G, N, K),
+                                    GroupedMatmulFp8::expect_weight(kWhat, "w_second", "w_second_scale", w_second,
+                                                                    w_second_scale, G, N, K),
+                                    expect(kWhat, "tiles", tiles, ffi::DataType::S32, {T, ep_abi::kMatmulTileWords}),
+                                    expect(kWhat, "q", *q, ffi::DataType::F8E4M3FN, {P, N}),
+                                    expect(kWhat, "sf", *sf, ffi::DataType::U8, {P, N / 32})});
+        e.failure()) {
+      return e;
+    }
+    // persistent: the kernel strides over the used tiles' units (a worst-case list costs no CTA per empty tile)
+    l.grid = static_cast<unsigned>(std::min(T * (N / 64), l.kernel->max_grid));
+    l.params = make_params(ep_abi::GroupedMatmulFp8WideGluParams{
+        .x = address(x.untyped_data()),
+        .x_scale = address(x_scale.untyped_data()),
+        .x_rows = indexed ? address(x_rows.untyped_data()) : 0,
+        .w = address(w.untyped_data()),
+        .w_scale = address(w_scale.untyped_data()),
+        .w_second = address(w_second.untyped_data()),
+        .w_second_scale = address(w_second_scale.untyped_data()),
+        .tiles = address(tiles.untyped_data()),
+        .q = address(q->untyped_data()),
+        .sf = address(sf->untyped_data()),
+        .num_k = static_cast<int32_t>(K),
+        .num_n = static_cast<int32_t>(N),
+        .num_tiles = static_cast<int32_t>(T),
+        .num_rows = static_cast<int32_t>(P),
+    });
+    return ffi::Error::Success();
+  }
+};
+static_assert(visited_count<ep_abi::GroupedMatmulFp8WideGluParams>() == ep_abi::kGroupedMatmulFp8WideGluParamsCount,
+              "ep_abi.h: visit_params(GroupedMatmulFp8WideGluParams) must pass every parameter once");
 
 // ---------------------------------------------------------------------------------------------------------
 // swiglu_mxfp8(gate, up, count) -> (q, sf): the FP8 / MXFP4 stage's SwiGLU of the used pairs' gate and up split
@@ -769,6 +854,8 @@ Targets grouped_matmul_fp8_n16_targets() { return targets<GroupedMatmulFp8N16>()
 Targets grouped_matmul_mxfp4_n16_targets() { return targets<GroupedMatmulMxfp4N16>(); }
 Targets grouped_matmul_fp8_n8_targets() { return targets<GroupedMatmulFp8N8>(); }
 Targets grouped_matmul_mxfp4_n8_targets() { return targets<GroupedMatmulMxfp4N8>(); }
+Targets grouped_matmul_fp8_wide_targets() { return targets<GroupedMatmulFp8Wide>(); }
+Targets grouped_matmul_fp8_wide_glu_targets() { return targets<GroupedMatmulFp8WideGlu>(); }
 Targets swiglu_mxfp8_targets() { return targets<SwigluMxfp8>(); }
 
 }  // namespace jax_latent_ep

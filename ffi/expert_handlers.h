@@ -18,6 +18,8 @@ Targets grouped_matmul_fp8_n16_targets();
 Targets grouped_matmul_mxfp4_n16_targets();
 Targets grouped_matmul_fp8_n8_targets();
 Targets grouped_matmul_mxfp4_n8_targets();
+Targets grouped_matmul_fp8_wide_targets();
+Targets grouped_matmul_fp8_wide_glu_targets();
 Targets swiglu_mxfp8_targets();
 
 }  // namespace jax_latent_ep

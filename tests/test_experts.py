@@ -203,8 +203,11 @@ def test_work_list_takes_the_plans_list_of_its_length():
     fp8 = experts.BlockScaledOutIn(jnp.zeros((j, n, k), jnp.float8_e4m3fn), jnp.ones((j, n // 128, k // 128)))
     mx = experts.MXFP4(jnp.zeros((j, n, k // 2), jnp.uint8), jnp.full((j, n, k // 32), 127, jnp.uint8))
     for w in (fp8, mx):  # decode: a few pairs an expert, the 8-pair tiles; a hot stage, the 32-pair tiles
-        assert experts.work_pairs("wgmma", w, 32, 8) == 8 and experts.work_pairs("wgmma", w, 4096, 4096) == 32
+        assert experts.work_pairs("wgmma", w, 32, 8) == 8 and experts.work_pairs("wgmma", w, 2048, 200) == 32
         assert experts.work_pairs("gmm", w, 32, 8) == abi.GEMM_BLOCK_M
+    # prefill on FP8 weights: the plan has no list of the prefill tiles (`work_list` builds it), MXFP4 no such tiles
+    assert experts.work_pairs("wgmma", fp8, 4096, 4096) == abi.GEMM_BLOCK_M
+    assert experts.work_pairs("wgmma", mx, 4096, 4096) == 32
     assert experts.work_pairs("kernel", jnp.zeros((j, k, n), jnp.bfloat16), 32, 8) == abi.GEMM_BLOCK_M
 
 
@@ -311,12 +314,17 @@ def test_fp8_fused_gate_up(impl):
     _assert_close(got, reference_swiglu(recv, rank, *weights, max_tokens=mt, ranks=n).astype(np.float32), impl)
 
 
+#: Prefill sizes: 200 pairs an expert, past `FP8_WIDE_FROM` ("wgmma": the prefill kernel's 128-pair tiles).
+FP8_WIDE_CASE = (1, 0, [200], 200, 256, 4, 4, 128)
+
+
 @pytest.mark.parametrize("impl", ["gmm", pytest.param("wgmma", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("case", FP8_CASES, ids=[f"N{c[0]}" for c in FP8_CASES])
+@pytest.mark.parametrize("case", FP8_CASES + [FP8_WIDE_CASE], ids=[f"N{c[0]}" for c in FP8_CASES] + ["wide"])
 def test_fp8_out_in_weights_against_numpy(impl, fused, case):
     """`[out, in]` FP8 weights (`BlockScaledOutIn`, the same random weights as `BlockScaled`) on the FP8 grouped
-    matmul ("gmm": its XLA form; "wgmma": the kernel) against the NumPy model, as the other FP8 paths."""
+    matmul ("gmm": its XLA form; "wgmma": the kernels, decode's or prefill's tiles) against the NumPy model, as the
+    other FP8 paths."""
     n, rank, tokens, mt = case[:4]
     recv, weights = _fp8_case(f"fp8-out-in/{impl}/{case}", *case, fused=fused)
     got = _run(recv, [None if w is None else experts.fp8_out_in(w) for w in weights], rank, mt, n, impl)

@@ -134,14 +134,16 @@ def _fp8_case(rng, g=6, m=200, k=256, n=256):
 NARROW_SPLITS = [(256, None), (1024, 1)]
 
 
-@pytest.mark.parametrize("k,expected", NARROW_SPLITS, ids=["unsplit", "split"])
+@pytest.mark.parametrize("k,expected,m", [(*c, 200) for c in NARROW_SPLITS] + [(512, None, 900)],
+                         ids=["unsplit", "split", "wide"])
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
                                   for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
-def test_gmm_fp8_against_numpy(impl, k, expected):
+def test_gmm_fp8_against_numpy(impl, k, expected, m):
     """`gmm_fp8` against the float64 model: within 2^-20 of the row's largest |value| on "xla" (FP32 sums of exact
     block products), 2^-12 on "wgmma" (the FP8 tensor cores' internal sum of a block's 32 products is coarser than
-    FP32); "xla"'s rows past the groups exactly 0."""
-    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}/{k}"), k=k)
+    FP32); "xla"'s rows past the groups exactly 0. At m = 900 (150 pairs a group) "wgmma" takes the prefill
+    kernel's 128-pair tiles."""
+    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}/{k}/{m}"), m=m, k=k)
     got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_fp8(*a, impl=impl, expected_groups=expected))(*args),
                      np.float64)
     used = int(np.sum(args[-1]))
@@ -472,6 +474,10 @@ def test_tile_pairs_follow_the_pairs_an_expert():
     assert experts.grouped.TILE_HEADROOM == 2.0
     assert [rule(pairs, 112) for pairs in (16, 448, 449, 896, 897, 2048)] == [8, 8, 16, 16, 32, 32]
     assert rule(512, 448) == 8 and rule(2048, 448) == 16
+    # FP8 weights from FP8_WIDE_FROM pairs an expert: the prefill kernel's tiles; MXFP4 has none
+    wide = experts.grouped.FP8_WIDE_FROM * 112
+    assert rule(wide - 1, 112, fp8=True) == 32 and rule(wide, 112, fp8=True) == 128 and rule(wide, 112) == 32
+    assert rule(2048, 112, fp8=True) == 32 and rule(16, 112, fp8=True) == 8
 
 
 @pytest.mark.gpu
@@ -503,6 +509,67 @@ def test_small_tiles_are_the_large_tiles_bits(kind, tile):
     used = int(np.sum(np.asarray(gs)))
     assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_TILE_PAIRS and np.any(np.asarray(want)[:, :used] != 0)
     np.testing.assert_array_equal(np.asarray(got)[:, :used], np.asarray(want)[:, :used])
+
+
+@pytest.mark.gpu
+def test_wide_tiles_are_the_decode_tiles_bits():
+    """The FP8 kernel of prefill sizes (128-pair tiles, the pairs `wgmma`'s m) gives the decode kernel's bits (its
+    32-pair tiles, the pairs `wgmma`'s n): each output one pair's FMAs of the same 32-deep block sums in the same
+    order; groups of 0 to over 128 pairs, rows through `x_rows`, two weights, two splits, more units than CTAs (the
+    persistent grid's strides)."""
+    from jax_latent_ep.kernels import abi
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng("wide-tiles")
+    (q, sf, w, ws, gs), _ = _fp8_case(rng, g=7, m=1000, k=512, n=1024)
+    rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0]), jnp.int32)  # shuffled and repeated
+    kw = dict(x_rows=rows, w_second=jnp.flip(w, axis=1), w_second_scale=jnp.flip(ws, axis=1), splits=2,
+              k_per_split=256)
+    wide = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_WIDE_TILE_PAIRS)
+    decode = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_TILE_PAIRS)
+    call = ffi.grouped_matmul_fp8_call
+    got = jax.jit(lambda: call(q, sf, w, ws, wide, tile_pairs=abi.MATMUL_FP8_WIDE_TILE_PAIRS, **kw))()
+    want = jax.jit(lambda: call(q, sf, w, ws, decode, **kw))()
+    used, sizes = int(np.sum(np.asarray(gs))), np.asarray(gs)
+    units = 2 * int(np.asarray(wide)[0, 3]) * (2 * w.shape[1] // 128)
+    assert sizes.max() > abi.MATMUL_FP8_WIDE_TILE_PAIRS and sizes.min() == 0 and units > 132
+    assert np.any(np.asarray(want)[:, :used] != 0)
+    np.testing.assert_array_equal(np.asarray(got)[:, :used], np.asarray(want)[:, :used])
+
+
+@pytest.mark.gpu
+def test_wide_glu_is_the_swiglu_kernels_bits():
+    """The prefill kernel's SwiGLU form (gate and up of the same columns in a unit, `h`'s MXFP8 from the registers)
+    gives `swiglu_mxfp8_call` of the prefill kernel's unsplit FP32 gate and up, bit for bit: elements and scales
+    of every used pair (groups of 0 to over 128 pairs, rows through `x_rows`, I = 384: 6 units a tile)."""
+    from jax_latent_ep.kernels import abi
+    from jax_latent_ep.runtime import ffi
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    rng = _rng("wide-glu")
+    (q, sf, w, ws, gs), _ = _fp8_case(rng, g=7, m=1000, k=512, n=384)
+    w_up, ws_up = jnp.flip(w, axis=1), jnp.flip(ws, axis=1)
+    rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0]), jnp.int32)
+    wide = experts.planning.chunks(gs, rows.shape[0], abi.MATMUL_FP8_WIDE_TILE_PAIRS)
+    used = int(np.sum(np.asarray(gs)))
+
+    def unfused():
+        gate_up = ffi.grouped_matmul_fp8_call(q, sf, w, ws, wide, splits=1, k_per_split=q.shape[1], x_rows=rows,
+                                              w_second=w_up, w_second_scale=ws_up,
+                                              tile_pairs=abi.MATMUL_FP8_WIDE_TILE_PAIRS)
+        return ffi.swiglu_mxfp8_call(gate_up, None, jnp.asarray([used], jnp.int32))
+
+    want = jax.jit(unfused)()
+    got = jax.jit(lambda: ffi.grouped_matmul_fp8_glu_call(q, sf, w, ws, w_up, ws_up, wide, x_rows=rows))()
+    (gq, gs_), (wq, ws_) = ([np.asarray(a)[:used].view(np.uint8) for a in pair] for pair in (got, want))
+    assert np.max(np.asarray(gs)) > abi.MATMUL_FP8_WIDE_TILE_PAIRS and np.any(wq != 0) and len(np.unique(ws_)) > 1
+    np.testing.assert_array_equal(gq, wq)
+    np.testing.assert_array_equal(gs_, ws_)
 
 
 @pytest.mark.gpu

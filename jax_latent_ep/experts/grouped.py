@@ -262,6 +262,10 @@ NARROW_MIN_UNITS = 264
 #: The FP8 / MXFP4 stage's tile holds at least this many times the pairs it expects an active expert (`tile_pairs`):
 #: an expert past its tile streams its weights once more per tile, rare below half the tile's pairs.
 TILE_HEADROOM = 2.0
+#: Pairs an active expert expects from which FP8 weights take the prefill kernel's tiles
+#: (`abi.MATMUL_FP8_WIDE_TILE_PAIRS`, `kernels/grouped_matmul_fp8_wide.py`): past two decode tiles an expert, its
+#: weights would stream through each again.
+FP8_WIDE_FROM = 64
 
 
 def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
@@ -273,27 +277,37 @@ def narrow_splits(groups: int, n: int, k: int) -> tuple[int, int]:
     return -(-steps // per), per * 128
 
 
-def tile_pairs(expected_pairs: float, active: int) -> int:
-    """The FP8 / MXFP4 kernels' tile for `expected_pairs` over `active` experts: the smallest of
-    `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
+def tile_pairs(expected_pairs: float, active: int, fp8: bool = False) -> int:
+    """The FP8 / MXFP4 kernels' tile for `expected_pairs` over `active` experts: with `fp8` (FP8 weights) and at
+    least `FP8_WIDE_FROM` pairs an expert, `abi.MATMUL_FP8_WIDE_TILE_PAIRS` (the prefill kernel); else the smallest
+    of `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
     `abi.MATMUL_FP8_TILE_PAIRS` (a smaller tile: less MMA, promotion and copying a stage, the same bits)."""
     from jax_latent_ep.kernels import abi
 
+    if fp8 and expected_pairs >= FP8_WIDE_FROM * max(1, active):
+        return abi.MATMUL_FP8_WIDE_TILE_PAIRS
     fits = [p for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS if p >= TILE_HEADROOM * expected_pairs / max(1, active)]
     return min(fits) if fits else abi.MATMUL_FP8_TILE_PAIRS
 
 
-def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None) -> int:
-    """The tile (`tile_pairs`) of the FP8 / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs over
-    `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
-    return tile_pairs(expected_pairs or capacity, expected_active(num_local_experts, capacity, expected_pairs))
+def narrow_tile(num_local_experts: int, capacity: int, expected_pairs: int | None, fp8: bool = False) -> int:
+    """The tile (`tile_pairs`) of the FP8 (`fp8`) / MXFP4 stage (`swiglu_rows_fp8`) on a plan of `capacity` pairs
+    over `num_local_experts` experts, `expected_pairs` as `swiglu`'s: what `expert_stage` asks the plan's list in."""
+    return tile_pairs(expected_pairs or capacity, expected_active(num_local_experts, capacity, expected_pairs), fp8)
 
 
 def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None):
     """The FP8 (`kind` "fp8") or MXFP4 ("mxfp4") grouped matmul kernel over tiles of at most
-    `MATMUL_FP8_TILE_PAIRS` pairs of one group (the rows past the groups unspecified), its split partials summed in
-    split order."""
-    return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups)), _axes(x, w))
+    `MATMUL_FP8_TILE_PAIRS` pairs of one group, or for FP8 at `FP8_WIDE_FROM` rows a group and more, of
+    `MATMUL_FP8_WIDE_TILE_PAIRS` (the rows past the groups unspecified), its split partials summed in split
+    order."""
+    from jax_latent_ep.kernels import abi
+
+    groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
+    tile = tile_pairs(x.shape[0], groups, kind == "fp8")
+    tile = tile if tile == abi.MATMUL_FP8_WIDE_TILE_PAIRS else None
+    return _vary(_split_sum(_narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups, tile=tile)),
+                 _axes(x, w))
 
 
 def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=None, rows=None, second=None,
@@ -382,24 +396,29 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     (quantized from `xb` when None: the same rows), `h = bf16(silu(gate) * up)` rounded to MXFP8, down, and each
     row's FP32 sum of its pairs (`_row_sums`; on "wgmma" with `kernel_row_sums` the row-sum kernel, the same
     bits); the numerics of `docs/experts.md`'s FP8 weights. "wgmma" computes `h` and its MXFP8 in one kernel over
-    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's); its contraction splits are
+    the pairs used (`kernels/swiglu_mxfp8.py`: its silu within FP32 ulps of XLA's; on the prefill tiles of FP8
+    weights with gate and up apart, in the gate and up kernel's epilogue, the same bits); its contraction splits are
     chosen for `min(J, C, expected_pairs)` active experts (`kernel._expected_active`), its tiles by the pairs
     they expect each (`tile_pairs`). No VJP."""
     x, sf = mxfp8_quantize(xb) if mx is None else mx
     gs = pl.group_sizes
     expected = _expected_active(pl, expected_pairs)
-    tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs)
+    tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
+        from jax_latent_ep.kernels import abi
         from jax_latent_ep.runtime import ffi
 
-        # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
-        second = None if w_up is None else (w_up.values, w_up.scale)
         tiles = work_list(pl, tile)  # the plan kernel's where `expert_stage` asked it for this tile
-        gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row, second=second,
-                                tile=tile, tiles=tiles)
-        count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
-        hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
+        if tile == abi.MATMUL_FP8_WIDE_TILE_PAIRS and w_up is not None:  # prefill: gate, up, h's MXFP8: one launch
+            hq, hs = (_vary(a, _axes(x, w_gate.values, pl.row)) for a in ffi.grouped_matmul_fp8_glu_call(
+                x, sf, w_gate.values, w_gate.scale, w_up.values, w_up.scale, tiles, x_rows=pl.row))
+        else:  # gate and up in one launch on the receive rows (each pair reads its row: no gather), `[S, C, 2I]`
+            second = None if w_up is None else (w_up.values, w_up.scale)
+            gate_up = _narrow_parts(kind, x, sf, w_gate.values, w_gate.scale, gs, expected, rows=pl.row,
+                                    second=second, tile=tile, tiles=tiles)
+            count = jnp.reshape(pl.count, (1,)).astype(jnp.int32)
+            hq, hs = (_vary(a, _axes(gate_up, count)) for a in ffi.swiglu_mxfp8_call(gate_up, None, count))
         down = _narrow_parts(kind, hq, hs, w_down.values, w_down.scale, gs, expected, tile=tile, tiles=tiles)
         return _kernel_row_sums(pl, down) if kernel_row_sums else _row_sums(pl, _split_sum(down), out_dtype)
 

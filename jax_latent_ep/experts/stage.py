@@ -140,10 +140,13 @@ def expert_stage(recv: Received, rank, w_gate, w_up, w_down, *, impl: str = "rag
 
 def work_pairs(impl: str, w_down, capacity: int, expected_pairs: int | None = None) -> int:
     """The pairs of one item of the work list the stage's kernels read (`plan`'s `work_pairs`): the FP8 / MXFP4
-    tiles on "wgmma" (`grouped.narrow_tile`), else the grouped GEMM's; `w_down` the stage's down weights
+    tiles on "wgmma" (`grouped.narrow_tile`) where the plan kernel writes lists of them (`abi.PLAN_WORK_PAIRS`;
+    the prefill tiles' list `work_list` builds in XLA), else the grouped GEMM's; `w_down` the stage's down weights
     (`[J, ...]`), `capacity` the plan's pairs, `expected_pairs` as `swiglu`'s."""
     if isinstance(w_down, (BlockScaledOutIn, MXFP4)) and GMM_STAGE.get(impl) == "wgmma":
-        return grouped.narrow_tile(w_down.shape[0], capacity, expected_pairs)
+        tile = grouped.narrow_tile(w_down.shape[0], capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
+        if tile in abi.PLAN_WORK_PAIRS:
+            return tile
     return abi.GEMM_BLOCK_M
 
 

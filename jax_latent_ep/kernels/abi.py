@@ -78,6 +78,9 @@ MATMUL_WGRAD_CTAS = 1024
 #: Pairs of one tile of the FP8 grouped matmul (its `wgmma` n), and of its variants' smaller tiles.
 MATMUL_FP8_TILE_PAIRS = 32
 MATMUL_FP8_SMALL_TILE_PAIRS = (16, 8)
+#: Pairs of one tile of the FP8 grouped matmul of prefill sizes (`grouped_matmul_fp8_wide`: `wgmma`'s m, two
+#: warpgroups of 64).
+MATMUL_FP8_WIDE_TILE_PAIRS = 128
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel parameters
@@ -360,10 +363,30 @@ GROUPED_MATMUL_MXFP4 = _narrow_matmul(
 #: pairs an expert: the same parameters, tiles of at most that many pairs.
 NARROW_VARIANTS = tuple(Kernel(f"{k.op}_n{p}", f"{k.symbol}_n{p}", k.params, params_of=k.op, archs=("sm_90a",))
                         for k in (GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4) for p in MATMUL_FP8_SMALL_TILE_PAIRS)
+#: The FP8 kernel of prefill sizes (`kernels/grouped_matmul_fp8_wide.py`): its parameters, tiles of at most
+#: `MATMUL_FP8_WIDE_TILE_PAIRS` pairs, a tile's pairs `wgmma`'s 64-row side.
+GROUPED_MATMUL_FP8_WIDE = Kernel("grouped_matmul_fp8_wide", "ep_grouped_matmul_fp8_wide", GROUPED_MATMUL_FP8.params,
+                                 params_of=GROUPED_MATMUL_FP8.op, archs=("sm_90a",))
+#: Its SwiGLU form: gate and up of the same columns in one unit, `h = bf16(silu(gate) * up)` out in MXFP8 (the FP8
+#: stage's `swiglu_mxfp8` in the epilogue), the contraction unsplit.
+GROUPED_MATMUL_FP8_WIDE_GLU = Kernel("grouped_matmul_fp8_wide_glu", "ep_grouped_matmul_fp8_wide_glu", (
+    *GROUPED_MATMUL_FP8.params[:5],
+    _address("w_second", "as `w`: up's weight (`w` gate's)"),
+    _address("w_second_scale", "as `w_scale`: up's scales"),
+    _address("tiles", "int32 [num_tiles, 4]: (group, first pair, pairs <= MATMUL_FP8_WIDE_TILE_PAIRS, used tiles) "
+             "per tile, the used first; pairs 0: none"),
+    _address("q", "float8_e4m3fn [P, num_n]: h's MXFP8 elements; rows of the tiles' pairs written (output)"),
+    _address("sf", "uint8 [P, num_n / 32]: their E8M0 scales; rows of the tiles' pairs written (output)"),
+    Param("num_k", "i32", False, "contraction length, a multiple of 128"),
+    Param("num_n", "i32", False, "columns of gate, of up and of h, a multiple of 128"),
+    Param("num_tiles", "i32", False, "tiles of the list"),
+    Param("num_rows", "i32", False, "P, pairs (rows of q)"),
+), archs=("sm_90a",))
 
 KERNELS = {k.op: k for k in (DISPATCH, COMBINE, GROUPED_GEMM, GROUPED_GEMM_FP8, EXPERT_STAGE, EXPERT_PLAN, ROW_SUM,
                              GROUPED_MATMUL, GROUPED_MATMUL_WGRAD, GROUPED_MATMUL_FP8, GROUPED_MATMUL_MXFP4,
-                             *NARROW_VARIANTS, SWIGLU_MXFP8)}
+                             *NARROW_VARIANTS, GROUPED_MATMUL_FP8_WIDE,
+                             GROUPED_MATMUL_FP8_WIDE_GLU, SWIGLU_MXFP8)}
 
 
 def c_name(op: str) -> str:
@@ -489,6 +512,7 @@ def header() -> str:
         f"constexpr int kMatmulTileWords = {MATMUL_TILE_WORDS};",
         f"constexpr int kMatmulWgradCtas = {MATMUL_WGRAD_CTAS};",
         f"constexpr int kMatmulFp8TilePairs = {MATMUL_FP8_TILE_PAIRS};",
+        f"constexpr int kMatmulFp8WideTilePairs = {MATMUL_FP8_WIDE_TILE_PAIRS};",
         "// Receive rows per source rank: ceil(max_tokens / kRowBlock) * kRowBlock.",
         "constexpr int stride(int max_tokens) { return (max_tokens + kRowBlock - 1) / kRowBlock * kRowBlock; }",
         "",

@@ -32,6 +32,7 @@ from jax_latent_ep.kernels.primitives import (
     fence_sc_sys,
     globaltimer,
     load_u64,
+    shfl_bfly,
     shfl_idx_u64,
     store_relaxed_sys,
     store_u64,
@@ -120,6 +121,20 @@ def mxfp8_inverse(e: Uint32) -> cutlass.Float32:
         if e != Uint32(SF_NONFINITE):
             inv_bits = (Uint32(254) - e) << Uint32(23)
     return f32_from_bits(inv_bits)
+
+
+@cute.jit
+def mxfp8_block_scale(words, lanes: cutlass.Constexpr[int]):
+    """`(e, 2^(127 - e))` of a 32-block that `lanes` adjacent lanes (1, 2 or 4, aligned) hold, this lane's part the
+    BF16 pairs `words`: the block's largest magnitude over those lanes (butterflies), `mxfp8_exponent`,
+    `mxfp8_inverse`. Every lane of the warp calls it."""
+    top = bf16_magnitude_max(words)
+    for offset_lanes in cutlass.range_constexpr(lanes.bit_length() - 1):
+        other = shfl_bfly(top, 1 << offset_lanes)
+        if other > top:
+            top = other
+    e = mxfp8_exponent(top)
+    return e, mxfp8_inverse(e)
 
 
 @cute.jit

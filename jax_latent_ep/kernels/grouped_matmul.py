@@ -24,7 +24,7 @@ time (rows past the group zero-filled; the ring runs on from one block to the ne
 and never stored); an empty group's blocks are 0. Each block leaves through a buffer of its own, in 16-byte stores
 of whole rows.
 
-Both run the contraction on a warp-specialized CTA (`_Ring`): a producer warpgroup's ring of `cp.async` copies into
+Both run the contraction on a warp-specialized CTA (`Ring`): a producer warpgroup's ring of `cp.async` copies into
 shared memory laid out as `wgmma` reads it with the 128-byte swizzle (16-byte chunk `c` of a 128-byte line `l` at
 chunk `c ^ (l % 8)`, 1024-byte atoms): a K-major operand a line per row (64 contraction elements), an MN-major one a
 line per contraction row and 64-column block, the blocks `MN_BLOCK_BYTES` apart. Each of two consumer warpgroups
@@ -41,6 +41,7 @@ from cutlass import Int32, Int64, Uint32
 from jax_latent_ep.kernels import abi
 from jax_latent_ep.kernels.common import compile_cubin
 from jax_latent_ep.kernels.primitives import (
+    cp_async_4,
     cp_async_16,
     cp_async_commit,
     cp_async_wait,
@@ -114,22 +115,27 @@ def launch_shape(kernel: str = "grouped_matmul") -> tuple[int, int]:
 # The pipeline both kernels run: a warp-specialized CTA's stages of two operands into its consumers' accumulators.
 
 
-class _Ring:
+class Ring:
     """Device helpers of a warp-specialized CTA: warpgroup 0 (the producer) copies stages into the ring, warpgroups 1
     and 2 (the consumers) multiply 64 rows each; stage `t` (counted on across a CTA's blocks) goes through slot `t %
     stages`, a `full` barrier a slot (the producer's `PRODUCER_THREADS` arrivals: its bytes landed) and an `empty`
     one (the consumers' `THREADS / 32` warps: its MMAs done). `stages`, `lag` (the stages the producer's copies run
     before it marks them landed), `ctas_per_sm`, `tile_n`; `epilogue_bytes`: a buffer of the consumers' own for the
-    blocks' stores (0: the ring's, free after the last stage)."""
+    blocks' stores (0: the ring's, free after the last stage); `extra_stage_bytes`: a stage's bytes past its two
+    operands (a multiple of 1024: the next stage's swizzle atoms); `producer_regs`: the producer's registers a
+    thread (the rest the consumers')."""
 
-    def __init__(self, stages: int, lag: int, ctas_per_sm: int, tile_n: int, epilogue_bytes: int = 0):
+    def __init__(self, stages: int, lag: int, ctas_per_sm: int, tile_n: int, epilogue_bytes: int = 0,
+                 extra_stage_bytes: int = 0, producer_regs: int = PRODUCER_REGS):
         if not 1 <= lag <= stages - 2:
             # Past stages - 2 the producer would wait for a slot freed only after a stage it has not yet marked.
             raise ValueError(f"stages={stages}, lag={lag}: need 1 <= lag <= stages - 2")
         if tile_n not in (TILE_N, 2 * TILE_N):
             raise ValueError(f"tile_n={tile_n}: a block is {TILE_N} or {2 * TILE_N} columns")
         self.stages, self.lag, self.ctas_per_sm, self.tile_n = stages, lag, ctas_per_sm, tile_n
-        self.stage_bytes = A_STAGE_BYTES + tile_n * LINE_BYTES
+        if extra_stage_bytes % 1024:
+            raise ValueError(f"extra_stage_bytes={extra_stage_bytes} must be a multiple of 1024")
+        self.stage_bytes = A_STAGE_BYTES + tile_n * LINE_BYTES + extra_stage_bytes
         self.epilogue_bytes = epilogue_bytes
         # The ring (from the first 1024-byte boundary: the swizzle atoms), the buffer, a full and an empty barrier a
         # stage.
@@ -137,7 +143,7 @@ class _Ring:
         # Registers a thread: the CTA's pool at launch (`FORWARD_THREADS` of `base`), the producer's given to the
         # consumers' accumulators.
         base = 65536 // (FORWARD_THREADS * ctas_per_sm) // 8 * 8
-        self.producer_regs = min(PRODUCER_REGS, base)
+        self.producer_regs = min(producer_regs, base)
         self.consumer_regs = min(256, (FORWARD_THREADS * base - PRODUCER_THREADS * self.producer_regs) // THREADS
                                  // 8 * 8)
         if self.consumer_regs < tile_n // 2 + 40:
@@ -167,15 +173,18 @@ class _Ring:
         return ring, full, empty, epilogue
 
     @cute.jit
-    def copy_chunk(self, dst: Uint32, base: Int64, src: Int64, live):
-        """The producer: one 16-byte chunk into shared `dst`, from `src` if `live`, else 16 zeros (naming `base`,
-        the operand's start, never read)."""
+    def copy_chunk(self, dst: Uint32, base: Int64, src: Int64, live, nbytes: cutlass.Constexpr[int] = 16):
+        """The producer: one chunk of `nbytes` (16, or 4: a word) into shared `dst`, from `src` if `live`, else
+        zeros (naming `base`, the operand's start, never read)."""
         address = base
         size = Uint32(0)
         if live:
             address = src
-            size = Uint32(16)
-        cp_async_16(dst, address, size)
+            size = Uint32(nbytes)
+        if cutlass.const_expr(nbytes == 16):
+            cp_async_16(dst, address, size)
+        else:
+            cp_async_4(dst, address, size)
 
     @cute.jit
     def wait_free(self, empty: Uint32, t: Int32):
@@ -328,9 +337,9 @@ def _chunks(tid, num_lines: int, threads: int = PRODUCER_THREADS):
 # compile the kernels; the C++ FFI launches the cubins with their own grids.
 
 
-class GroupedMatmul(_Ring):
+class GroupedMatmul(Ring):
     """The grouped matmul kernel (every size a run-time parameter); `compile_grouped_matmul` builds it, one
-    `TILE_M x tile_n` block a CTA (`_Ring`; the block's stores through the ring); `stages`, `lag`,
+    `TILE_M x tile_n` block a CTA (`Ring`; the block's stores through the ring); `stages`, `lag`,
     `ctas_per_sm`, `tile_n`: the forward's settings (`FORWARD_*`) by default."""
 
     def __init__(self, stages: int = FORWARD_STAGES, lag: int = FORWARD_LAG, ctas_per_sm: int = FORWARD_CTAS_PER_SM,
@@ -480,9 +489,9 @@ class GroupedMatmul(_Ring):
 GroupedMatmul.kernel.set_name_prefix(abi.GROUPED_MATMUL.symbol, remove_cutlass_symbol=True, keep_mangled_name=False)
 
 
-class GroupedMatmulWgrad(_Ring):
+class GroupedMatmulWgrad(Ring):
     """The weights' gradient kernel (every size a run-time parameter); `compile_grouped_matmul_wgrad` builds it: a
-    CTA's `TILE_M x tile_n` blocks in turn (`_Ring`, the ring running on from one block to the next), each
+    CTA's `TILE_M x tile_n` blocks in turn (`Ring`, the ring running on from one block to the next), each
     stored through a buffer of its own while the producer copies the next block's stages; `stages`, `lag`,
     `tile_n`: the weights' gradient's settings (`WGRAD_*`) by default."""
 
@@ -596,7 +605,7 @@ GroupedMatmulWgrad.kernel.set_name_prefix(abi.GROUPED_MATMUL_WGRAD.symbol, remov
 
 
 def compile_grouped_matmul(arch: str = "sm_90a", **ring):
-    """Compiles the grouped matmul for `arch` (sm_90a only: `wgmma`; `ring`: `_Ring`'s settings); returns
+    """Compiles the grouped matmul for `arch` (sm_90a only: `wgmma`; `ring`: `Ring`'s settings); returns
     `(symbol, cubin bytes)`."""
     return compile_cubin(abi.GROUPED_MATMUL, GroupedMatmul(**ring), arch)
 

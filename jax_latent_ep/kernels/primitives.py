@@ -92,6 +92,12 @@ def store_b32(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_b16(addr, value, *, loc=None, ip=None) -> None:
+    """Always issues one weak 2-byte `st.global.b16` of `value`'s low half (addr 2-byte aligned)."""
+    _asm(None, [_i64(addr, loc, ip), _u32(value, loc, ip)], "st.global.b16 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
 def store_v2_b32(addr, lo, hi, *, loc=None, ip=None) -> None:
     """Always issues one weak 8-byte `st.global.v2.b32` of `(lo, hi)` (addr 8-byte aligned)."""
     _asm(None, [_i64(addr, loc, ip), _u32(lo, loc, ip), _u32(hi, loc, ip)], "st.global.v2.b32 [$0], {$1, $2};",
@@ -768,13 +774,13 @@ def wgmma_bf16_m64k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *
 
 @dsl_user_op
 def wgmma_e4m3_m64k32(desc_a, desc_b, n: int, *, loc=None, ip=None):
-    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n<n>k32.f32.e4m3.e4m3` (`n` 8, 16, 24 or 32) with `scale-d`
+    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n<n>k32.f32.e4m3.e4m3` (`n` 8 to 32, or 64 or 128) with `scale-d`
     0: A (64 x 32 e4m3, `desc_a`) x B (32 x n, `desc_b`), both K-major (FP8 operands have no other form), into
     `n / 2` fresh FP32 of this thread: the exact products' sum in the tensor core, one 32-deep block. Thread t
     holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at `[4 j + 2 i + e]` (row + 8 i,
     column + e), as `wgmma_bf16_m64k16`. Asynchronous: read the results after `wgmma_wait`."""
-    if n not in (8, 16, 24, 32):
-        raise ValueError(f"wgmma_e4m3_m64k32: n={n} must be 8, 16, 24 or 32")
+    if n not in (8, 16, 24, 32, 64, 128):
+        raise ValueError(f"wgmma_e4m3_m64k32: n={n} must be 8, 16, 24, 32, 64 or 128")
     regs = n // 2
     outs = ", ".join(f"${i}" for i in range(regs))
     code = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk32.f32.e4m3.e4m3 "

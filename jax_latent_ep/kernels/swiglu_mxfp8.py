@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from jax_latent_ep.kernels import abi
-from jax_latent_ep.kernels.common import bf16_magnitude_max, compile_cubin, mxfp8_exponent, mxfp8_inverse
+from jax_latent_ep.kernels.common import compile_cubin, mxfp8_block_scale
 from jax_latent_ep.kernels.primitives import (
     add_rn,
     bf16x2,
@@ -34,7 +34,6 @@ from jax_latent_ep.kernels.primitives import (
     load_v4,
     lo_f32,
     mul_ftz,
-    shfl_bfly,
     shfl_idx,
     silu_mul,
     store_b32,
@@ -113,13 +112,7 @@ class SwigluMxfp8:
                  for j in range(UNIT // 2)]  # unrolled: a Python comprehension
 
             # ---- 3. MXFP8 of the 32-block over four lanes.
-            top = bf16_magnitude_max(h)
-            for offset_lanes in cutlass.range_constexpr(2):
-                other = shfl_bfly(top, 1 << offset_lanes)
-                if other > top:
-                    top = other
-            e = mxfp8_exponent(top)
-            inv = mxfp8_inverse(e)
+            e, inv = mxfp8_block_scale(h, 4)
             packed = [e4m3x4(mul_ftz(lo_f32(h[2 * j]), inv), mul_ftz(hi_f32(h[2 * j]), inv),
                              mul_ftz(lo_f32(h[2 * j + 1]), inv), mul_ftz(hi_f32(h[2 * j + 1]), inv))
                       for j in range(2)]

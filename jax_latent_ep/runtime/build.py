@@ -44,6 +44,8 @@ SHAPE_FREE = {"grouped_gemm": "grouped_gemm", "grouped_gemm_fp8": "grouped_gemm"
               "expert_plan": "expert_plan", "row_sum": "row_sum", "grouped_matmul": "grouped_matmul",
               "grouped_matmul_wgrad": "grouped_matmul", "grouped_matmul_fp8": "grouped_matmul_fp8",
               "grouped_matmul_mxfp4": "grouped_matmul_fp8", "swiglu_mxfp8": "swiglu_mxfp8",
+              "grouped_matmul_fp8_wide": "grouped_matmul_fp8_wide",
+              "grouped_matmul_fp8_wide_glu": "grouped_matmul_fp8_wide",
               **{k.op: "grouped_matmul_fp8" for k in abi.NARROW_VARIANTS}}
 MANIFEST_VERSION = 1
 

@@ -400,6 +400,9 @@ EXPERT_TARGETS = {"grouped_gemm": ("jax_latent_ep_grouped_gemm", "EpGroupedGemm"
                   "grouped_matmul_fp8": ("jax_latent_ep_grouped_matmul_fp8", "EpGroupedMatmulFp8"),
                   "grouped_matmul_mxfp4": ("jax_latent_ep_grouped_matmul_mxfp4", "EpGroupedMatmulMxfp4"),
                   "swiglu_mxfp8": ("jax_latent_ep_swiglu_mxfp8", "EpSwigluMxfp8"),
+                  "grouped_matmul_fp8_wide": ("jax_latent_ep_grouped_matmul_fp8_wide", "EpGroupedMatmulFp8Wide"),
+                  "grouped_matmul_fp8_wide_glu": ("jax_latent_ep_grouped_matmul_fp8_wide_glu",
+                                                  "EpGroupedMatmulFp8WideGlu"),
                   **{f"{op}_n{p}": (f"jax_latent_ep_{op}_n{p}", f"Ep{name}N{p}")
                      for op, name in (("grouped_matmul_fp8", "GroupedMatmulFp8"),
                                       ("grouped_matmul_mxfp4", "GroupedMatmulMxfp4"))
@@ -408,13 +411,14 @@ GROUPED_GEMM_TARGET = EXPERT_TARGETS["grouped_gemm"][0]
 #: The cubins behind them (the grouped GEMM target launches its BF16 or its FP8 kernel by the weights' dtype).
 EXPERT_KERNELS = ("grouped_gemm", "grouped_gemm_fp8", "expert_plan", "expert_stage", "row_sum", "grouped_matmul",
                   "grouped_matmul_wgrad", "grouped_matmul_fp8", "grouped_matmul_mxfp4", "swiglu_mxfp8",
-                  *(k.op for k in abi.NARROW_VARIANTS))
+                  *(k.op for k in abi.NARROW_VARIANTS), "grouped_matmul_fp8_wide", "grouped_matmul_fp8_wide_glu")
 EXPERT_PLAN_TARGET = EXPERT_TARGETS["expert_plan"][0]
 #: op -> its record target (execute + RECORD stage: a kernel node in XLA's command buffers, updated in place; the
 #: traced target is stream-captured again at every record), registered by `ep_register_expert_record_targets`.
 EXPERT_RECORD_TARGETS = {op: f"jax_latent_ep_{op}_rec" for op in (
     "grouped_gemm", "expert_plan", "expert_stage", "row_sum", "grouped_matmul_fp8", "grouped_matmul_mxfp4",
-    "swiglu_mxfp8", *(k.op for k in abi.NARROW_VARIANTS))}
+    "swiglu_mxfp8", "grouped_matmul_fp8_wide", "grouped_matmul_fp8_wide_glu",
+    *(k.op for k in abi.NARROW_VARIANTS))}
 #: The devices the expert kernels are loaded on (None: their targets are registered).
 _expert_devices: set[int | None] = set()
 #: Why the expert record targets are not registered (None once they are).
@@ -541,8 +545,8 @@ def grouped_matmul_fp8_call(x, x_scale, w, w_scale, tiles, *, splits: int, k_per
     holds): FP32 `[splits, P, N]` partials over the contraction's `splits` slices of `k_per_split` (`[splits, P,
     2N]`, `w`'s columns then `w_second`'s, with a second weight), the rows of the tiles' pairs written (the others
     hold whatever the buffer held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: `x` has a row a
-    pair). `tile_pairs`: the kernel of tiles of at most that many pairs (`abi.MATMUL_FP8_TILE_PAIRS` or one of
-    `abi.MATMUL_FP8_SMALL_TILE_PAIRS`), as `tiles` holds them."""
+    pair). `tile_pairs`: the kernel of tiles of at most that many pairs (`abi.MATMUL_FP8_TILE_PAIRS`, one of
+    `abi.MATMUL_FP8_SMALL_TILE_PAIRS`, or `abi.MATMUL_FP8_WIDE_TILE_PAIRS`: prefill's), as `tiles` holds them."""
     return _narrow_call(_narrow_op("grouped_matmul_fp8", tile_pairs), x, x_scale, w, w_scale, tiles, splits,
                         k_per_split, x_rows, w_second, w_second_scale)
 
@@ -558,9 +562,12 @@ def _narrow_op(op: str, tile_pairs: int) -> str:
     """The op of `op`'s variant of `tile_pairs`-pair tiles."""
     if tile_pairs == abi.MATMUL_FP8_TILE_PAIRS:
         return op
+    if tile_pairs == abi.MATMUL_FP8_WIDE_TILE_PAIRS and op == "grouped_matmul_fp8":
+        return "grouped_matmul_fp8_wide"
     if tile_pairs not in abi.MATMUL_FP8_SMALL_TILE_PAIRS:
+        wide = (abi.MATMUL_FP8_WIDE_TILE_PAIRS,) if op == "grouped_matmul_fp8" else ()
         raise ValueError(f"{op}: tile_pairs={tile_pairs} must be one of "
-                         f"{(abi.MATMUL_FP8_TILE_PAIRS, *abi.MATMUL_FP8_SMALL_TILE_PAIRS)}")
+                         f"{(abi.MATMUL_FP8_TILE_PAIRS, *abi.MATMUL_FP8_SMALL_TILE_PAIRS, *wide)}")
     return f"{op}_n{tile_pairs}"
 
 
@@ -574,6 +581,24 @@ def _narrow_call(op, x, x_scale, w, w_scale, tiles, splits, k_per_split, x_rows,
         x, x_scale, unread if x_rows is None else x_rows, w, w_scale, unread if not two else w_second,
         unread if not two else w_second_scale, tiles, k_per_split=np.int64(k_per_split),
         indexed=np.int64(x_rows is not None), two_weights=np.int64(two), **extra)
+
+
+def grouped_matmul_fp8_glu_call(x, x_scale, w, w_scale, w_up, w_up_scale, tiles, *, x_rows=None):
+    """The FP8 grouped matmul of prefill sizes with the SwiGLU in its epilogue (`kernels/abi.py`
+    GROUPED_MATMUL_FP8_WIDE_GLU, whose table says what each operand holds): `(q, sf)`, float8_e4m3fn `[P, I]` and
+    uint8 `[P, I / 32]`, `h = bf16(silu(gate) * up)` of gate `x @ w^T` and up `x @ w_up^T` (both `[G, I, K]`,
+    `[out, in]`) rounded to MXFP8: `swiglu_mxfp8_call` of `grouped_matmul_fp8_call`'s unsplit products, bit for bit.
+    `tiles`: `chunks` of `abi.MATMUL_FP8_WIDE_TILE_PAIRS`; the rows of the tiles' pairs written (the others hold
+    whatever the buffers held). `x_rows` int32 `[P]`: the row of `x` of each pair (None: a row a pair)."""
+    if tuple(w_up.shape) != tuple(w.shape):
+        raise ValueError(f"grouped_matmul_fp8_glu_call: w_up {list(w_up.shape)} must match w {list(w.shape)}")
+    pairs, inter = x.shape[0] if x_rows is None else x_rows.shape[0], w.shape[1]
+    outs = (jax.ShapeDtypeStruct((pairs, inter), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((pairs, inter // 32), jnp.uint8))
+    target, extra = _expert_target("grouped_matmul_fp8_wide_glu")
+    return tuple(jax.ffi.ffi_call(target, outs, has_side_effect=False)(
+        x, x_scale, tiles if x_rows is None else x_rows, w, w_scale, w_up, w_up_scale, tiles,
+        indexed=np.int64(x_rows is not None), **extra))
 
 
 def swiglu_mxfp8_call(gate, up, count):

@@ -1,4 +1,4 @@
-"""The warp-specialized ring's barrier protocol (`kernels/grouped_matmul.py` `_Ring`), modelled in Python and run
+"""The warp-specialized ring's barrier protocol (`kernels/grouped_matmul.py` `Ring`), modelled in Python and run
 on random schedules (CPU): a producer's threads copy stage `t` into slot `t % stages` once the slot's `empty`
 barrier says stage `t - stages` was multiplied, and mark stage `t - lag` on its `full` barrier once their own
 copies of it landed; each consumer warp waits `full`, issues its MMAs, and gives a slot back once the MMAs that read
@@ -121,7 +121,7 @@ def test_ring_protocol_on_random_schedules(stages, lag):
 
 def test_ring_protocol_model_finds_a_deadlock():
     """The model can fail: with `lag = stages - 1` the producer waits for a slot the consumers free only after a
-    stage it has not yet marked (what `_Ring` refuses to build)."""
+    stage it has not yet marked (what `Ring` refuses to build)."""
     with pytest.raises(AssertionError, match="deadlock"):
         _run(3, 2, [(9, True, True)], seed=0)
     with pytest.raises(ValueError, match="lag=2"):
