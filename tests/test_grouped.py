@@ -106,9 +106,10 @@ def test_wgmma_weights_gradient_of_several_blocks_a_cta():
     assert np.all(np.asarray(dw, np.float32)[sizes == 0] == 0), "an empty group's gradient is not 0"
 
 
-def _fp8_case(rng, g=6, m=200, k=256, n=256):
+def _fp8_case(rng, g=6, m=200, k=256, n=256, magnitude=False):
     """MXFP8 rows (some 32-blocks all zero: scale code 0) sorted into random groups (some empty, some of several
-    32-pair tiles), FP8 block-scaled weights `[G, N, K]`, and the float64 model of `gmm_fp8`."""
+    32-pair tiles), FP8 block-scaled weights `[G, N, K]`, and the float64 model of `gmm_fp8`; with `magnitude`
+    also the model's sum of the products' absolute values (`_kernel_tolerance`)."""
     from jax_latent_ep.numerics import mxfp8_quantize
     from jax_latent_ep.testing.experts import random_fp8_weights
 
@@ -122,11 +123,21 @@ def _fp8_case(rng, g=6, m=200, k=256, n=256):
     xs = np.exp2(np.asarray(sf, np.float64) - 127) * (np.asarray(sf) > 0)
     wf = np.asarray(w, np.float64).reshape(g, n, k // 32, 32)
     wsf = np.repeat(np.repeat(np.asarray(ws, np.float64), 128, 1), 4, 2)  # [G, N, K / 32]
-    want, ends = np.zeros((m, n)), np.cumsum(sizes)
+    want, mag, ends = np.zeros((m, n)), np.zeros((m, n)), np.cumsum(sizes)
     for e in range(g):
         for p in range(ends[e] - sizes[e], ends[e]):
             want[p] = np.sum(np.einsum("bk,nbk->nb", xf[p], wf[e]) * xs[p] * wsf[e], axis=1)
-    return (q, sf, w, ws, jnp.asarray(sizes)), want
+            mag[p] = np.sum(np.einsum("bk,nbk->nb", np.abs(xf[p]), np.abs(wf[e])) * xs[p] * wsf[e], axis=1)
+    return ((q, sf, w, ws, jnp.asarray(sizes)), want) + ((mag,) if magnitude else ())
+
+
+def _kernel_tolerance(impl, want, mag):
+    """The FP8 / MXFP4 kernels' error bound against the float64 model: 2^-20 of the row's largest |value| on "xla"
+    (FP32 sums of exact block products); on "wgmma" 2^-12 of the products' absolute sum: the FP8 tensor cores
+    truncate a block's internal sum of 32 products to about 2^-13 of its magnitude, not of the result's."""
+    if impl == "xla":
+        return 2.0**-20 * np.max(np.abs(want), axis=1, keepdims=True) + 1e-30
+    return 2.0**-12 * mag + 1e-30
 
 
 #: `(K, expected_groups)` of the FP8 / MXFP4 kernel tests: one contraction pass, and K = 1024 split in two
@@ -139,15 +150,13 @@ NARROW_SPLITS = [(256, None), (1024, 1)]
 @pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.gpu) if i == "wgmma" else i
                                   for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
 def test_gmm_fp8_against_numpy(impl, k, expected, m):
-    """`gmm_fp8` against the float64 model: within 2^-20 of the row's largest |value| on "xla" (FP32 sums of exact
-    block products), 2^-12 on "wgmma" (the FP8 tensor cores' internal sum of a block's 32 products is coarser than
-    FP32); "xla"'s rows past the groups exactly 0. At m = 900 (150 pairs a group) "wgmma" takes the prefill
-    kernel's 128-pair tiles."""
-    args, want = _fp8_case(_rng(f"gmm-fp8/{impl}/{k}/{m}"), m=m, k=k)
+    """`gmm_fp8` against the float64 model within `_kernel_tolerance`; "xla"'s rows past the groups exactly 0. At
+    m = 900 (150 pairs a group) "wgmma" takes the prefill kernel's 128-pair tiles."""
+    args, want, mag = _fp8_case(_rng(f"gmm-fp8/{impl}/{k}/{m}"), m=m, k=k, magnitude=True)
     got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_fp8(*a, impl=impl, expected_groups=expected))(*args),
                      np.float64)
     used = int(np.sum(args[-1]))
-    tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True)
+    tol = _kernel_tolerance(impl, want, mag)
     bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
     assert bad.size == 0, f"{impl}: {len(bad)} off, first {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
     if impl == "xla":
@@ -328,8 +337,7 @@ def test_wgmma_tiles_follow_the_groups():
                                   for i in experts.grouped.GMM_FP8_IMPLEMENTATIONS])
 def test_gmm_mxfp4_against_numpy(impl, k, expected):
     """`gmm_mxfp4` against the float64 model on ml_dtypes' decoding of the codes (every code, both zeros, scales
-    over several octaves, zero scale codes): within 2^-20 of the row's largest |value| on "xla", 2^-12 on "wgmma"
-    (as `test_gmm_fp8_against_numpy`)."""
+    over several octaves, zero scale codes) within `_kernel_tolerance`."""
     import ml_dtypes as mld
 
     rng = _rng(f"gmm-mxfp4/{impl}/{k}")
@@ -345,14 +353,14 @@ def test_gmm_mxfp4_against_numpy(impl, k, expected):
     xf = np.asarray(q, np.float64) * np.repeat(np.exp2(np.asarray(sf, np.float64) - 127) * (np.asarray(sf) > 0), 32,
                                                axis=1)
     sizes, ends = np.asarray(gs), np.cumsum(np.asarray(gs))
-    want = np.zeros((q.shape[0], n))
+    want, mag = np.zeros((q.shape[0], n)), np.zeros((q.shape[0], n))
     for e in range(g):
         s = slice(ends[e] - sizes[e], ends[e])
-        want[s] = xf[s] @ wf[e].T
+        want[s], mag[s] = xf[s] @ wf[e].T, np.abs(xf[s]) @ np.abs(wf[e]).T
     got = np.asarray(jax.jit(lambda *a: experts.grouped.gmm_mxfp4(*a, impl=impl, expected_groups=expected))(
         q, sf, jnp.asarray(codes), jnp.asarray(scale), gs), np.float64)
     used = int(sizes.sum())
-    tol = (2.0**-20 if impl == "xla" else 2.0**-12) * np.max(np.abs(want), axis=1, keepdims=True) + 1e-30
+    tol = _kernel_tolerance(impl, want, mag)
     bad = np.argwhere(np.abs(got[:used] - want[:used]) > tol[:used])
     assert bad.size == 0, f"{impl}: {len(bad)} off, first {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
 
