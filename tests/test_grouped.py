@@ -140,6 +140,13 @@ def _kernel_tolerance(impl, want, mag):
     return 2.0**-12 * mag + 1e-30
 
 
+def _load_expert_kernels(ffi):
+    """Skips without a GPU, else loads the expert kernels on every local GPU (`ffi` the runtime module)."""
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs NVIDIA GPUs")
+    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+
+
 #: `(K, expected_groups)` of the FP8 / MXFP4 kernel tests: one contraction pass, and K = 1024 split in two
 #: (`narrow_splits`: one expected group wants many units).
 NARROW_SPLITS = [(256, None), (1024, 1)]
@@ -453,9 +460,7 @@ def test_narrow_rows_and_second_weight_are_the_gather_and_two_calls(kind):
     from jax_latent_ep.kernels.abi import MATMUL_FP8_TILE_PAIRS
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng(f"narrow-rows/{kind}")
     (q, sf, w, ws, gs), _ = _fp8_case(rng, k=512)
     rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0] + 40), jnp.int32)  # more pairs than rows, repeats
@@ -498,9 +503,7 @@ def test_small_tiles_are_the_large_tiles_bits(kind, tile):
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng(f"small-tiles/{kind}/{tile}")
     (q, sf, w, ws, gs), _ = _fp8_case(rng, k=512)
     rows = jnp.asarray(rng.permutation(q.shape[0]), jnp.int32)
@@ -528,9 +531,7 @@ def test_wide_tiles_are_the_decode_tiles_bits():
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng("wide-tiles")
     (q, sf, w, ws, gs), _ = _fp8_case(rng, g=7, m=1000, k=512, n=1024)
     rows = jnp.asarray(rng.integers(0, q.shape[0], q.shape[0]), jnp.int32)  # shuffled and repeated
@@ -556,9 +557,7 @@ def test_wide_glu_is_the_swiglu_kernels_bits():
     from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng("wide-glu")
     (q, sf, w, ws, gs), _ = _fp8_case(rng, g=7, m=1000, k=512, n=384)
     w_up, ws_up = jnp.flip(w, axis=1), jnp.flip(ws, axis=1)
@@ -587,9 +586,7 @@ def test_wgmma_rows_are_the_gather(transpose_w):
     rows) gives the gathered rows' bits: the same tiles, the same sums."""
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng(f"wgmma-rows/{transpose_w}")
     g, m, k, n = 5, 300, 256, 384
     sizes = jnp.asarray(_groups(rng, g, m))
@@ -612,9 +609,7 @@ def test_wgmma_swiglu_block_against_the_two_products(residual):
     FP32 ulps of XLA's, then one rounding), on groups of 0, 1, 128 and over 128 rows, shuffled receive rows."""
     from jax_latent_ep.runtime import ffi
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("needs NVIDIA GPUs")
-    ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
+    _load_expert_kernels(ffi)
     rng = _rng(f"wgmma-swiglu/{residual}")
     g, m, k, n = 6, 520, 640, 384  # k: 10 stages, the ring's barriers in both phases
     sizes = np.array([0, 1, 128, 200, *rng.integers(1, 90, g - 4)], np.int32)[rng.permutation(g)]  # 200: 2 tiles

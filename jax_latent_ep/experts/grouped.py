@@ -25,6 +25,7 @@ from jax_latent_ep.experts.formats import E2M1_VALUES, BlockScaledOutIn
 from jax_latent_ep.experts.kernel import _expected_active, _kernel_row_sums, _split_sum, expected_active
 from jax_latent_ep.experts.planning import chunks, work_list
 from jax_latent_ep.experts.xla import _glu, _pair_row_sums, _row_sums
+from jax_latent_ep.kernels import abi
 from jax_latent_ep.numerics import mxfp8_quantize
 
 GMM_IMPLEMENTATIONS = ("xla", "mosaic", "wgmma")
@@ -282,8 +283,6 @@ def tile_pairs(expected_pairs: float, active: int, fp8: bool = False) -> int:
     least `FP8_WIDE_FROM` pairs an expert, `abi.MATMUL_FP8_WIDE_TILE_PAIRS` (the prefill kernel); else the smallest
     of `abi.MATMUL_FP8_SMALL_TILE_PAIRS` of at least `TILE_HEADROOM` times the pairs an expert expects, else
     `abi.MATMUL_FP8_TILE_PAIRS` (a smaller tile: less MMA, promotion and copying a stage, the same bits)."""
-    from jax_latent_ep.kernels import abi
-
     if fp8 and expected_pairs >= FP8_WIDE_FROM * max(1, active):
         return abi.MATMUL_FP8_WIDE_TILE_PAIRS
     fits = [p for p in abi.MATMUL_FP8_SMALL_TILE_PAIRS if p >= TILE_HEADROOM * expected_pairs / max(1, active)]
@@ -301,8 +300,6 @@ def _wgmma_narrow(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     `MATMUL_FP8_TILE_PAIRS` pairs of one group, or for FP8 at `FP8_WIDE_FROM` rows a group and more, of
     `MATMUL_FP8_WIDE_TILE_PAIRS` (the rows past the groups unspecified), its split partials summed in split
     order."""
-    from jax_latent_ep.kernels import abi
-
     groups = min(group_sizes.shape[0], x.shape[0]) if expected_groups is None else expected_groups
     tile = tile_pairs(x.shape[0], groups, kind == "fp8")
     tile = tile if tile == abi.MATMUL_FP8_WIDE_TILE_PAIRS else None
@@ -316,7 +313,6 @@ def _narrow_parts(kind, x, x_scale, w, w_scale, group_sizes, expected_groups=Non
     reads row `rows[p]` of `x` (no gather); with `second = (w2, w2_scale)` `[S, M, 2N]`, `w`'s columns then
     `w2`'s, one launch; `tile`: the kernel of tiles of that many pairs (`tile_pairs`; the same bits), None: 32;
     `tiles`: their list, `chunks(group_sizes, M, tile)`, where the caller has it (None: built here)."""
-    from jax_latent_ep.kernels import abi
     from jax_latent_ep.runtime import ffi
 
     ffi.load_expert_kernels({d for d in jax.local_devices() if d.platform == "gpu"})
@@ -406,7 +402,6 @@ def swiglu_rows_fp8(pl, xb, mx, w_gate, w_up, w_down, impl: str, out_dtype, kern
     tile = narrow_tile(pl.num_local_experts, pl.capacity, expected_pairs, isinstance(w_down, BlockScaledOutIn))
     kind = "fp8" if isinstance(w_down, BlockScaledOutIn) else "mxfp4"
     if impl == "wgmma":
-        from jax_latent_ep.kernels import abi
         from jax_latent_ep.runtime import ffi
 
         tiles = work_list(pl, tile)  # the plan kernel's where `expert_stage` asked it for this tile
