@@ -717,7 +717,7 @@ struct GroupedMatmulFp8WideGlu {
         .template Arg<ffi::AnyBuffer>()      // w_second: up's, as w
         .template Arg<ffi::AnyBuffer>()      // w_second_scale: up's, as w_scale
         .template Arg<ffi::AnyBuffer>()      // tiles: int32 [T, 4] (group, first pair, pairs <= 128, used)
-        .template Ret<ffi::AnyBuffer>()      // q: float8_e4m3fn [P, I] h's MXFP8 elements; rows outside every tile untouched
+        .template Ret<ffi::AnyBuffer>()      // q: float8_e4m3fn [P, I] h's MXFP8 elements (rows of no tile untouched)
         .template Ret<ffi::AnyBuffer>()      // sf: uint8 [P, I / 32] their E8M0 scales; as q
         .template Attr<int64_t>("indexed");  // 1: pair p reads row x_rows[p] of x, 0: row p
   }

@@ -774,8 +774,8 @@ def wgmma_bf16_m64k16(acc, desc_a, desc_b, a_mn_major: bool, b_mn_major: bool, *
 
 @dsl_user_op
 def wgmma_e4m3_m64k32(desc_a, desc_b, n: int, *, loc=None, ip=None):
-    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n<n>k32.f32.e4m3.e4m3` (`n` 8 to 32, or 64 or 128) with `scale-d`
-    0: A (64 x 32 e4m3, `desc_a`) x B (32 x n, `desc_b`), both K-major (FP8 operands have no other form), into
+    """Warpgroup-wide `wgmma.mma_async.sync.aligned.m64n<n>k32.f32.e4m3.e4m3` (`n` 8, 16, 24, 32, 64 or 128) with
+    `scale-d` 0: A (64 x 32 e4m3, `desc_a`) x B (32 x n, `desc_b`), both K-major (FP8 operands have no other form), into
     `n / 2` fresh FP32 of this thread: the exact products' sum in the tensor core, one 32-deep block. Thread t
     holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns 8 j + 2 (t % 4) (+ 1) at `[4 j + 2 i + e]` (row + 8 i,
     column + e), as `wgmma_bf16_m64k16`. Asynchronous: read the results after `wgmma_wait`."""
