@@ -229,11 +229,11 @@ def print_profile(fn, args, layers, top):
 
 def measure_fp8(model, t, layers, repeats, impl="wgmma", seed=0, profile=0):
     """Rows of the prefill forward on FP8 weights (`--fp8`): the stage on `[out, in]` FP8 weights with a scale per
-    128 x 128 block (`training/<model>/fp8/<impl>`: `experts.grouped.swiglu_rows_fp8` on `impl`, "wgmma" the
-    project's kernels, the MXFP8 rows quantized from the bf16 ones) against `training/<model>/fp8/plain`: the
-    SwiGLU MLP batched over the J experts with `ceil(pairs / J)` rows each as plain e4m3 x e4m3 GEMMs (XLA's FP8
-    GEMM, BF16 out; `h` cast to e4m3), unscaled: an FP8 GEMM's rate for the same shapes. Rows `fwd_ms`,
-    `fwd_tflops`, `fwd_of_plain`, `fwd_temp_GB`."""
+    128 x 128 block (`training/<model>/fp8/<impl>`: `experts.swiglu_rows` on `impl` as a caller runs it, "wgmma" the
+    project's kernels, the MXFP8 rows quantized from the bf16 ones, the stage's row sums) against
+    `training/<model>/fp8/plain`: the SwiGLU MLP batched over the J experts with `ceil(pairs / J)` rows each as
+    plain e4m3 x e4m3 GEMMs (XLA's FP8 GEMM, BF16 out; `h` cast to e4m3), unscaled: an FP8 GEMM's rate for the same
+    shapes. Rows `fwd_ms`, `fwd_tflops`, `fwd_of_plain`, `fwd_temp_GB`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -252,7 +252,7 @@ def measure_fp8(model, t, layers, repeats, impl="wgmma", seed=0, profile=0):
     x = jax.random.normal(keys[-2], (ranks * t, lat), jnp.bfloat16)
 
     def kernel_stage(x, w):
-        return experts.grouped.swiglu_rows_fp8(pl, x, None, *w, impl=impl, out_dtype=jnp.bfloat16)
+        return experts.swiglu_rows(pl, x, *w, impl=impl)
 
     def plain_stage(xe, w):
         mm = lambda a, b: jax.lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))),  # noqa: E731
@@ -390,7 +390,7 @@ def main(argv=None):
                                                                               args.repeats)]
             if args.fp8:  # FP8 weights, no gradients: a quarter of the bf16 weights and gradients' bytes
                 rows += measure_fp8(model, t, min(args.layers, 4 * layers), args.repeats,
-                                    "xla" if args.smoke else "wgmma", profile=args.profile)
+                                    "gmm" if args.smoke else "wgmma", profile=args.profile)
             # written after each point: a run cut off keeps what it measured
             write_rows(args.out, device, [(b, 1 if "/layer/" in b else MODELS[b.split("/")[1]]["ranks"], tk, m, v)
                                           for b, tk, m, v in rows])

@@ -37,7 +37,7 @@ def test_smoke(tmp_path, script, must):
     assert must <= {r[6] for r in rows[1:]}, proc.stdout
     assert all(float(r[7]) == float(r[7]) for r in rows[1:])  # numbers, no NaN
     if script == "training.py":  # the FP8 prefill forward and its FP8 GEMM reference (`--fp8`)
-        assert {"training/tiny/fp8/plain", "training/tiny/fp8/xla"} <= {r[3] for r in rows[1:]}, proc.stdout
+        assert {"training/tiny/fp8/plain", "training/tiny/fp8/gmm"} <= {r[3] for r in rows[1:]}, proc.stdout
     if script == "k3_layer.py":  # the layer's costliest instructions, each printed with its operations' lines
         assert any(r[6].startswith("op_us:") for r in rows[1:]), proc.stdout
         assert re.search(r"us  x[\d.]+  \w+@\w+\.py:\d+", proc.stdout), proc.stdout
