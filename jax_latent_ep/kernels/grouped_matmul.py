@@ -123,16 +123,20 @@ class Ring:
     before it marks them landed), `ctas_per_sm`, `tile_n`; `epilogue_bytes`: a buffer of the consumers' own for the
     blocks' stores (0: the ring's, free after the last stage); `extra_stage_bytes`: a stage's bytes past its two
     operands (a multiple of 1024: the next stage's swizzle atoms); `producer_regs`: the producer's registers a
-    thread (the rest the consumers')."""
+    thread (the rest the consumers'). `wait_suspend_ns`: how long a barrier wait's try may suspend (`mbarrier_wait`;
+    0: the hardware's default)."""
 
     def __init__(self, stages: int, lag: int, ctas_per_sm: int, tile_n: int, epilogue_bytes: int = 0,
-                 extra_stage_bytes: int = 0, producer_regs: int = PRODUCER_REGS):
+                 extra_stage_bytes: int = 0, producer_regs: int = PRODUCER_REGS, wait_suspend_ns: int = 0):
         if not 1 <= lag <= stages - 2:
             # Past stages - 2 the producer would wait for a slot freed only after a stage it has not yet marked.
             raise ValueError(f"stages={stages}, lag={lag}: need 1 <= lag <= stages - 2")
         if tile_n not in (TILE_N, 2 * TILE_N):
             raise ValueError(f"tile_n={tile_n}: a block is {TILE_N} or {2 * TILE_N} columns")
         self.stages, self.lag, self.ctas_per_sm, self.tile_n = stages, lag, ctas_per_sm, tile_n
+        if wait_suspend_ns < 0:
+            raise ValueError(f"wait_suspend_ns={wait_suspend_ns} must be >= 0")
+        self.wait_suspend_ns = wait_suspend_ns
         if extra_stage_bytes % 1024:
             raise ValueError(f"extra_stage_bytes={extra_stage_bytes} must be a multiple of 1024")
         self.stage_bytes = A_STAGE_BYTES + tile_n * LINE_BYTES + extra_stage_bytes
@@ -190,7 +194,8 @@ class Ring:
     def wait_free(self, empty: Uint32, t: Int32):
         """The producer, before copying stage `t`: its slot's previous stage `t - stages` was multiplied."""
         if t >= self.stages:
-            mbarrier_wait(empty + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages + 1) % 2))
+            mbarrier_wait(empty + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages + 1) % 2),
+                          self.wait_suspend_ns)
 
     @cute.jit
     def mark_landed(self, full: Uint32, t: Int32):
@@ -217,7 +222,7 @@ class Ring:
                  b_mn_major: cutlass.Constexpr):
         """A consumer warpgroup: once stage `t` landed, issues its MMAs into `acc` and waits for the previous
         stage's (one stage's left in flight)."""
-        mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2))
+        mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2), self.wait_suspend_ns)
         wgmma_fence()
         self.multiply_stage(acc, ring + Uint32(t % self.stages) * Uint32(self.stage_bytes), warpgroup, a_mn_major,
                             b_mn_major)
@@ -480,7 +485,8 @@ class GroupedMatmul(Ring):
             wgmma_wait(0)
         else:
             for t in range(steps):
-                mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2))
+                mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2),
+                              self.wait_suspend_ns)
                 if t >= 1:
                     self.release(empty, t - 1)
         self.consumers_sync()  # every consumer's MMAs done: the ring is free for the epilogue

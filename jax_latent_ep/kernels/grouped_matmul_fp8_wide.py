@@ -96,13 +96,16 @@ def launch_shape(kernel: str = "grouped_matmul_fp8_wide") -> tuple[int, int]:
 
 class GroupedMatmulFp8Wide(Ring):
     """The FP8 grouped matmul of prefill sizes (every size a run-time parameter); `compile_grouped_matmul_fp8_wide`
-    builds it. `stages`, `lag`: the ring's (`STAGES`, `LAG` by default)."""
+    builds it. `stages`, `lag`, `producer_regs`, `wait_suspend_ns`: the ring's (`STAGES`, `LAG`, `PRODUCER_REGS`, 0
+    by default)."""
 
     #: Output columns of a unit (`unit`'s step).
     unit_n = TILE_N
 
-    def __init__(self, stages: int = STAGES, lag: int = LAG, producer_regs: int = PRODUCER_REGS):
-        super().__init__(stages, lag, 1, TILE_N, extra_stage_bytes=EXTRA_STAGE_BYTES, producer_regs=producer_regs)
+    def __init__(self, stages: int = STAGES, lag: int = LAG, producer_regs: int = PRODUCER_REGS,
+                 wait_suspend_ns: int = 0):
+        super().__init__(stages, lag, 1, TILE_N, extra_stage_bytes=EXTRA_STAGE_BYTES, producer_regs=producer_regs,
+                         wait_suspend_ns=wait_suspend_ns)
         if W_SCALE_OFFSET + 4 > self.stage_bytes:
             raise ValueError("a stage's scales overrun it")
 
@@ -278,8 +281,8 @@ class GroupedMatmulFp8Wide(Ring):
                     self.release(empty, t + s)
             else:
                 for s in range(steps):
-                    mbarrier_wait(full + Uint32(8) * Uint32((t + s) % self.stages), Uint32(((t + s) // self.stages)
-                                                                                         % 2))
+                    mbarrier_wait(full + Uint32(8) * Uint32((t + s) % self.stages),
+                                  Uint32(((t + s) // self.stages) % 2), self.wait_suspend_ns)
                     self.release(empty, t + s)
             t = t + steps
             self.store_unit(acc, outs, split, first, rows, row, lane, out_n0)
@@ -290,7 +293,7 @@ class GroupedMatmulFp8Wide(Ring):
         unit's 128 weight lines into fresh FP32 (`m64n128k32`), then added to `acc` times `2^(s - 127) * w_scale`
         (the row's E8M0 scale of the block, the line's half's block scale: one FP32 product) in one FMA a value.
         Returns with the stage's MMAs complete."""
-        mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2))
+        mbarrier_wait(full + Uint32(8) * Uint32(t % self.stages), Uint32((t // self.stages) % 2), self.wait_suspend_ns)
         slot = ring + Uint32(t % self.stages) * Uint32(self.stage_bytes)
         ws = [load_shared_f32(slot + Uint32(W_SCALE_OFFSET + 4 * h)) for h in range(2)]
         words = [load_shared_b32(slot + Uint32(X_SCALE_OFFSET) + Uint32(4) * Uint32(row + 8 * i)) for i in range(2)]

@@ -683,11 +683,13 @@ def mbarrier_arrive(bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def mbarrier_wait(bar, parity, *, loc=None, ip=None) -> None:
+def mbarrier_wait(bar, parity, suspend_ns: int = 0, *, loc=None, ip=None) -> None:
     """Returns once the phase of `bar` of parity `parity` (0 or 1: phase `k` has parity `k % 2`) has completed
-    (`mbarrier.try_wait.parity.acquire.cta` in a loop): the accesses the arrivals released are visible."""
-    code = ("{ .reg .pred done; waiting: mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [$0], $1; "
-            "@!done bra waiting; }")
+    (`mbarrier.try_wait.parity.acquire.cta` in a loop): the accesses the arrivals released are visible. `suspend_ns`
+    > 0: each try may suspend the thread up to that long for the phase (fewer tries issued while it waits)."""
+    hint = f", {int(suspend_ns)}" if suspend_ns else ""
+    code = ("{ .reg .pred done; waiting: mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [$0], $1"
+            f"{hint}; @!done bra waiting; }}")
     _asm(None, [_u32(bar, loc, ip), _u32(parity, loc, ip)], code, "r,r,~{memory}", loc, ip)
 
 

@@ -1,6 +1,7 @@
 """The FP8 prefill kernels' build (CPU, no GPU): signatures are the ABI's; their PTX asks for the warp-specialized
 block, gives the producer and the consumers the module's registers, issues one `m64n128k32` e4m3 MMA a 32-deep block
-(four a stage) after the async-proxy fence, stores what the module says, and uses no local memory."""
+(four a stage) after the async-proxy fence, stores what the module says, and uses no local memory; its barrier
+waits take the suspend hint asked for."""
 
 import re
 
@@ -44,3 +45,16 @@ def test_stage_and_registers_fit():
         assert ring.smem_bytes <= 227 * 1024
         assert ring.consumer_regs >= wide.TILE_N + 40
         assert wide.launch_shape(name) == (grouped_matmul.FORWARD_THREADS, ring.smem_bytes)
+
+
+@pytest.mark.parametrize("suspend_ns", [0, 10_000_000])
+def test_barrier_waits_carry_the_suspend_hint_asked_for(suspend_ns):
+    """Every ring barrier wait's try takes `wait_suspend_ns` as its suspend hint, or none at 0 (the default: the
+    hardware's own); a negative one is refused."""
+    ptx = kernel_ptx(abi.GROUPED_MATMUL_FP8_WIDE, wide.GroupedMatmulFp8Wide(wait_suspend_ns=suspend_ns))
+    try_wait = r"mbarrier\.try_wait\.parity\.acquire\.cta\.shared::cta\.b64 done, \[%r\d+\], %r\d+([^;]*);"
+    tries = re.findall(try_wait, ptx)
+    assert len(tries) >= 3  # the producer's empty slots, the consumers' full ones (two loops)
+    assert set(tries) == ({f", {suspend_ns}"} if suspend_ns else {""})
+    with pytest.raises(ValueError, match="wait_suspend_ns=-1"):
+        wide.GroupedMatmulFp8Wide(wait_suspend_ns=-1)
