@@ -1,13 +1,16 @@
 """Ahead-of-time build of the EP kernels: `python -m jax_latent_ep.runtime.build [--out DIR] [--arch sm_90a,sm_100a]
-[--only kimi_k3/2 ... | --shape L,E,K --ranks N[,N...]] [--cache] [--jobs J] [--check-installed]`.
+[--only kimi_k3/2 ... | --shape L,E,K --ranks N[,N...]] [--kernels K,...] [--cache] [--jobs J]
+[--check-installed]`.
 
 Compiles every default variant (`default_variants()`: both kernels, each shape and rank count, each arch) with
 nvidia-cutlass-dsl into `DIR/cubins/<kernel>_<shape>_n<N>_<arch>.cubin` and writes `DIR/manifest.json`, the
 record the C++ launcher reads (symbol name, parameter list, block, shared memory; see docs/kernel_abi.md).
 `--shape 4096,128,8 --ranks 1,8` builds that shape's variants instead (cubins named `<kernel>_L4096_E128_K8_n<N>_
 <arch>.cubin`, added to the manifest); with `--cache` they go into the per-user kernel cache
-(`runtime/kernel_cache.py`) that the NVLink backend also fills on demand. Needs no GPU. `--check-installed` verifies an installed artifact directory (manifest complete, files present,
-hashes equal) without importing cutlass, so it runs on the GPU machine too; it exits 1 if anything is off.
+(`runtime/kernel_cache.py`) that the NVLink backend also fills on demand. `--kernels` builds only those kernels'
+variants (into a copy of another build: the artifacts of an A/B, the rest as they were). Needs no GPU.
+`--check-installed` verifies an installed artifact directory (manifest complete, files present, hashes equal)
+without importing cutlass, so it runs on the GPU machine too; it exits 1 if anything is off.
 
 No JAX is imported here (the CMake build calls this module).
 """
@@ -198,11 +201,13 @@ def compile_into_cache(shape, ranks: int, arch: str, root=None, log=print) -> pa
     return target
 
 
-def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None):
+def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, shape=None, ranks=None, kernels=None):
     """Compiles the selected variants into `out_dir` and (re)writes its manifest; returns the manifest dict.
 
-    `shape` (a LatentMoEShape) with `ranks` (rank counts) builds those instead of the default variants.
-    Entries already in an existing manifest for other variants are kept (so `--only` adds to a build)."""
+    `shape` (a LatentMoEShape) with `ranks` (rank counts) builds those instead of the default variants; `kernels`
+    (names), only those kernels' variants. Entries already in an existing manifest for other variants are kept (so
+    `--only` adds to a build, and `--kernels` into a copy of another build makes an A/B's artifacts: the kept
+    entries keep the source hash they were built from)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if shape is not None:
@@ -211,6 +216,11 @@ def build(out_dir=DEFAULT_OUT, archs=ARCHS, only=None, jobs=None, log=print, sha
     else:
         keep = _parse_only(only)
         todo = [(k, s, n, a, str(out_dir)) for k, s, n, a in default_variants(archs) if keep(s, n)]
+    if kernels:
+        unknown = sorted(set(kernels) - set(KERNELS) - set(SHAPE_FREE))
+        if unknown:
+            raise SystemExit(f"--kernels {','.join(unknown)}: unknown (known: {', '.join((*KERNELS, *SHAPE_FREE))})")
+        todo = [job for job in todo if job[0] in kernels]
     if not todo:
         raise SystemExit("nothing to build")
     jobs = jobs or min(len(todo), os.cpu_count() or 1)
@@ -292,6 +302,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated archs (default: %(default)s)")
     parser.add_argument("--only", nargs="+", metavar="SHAPE[/N]", help="build only these, e.g. kimi_k3/2 deepseek_v3")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count)")
+    parser.add_argument("--kernels", metavar="K[,K...]", help="build only these kernels' variants (into a copy of "
+                        "another build: an A/B's artifacts)")
     parser.add_argument("--check-installed", action="store_true", help="verify DIR and exit (no cutlass needed)")
     parser.add_argument("--shape", metavar="L,E,K", help="build this shape (with --ranks) instead of the defaults")
     parser.add_argument("--ranks", metavar="N[,N...]", help="rank counts of --shape (default: 1)")
@@ -331,7 +343,8 @@ def main(argv=None) -> int:
             for n in ranks:
                 compile_into_cache(shape, n, arch)
         return 0
-    build(args.out, archs, args.only, args.jobs, shape=shape, ranks=ranks)
+    build(args.out, archs, args.only, args.jobs, shape=shape, ranks=ranks,
+          kernels=[k for k in (args.kernels or "").split(",") if k] or None)
     return 0
 
 

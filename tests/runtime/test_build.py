@@ -117,6 +117,27 @@ def test_cubin_symbol_and_params(built):
         assert _kernel_params(elf, e["name"]) == _expected_params(e["params"])
 
 
+def test_kernels_rebuilds_those_into_a_copy_and_keeps_the_rest(built, tmp_path):
+    """`kernels=` (`--kernels`) compiles only the named kernels' variants into an existing build and keeps every other
+    entry as it was (an A/B's artifacts from a copy of another build); an unknown name is refused, naming it."""
+    import shutil
+
+    out, manifest = built
+    copy = tmp_path / "ab"
+    shutil.copytree(out, copy)
+    key = ("row_sum", "any", 0, "sm_90a")
+    before = {(e["kernel"], e["shape"]["name"], e["ranks"], e["arch"]): e for e in manifest["entries"]}
+    (copy / before[key]["file"]).write_bytes(b"\x7fELF stale")  # what the rebuild must replace
+    rebuilt = build.build(copy, archs=("sm_90a",), kernels=["row_sum"], jobs=1, log=lambda *_: None)
+    after = {(e["kernel"], e["shape"]["name"], e["ranks"], e["arch"]): e for e in rebuilt["entries"]}
+    assert after.keys() == before.keys()
+    assert all(after[k] == before[k] for k in after if k != key)
+    assert hashlib.sha256((copy / after[key]["file"]).read_bytes()).hexdigest() == after[key]["sha256"] \
+        == before[key]["sha256"]  # compiled again, the same bits
+    with pytest.raises(SystemExit, match="no_such_kernel"):
+        build.build(copy, archs=("sm_90a",), kernels=["no_such_kernel"], jobs=1, log=lambda *_: None)
+
+
 def test_check_installed(built, tmp_path):
     out, manifest = built
     assert build.check_installed(out, complete=False) == []
