@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -120,8 +121,6 @@ def test_cubin_symbol_and_params(built):
 def test_kernels_rebuilds_those_into_a_copy_and_keeps_the_rest(built, tmp_path):
     """`kernels=` (`--kernels`) compiles only the named kernels' variants into an existing build and keeps every other
     entry as it was (an A/B's artifacts from a copy of another build); an unknown name is refused, naming it."""
-    import shutil
-
     out, manifest = built
     copy = tmp_path / "ab"
     shutil.copytree(out, copy)
