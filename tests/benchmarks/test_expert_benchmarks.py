@@ -98,7 +98,7 @@ def test_stage_child_past_its_bound_is_reported_and_its_csv_written(tmp_path):
         assert next(csv.reader(fh)) == COLUMNS
 
 
-def test_back_to_back_samples_span_the_steady_state():
+def test_back_to_back_samples_span_the_steady_state(monkeypatch):
     """`expert_stage._time_pipelined`: without `calls`, a sample spans `PIPELINED_SECONDS` of calls, 8 to 64 (one
     call first to size it); the host's share is at most the whole."""
     import time
@@ -108,7 +108,9 @@ def test_back_to_back_samples_span_the_steady_state():
     import jax.numpy as jnp
 
     (jnp.ones(4) + 1).block_until_ready()  # warm, as the benchmark's programs are
-    for pause, calls in ((0.0, 64), (0.02, 8)):
+    # Each span is far from the clamp it tests, so a loaded machine's slow first call cannot move it.
+    for seconds, pause, calls in ((1e3, 0.0, 64), (0.04, 0.02, 8)):
+        monkeypatch.setattr(expert_stage, "PIPELINED_SECONDS", seconds)
         count = []
 
         def fn(x, pause=pause, count=count):
