@@ -196,7 +196,7 @@ def main(argv=None):
                    help="the layer's K costliest sources of kernel time (GPU kernels outside command buffers; "
                         "XLA:CPU's thunks): `op_us:<JAX operations and their lines>`, microseconds a layer")
     p.add_argument("--pallas", action="store_true", help="jax_ragged_dot_use_gpu_pallas_triton_lowering")
-    p.add_argument("--cases", nargs="+", default=["J448", "J112"], choices=list(CASES))
+    p.add_argument("--cases", nargs="+", default=None, choices=list(CASES), help="default J448 J112 (smoke: J112)")
     p.add_argument("--comm", default="nvlink", choices=["nvlink", "xla"],
                    help="dispatch / combine backend on a GPU (nvlink falls back to xla where unavailable)")
     p.add_argument("--layers", type=int, default=12)
@@ -223,6 +223,7 @@ def main(argv=None):
         args.ops = args.ops or 3
         args.hbm_bytes = 1 << 22
         local = {"N1": None, "J448": 16, "J112": 8}  # N = 2 and N = 4 of the 32 experts
+    args.cases = args.cases or (["J112"] if args.smoke else ["J448", "J112"])  # smoke: one case, every format
     device = dev.device_kind if gpu else "cpu"
     commit = _commit()
     if args.weights_gb is None:  # room for the programs' temporaries: 100 GB of weights did not fit an H100
