@@ -16,47 +16,20 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 from jax_latent_ep.runtime import build  # noqa: E402
 from jax_latent_ep.shapes import DEEPSEEK_V3, KIMI_K3  # noqa: E402
-from jax_latent_ep.kernels import abi, combine, dispatch  # noqa: E402
+from jax_latent_ep.kernels import abi, combine, common, dispatch  # noqa: E402
 
 #: cubin parameter layout: i64 8 bytes, i32 / f32 4 bytes, each naturally aligned.
 SIZES = {"i64": 8, "i32": 4, "f32": 4}
 
 
-def _sections(elf: bytes) -> dict[str, bytes]:
-    """Section name -> bytes of a 64-bit little-endian ELF."""
-    assert elf[:4] == b"\x7fELF" and elf[4] == 2, "not a 64-bit ELF"
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    names = headers[shstrndx]
-    strtab = elf[names[4] : names[4] + names[5]]
-    out = {}
-    for h in headers:
-        name = strtab[h[0] : strtab.index(b"\0", h[0])].decode()
-        out[name] = elf[h[4] : h[4] + h[5]]
-    return out
-
-
 def _kernel_params(elf: bytes, symbol: str) -> list[tuple[int, int, int]]:
     """(ordinal, offset, size) of every kernel parameter, from the EIATTR_KPARAM_INFO records of
     `.nv.info.<symbol>` (the table the driver uses to place cuLaunchKernel's arguments)."""
-    info = _sections(elf)[f".nv.info.{symbol}"]
-    params, i = [], 0
-    while i < len(info):
-        fmt, attr = info[i], info[i + 1]
-        if fmt == 0x04:  # EIFMT_SVAL: u16 size, payload
-            size, = struct.unpack_from("<H", info, i + 2)
-            payload = info[i + 4 : i + 4 + size]
-            i += 4 + size
-            if attr == 0x17:  # EIATTR_KPARAM_INFO
-                _, ordinal, offset, word = struct.unpack_from("<IHHI", payload)
-                params.append((ordinal, offset, (word >> 18) & 0x3FFF))
-        elif fmt == 0x03:  # EIFMT_HVAL: u16 value
-            i += 4
-        elif fmt == 0x02:  # EIFMT_BVAL
-            i += 4
-        else:  # EIFMT_NVAL
-            i += 2
+    params = []
+    for attr, payload in common.nv_info_records(common.elf_sections(elf)[f".nv.info.{symbol}"]):
+        if attr == 0x17:  # EIATTR_KPARAM_INFO
+            _, ordinal, offset, word = struct.unpack_from("<IHHI", payload)
+            params.append((ordinal, offset, (word >> 18) & 0x3FFF))
     return sorted(params)
 
 
@@ -113,7 +86,7 @@ def test_cubin_symbol_and_params(built):
     out, manifest = built
     for e in manifest["entries"]:
         elf = (out / e["file"]).read_bytes()
-        sections = _sections(elf)
+        sections = common.elf_sections(elf)
         assert f".text.{e['name']}" in sections, sorted(sections)
         assert _kernel_params(elf, e["name"]) == _expected_params(e["params"])
 
