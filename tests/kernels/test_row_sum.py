@@ -5,8 +5,6 @@ sums (GPU): tests/gpu/test_experts_gpu.py -k row_sum."""
 
 import re
 
-import pytest
-
 from jax_latent_ep.kernels import abi, row_sum
 from jax_latent_ep.kernels.common import check_abi, cubin_resources, kernel_ptx
 
