@@ -6,7 +6,8 @@ sums (GPU): tests/gpu/test_experts_gpu.py -k row_sum."""
 import re
 
 from jax_latent_ep.kernels import abi, row_sum
-from jax_latent_ep.kernels.common import check_abi, cubin_resources, kernel_ptx
+from jax_latent_ep.kernels.common import check_abi, kernel_ptx
+from jax_latent_ep.runtime.cubin import cubin_resources
 
 
 def test_signature_is_the_abi():

@@ -1,9 +1,12 @@
 """The installed kernel artifacts as the runtime looks them up (no CuTe DSL needed: CI installs the cubins that
 the package build compiled)."""
 
+import pathlib
+
 import pytest
 
-from jax_latent_ep.runtime import build, ffi
+from jax_latent_ep.runtime import artifacts, build, ffi
+from jax_latent_ep.runtime.cubin import cubin_resources
 from jax_latent_ep.shapes import KIMI_K3, LatentMoEShape
 
 
@@ -19,3 +22,21 @@ def test_missing_variant_lists_what_the_manifest_has_per_shape():
     kimi = ",".join(str(n) for n in build.DEFAULT_RANKS["kimi_k3"])
     assert f"L=3584 E=896 K=16 sm_90a at N={kimi}" in message, message
     assert message.count("L=3584 E=896 K=16 sm_90a") == 1 and "combine" not in message.split("manifest.json has")[1].split(")")[0], message
+
+
+#: The installed cubins that spill registers to local memory (bytes a thread, as ptxas built them): any other spill,
+#: or a change of these, fails, so a spill never arrives unseen.
+SPILLS = {"dispatch_kimi_k3_n32_sm_90a": 16, "dispatch_kimi_k3_n32_sm_100a": 16, "grouped_gemm_fp8_sm_90a": 16,
+          "grouped_gemm_fp8_sm_100a": 24}
+
+
+def test_installed_cubins_spill_only_where_known():
+    try:
+        directory, manifest = artifacts.manifest()
+    except FileNotFoundError as error:
+        pytest.skip(f"no installed artifacts here: {error}")
+    frames = {pathlib.Path(e["file"]).stem: cubin_resources((directory / e["file"]).read_bytes())
+              for e in manifest["entries"]}
+    assert all(registers > 0 for registers, _ in frames.values()), frames
+    spilled = {name: frame for name, (_, frame) in frames.items() if frame}
+    assert spilled == {name: frame for name, frame in SPILLS.items() if name in frames}

@@ -14,9 +14,9 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install .[build])")
 
-from jax_latent_ep.runtime import build  # noqa: E402
+from jax_latent_ep.runtime import build, cubin  # noqa: E402
 from jax_latent_ep.shapes import DEEPSEEK_V3, KIMI_K3  # noqa: E402
-from jax_latent_ep.kernels import abi, combine, common, dispatch  # noqa: E402
+from jax_latent_ep.kernels import abi, combine, dispatch  # noqa: E402
 
 #: cubin parameter layout: i64 8 bytes, i32 / f32 4 bytes, each naturally aligned.
 SIZES = {"i64": 8, "i32": 4, "f32": 4}
@@ -26,7 +26,7 @@ def _kernel_params(elf: bytes, symbol: str) -> list[tuple[int, int, int]]:
     """(ordinal, offset, size) of every kernel parameter, from the EIATTR_KPARAM_INFO records of
     `.nv.info.<symbol>` (the table the driver uses to place cuLaunchKernel's arguments)."""
     params = []
-    for attr, payload in common.nv_info_records(common.elf_sections(elf)[f".nv.info.{symbol}"]):
+    for attr, payload in cubin.nv_info_records(cubin.elf_sections(elf)[f".nv.info.{symbol}"]):
         if attr == 0x17:  # EIATTR_KPARAM_INFO
             _, ordinal, offset, word = struct.unpack_from("<IHHI", payload)
             params.append((ordinal, offset, (word >> 18) & 0x3FFF))
@@ -78,15 +78,15 @@ def test_manifest_fields(built):
         shape = KIMI_K3 if e["shape"]["name"] == "kimi_k3" else DEEPSEEK_V3
         assert e["smem"] == module.smem_bytes(shape)
         assert e["cutlass_dsl_version"] == manifest["cutlass_dsl_version"]
-        cubin = (out / e["file"]).read_bytes()
-        assert hashlib.sha256(cubin).hexdigest() == e["sha256"]
+        elf = (out / e["file"]).read_bytes()
+        assert hashlib.sha256(elf).hexdigest() == e["sha256"]
 
 
 def test_cubin_symbol_and_params(built):
     out, manifest = built
     for e in manifest["entries"]:
         elf = (out / e["file"]).read_bytes()
-        sections = common.elf_sections(elf)
+        sections = cubin.elf_sections(elf)
         assert f".text.{e['name']}" in sections, sorted(sections)
         assert _kernel_params(elf, e["name"]) == _expected_params(e["params"])
 
