@@ -357,4 +357,3 @@ def _read_cubin(compiled, arch):
     if not isinstance(cubin, (bytes, bytearray)) or cubin[:4] != b"\x7fELF":
         raise RuntimeError("the DSL did not produce an ELF cubin")
     return names[0], bytes(cubin)
-
