@@ -56,3 +56,18 @@ def test_innermost_loop_refuses_what_it_cannot_find():
         innermost_loop(text, "QGMMA", nth=1)
     with pytest.raises(ValueError, match=r"around='S2R': instruction 0 is in no loop"):
         innermost_loop(text, "S2R")
+
+
+def test_spill_loops_names_each_local_access_and_its_loop():
+    """A spill store before the loops is in no loop (its nvdisasm note dropped); a reload in the inner loop's body
+    is in the inner loop; one after the inner loop in the outer one; predicated accesses count, other opcodes
+    (`LDS`, `STG`) do not."""
+    from tools.sass_loop import spill_loops
+
+    body = ["FFMA", "LDL R3, [R1+0x4]", "@P0 STL [R1+0x8], R2", "LDS R6, [R7]", "STG.E desc[UR4][R2.64], R5"]
+    text, inner = _listing(body, seed=4)
+    text = text.replace("S2R R0, SR_TID.X", 'STL [R1], R0                (*"SpillRefill"*)')  # nvdisasm's note
+    text = text.replace("ISETP.NE.AND P3, PT, R1, R5, PT", "LDL.LU R9, [R1]")
+    got = spill_loops(text)
+    assert [t.split()[0] for t, _ in got] == ["STL", "LDL", "@P0", "LDL.LU"] and got[0][0] == "STL [R1], R0"
+    assert [n for _, n in got] == [None, len(inner), len(inner), len(inner) + 3]
