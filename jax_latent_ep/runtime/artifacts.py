@@ -11,6 +11,10 @@ A kernel (`runtime.ffi.find_kernel`) is looked up in the first manifest found th
 from the per-user kernel cache next (`runtime/kernel_cache.py`: `$JAX_LATENT_EP_CACHE`, else
 `${XDG_CACHE_HOME:-~/.cache}/jax_latent_ep/kernels`), and is compiled into that cache on demand where
 nvidia-cutlass-dsl is installed (else a LookupError names the variant and the command that installs it).
+
+A manifest built from other kernel sources than the imported package's (its `source_sha256`, `runtime/sources.py`)
+is read with a `StaleArtifactsWarning`: a checkout edited, or updated, after `pip install .` would otherwise run the
+older cubins silently.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import warnings
 
 #: File name of the FFI library inside an artifacts directory.
 FFI_LIBRARY = "libjax_latent_ep_ffi.so"
@@ -28,6 +33,10 @@ MANIFEST = "manifest.json"
 #: Environment variable naming an artifacts directory searched first.
 ENV_VAR = "JAX_LATENT_EP_ARTIFACTS"
 DISTRIBUTION = "jax_latent_ep"
+
+
+class StaleArtifactsWarning(UserWarning):
+    """The cubins found were built from other kernel sources than the imported package's."""
 
 
 def candidates() -> list[pathlib.Path]:
@@ -71,7 +80,19 @@ def find(name: str) -> pathlib.Path:
 @functools.cache
 def _manifest(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        manifest = json.load(f)
+    built = manifest.get("source_sha256")
+    if built is not None:
+        from jax_latent_ep.runtime import sources
+
+        current = sources.source_sha256()
+        if built != current:
+            warnings.warn(
+                f"jax_latent_ep: {path} was built from other kernel sources ({built[:12]}) than the imported "
+                f"package's ({current[:12]}), so its cubins may not be this code's kernels: rebuild them (`pip "
+                f"install .`, or `python -m jax_latent_ep.runtime.build --out {pathlib.Path(path).parent}`), or "
+                f"point ${ENV_VAR} at a build of these sources", StaleArtifactsWarning, stacklevel=3)
+    return manifest
 
 
 def manifest() -> tuple[pathlib.Path, dict]:

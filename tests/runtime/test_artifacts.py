@@ -41,3 +41,41 @@ def test_installed_cubins_spill_only_where_known():
     assert all(registers > 0 for registers, _ in frames.values()), frames
     spilled = {name: frame for name, (_, frame) in frames.items() if frame}
     assert spilled == {name: frame for name, frame in SPILLS.items() if name in frames}
+
+
+def test_a_manifest_of_other_kernel_sources_warns_once(tmp_path, monkeypatch):
+    """A manifest whose `source_sha256` is not the imported package's kernel sources' is read with one
+    `StaleArtifactsWarning` naming both hashes; one of these sources, or without the field, reads silently."""
+    import json
+    import warnings
+
+    from jax_latent_ep.runtime import sources
+
+    current = sources.source_sha256()
+    for name, built, stale in (("stale", "0" * 64, True), ("current", current, False), ("unnamed", None, False)):
+        directory = tmp_path / name
+        directory.mkdir()
+        manifest = {"entries": []} | ({} if built is None else {"source_sha256": built})
+        (directory / artifacts.MANIFEST).write_text(json.dumps(manifest))
+        monkeypatch.setenv(artifacts.ENV_VAR, str(directory))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert artifacts.manifest() == (directory, manifest)
+            artifacts.manifest()  # read once: no second warning
+        stale_warnings = [w for w in caught if issubclass(w.category, artifacts.StaleArtifactsWarning)]
+        assert len(stale_warnings) == int(stale), (name, [str(w.message) for w in caught])
+        if stale:
+            assert "0" * 12 in str(stale_warnings[0].message) and current[:12] in str(stale_warnings[0].message)
+
+
+def test_installed_cubins_are_built_from_these_sources():
+    """The artifacts this process would load were built from the imported package's kernel sources (else the tests
+    and benchmarks run older cubins than the code they read): `pip install .` again after editing a kernel."""
+    try:
+        directory, manifest = artifacts.manifest()
+    except FileNotFoundError as error:
+        pytest.skip(f"no installed artifacts here: {error}")
+    from jax_latent_ep.runtime import sources
+
+    assert manifest.get("source_sha256") == sources.source_sha256(), (
+        f"{directory} holds cubins of other kernel sources: run `pip install .` (or ./dev setup) again")
