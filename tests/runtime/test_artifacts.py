@@ -26,7 +26,7 @@ def test_missing_variant_lists_what_the_manifest_has_per_shape():
 
 #: The installed cubins that spill registers to local memory (bytes a thread, as ptxas built them): any other spill,
 #: or a change of these, fails, so a spill never arrives unseen. Where they sit (`tools.sass_loop --spills`): the
-#: FP8 GEMM's reloads once a unit, outside its MMA loop; dispatch at N = 32 one reload in a 165-instruction loop.
+#: FP8 GEMM's reloads once a unit, outside its MMA loop; dispatch at N = 32 one reload in a loop of about 165.
 SPILLS = {"dispatch_kimi_k3_n32_sm_90a": 16, "dispatch_kimi_k3_n32_sm_100a": 16, "grouped_gemm_fp8_sm_90a": 16,
           "grouped_gemm_fp8_sm_100a": 24}
 
